@@ -1,0 +1,212 @@
+"""What every training engine shares: the call contract and per-sequence data.
+
+    engine.value_and_grad(params, batch, loss) -> (loss, grads, EngineAux)
+
+``params`` is the model's ``nnx.State`` of ``nnx.Param`` (``nnx.split(model,
+nnx.Param)[1]``); ``grads`` has the same structure in fp32. ``EngineAux`` carries
+the per-token logprobs of every sequence (aligned with its tokens, entry 0 = 0)
+and engine statistics. Every engine must agree with ``jax.grad`` of the dense
+per-sequence loss (the equivalence contract, tested in tests/engines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dtarl.engines.batch import BatchError, RolloutBatch
+from dtarl.model.decoder import Decoder
+from dtarl.rl.losses import SequenceData, TokenData
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class EngineAux:
+    logprobs: tuple[np.ndarray, ...]  # per sequence, [n_i] fp32, entry 0 = 0
+    stats: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Prepared:
+    """A batch compiled for one engine on the host.
+
+    ``static`` (hashable) fixes the device program's shapes; ``args`` are the
+    numpy pytrees it takes after ``params``; ``host`` keeps what ``finish`` needs.
+    Sharded runners stack ``args`` of several ranks prepared with equal ``static``.
+    """
+
+    static: tuple
+    args: tuple
+    host: Any
+    stats: dict[str, Any]
+
+
+class Engine(Protocol):
+    name: str
+
+    def prepare(self, batch: RolloutBatch, loss, *, weights=None) -> Prepared: ...
+
+    def device_fn(self, loss, static: tuple):
+        """Pure ``f(params, *args) -> (loss, grads_f32, out)``; jit/shard_map-able."""
+        ...
+
+    def finish(self, prepared: Prepared, out) -> tuple[np.ndarray, ...]:
+        """Per-sequence logprobs from the device output."""
+        ...
+
+    def value_and_grad(
+        self, params: nnx.State, batch: RolloutBatch, loss, *, weights: np.ndarray | None = None
+    ) -> tuple[jax.Array, nnx.State, EngineAux]: ...
+
+
+class JitCache:
+    """``jax.jit`` of an engine's device function per (loss, static), with a trace count."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self._fns: dict[tuple, Any] = {}
+        self.trace_count = 0
+
+    def get(self, loss, static):
+        key = (loss, static)
+        if key not in self._fns:
+            inner = self._engine.device_fn(loss, static)
+
+            def counted(params, *args):
+                self.trace_count += 1
+                return inner(params, *args)
+
+            self._fns[key] = jax.jit(counted)
+        return self._fns[key]
+
+    def __call__(self, loss, static, params, args):
+        return self.get(loss, static)(params, *args)
+
+    def lower(self, loss, static, params, args):
+        return self.get(loss, static).lower(params, *args)
+
+
+def run_value_and_grad(engine, params, batch, loss, weights):
+    """The shared ``value_and_grad``: prepare on host, run jitted, finish on host."""
+    t0 = time.perf_counter()
+    prepared = engine.prepare(batch, loss, weights=weights)
+    host_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    total, grads, out = engine.jit(loss, prepared.static, params, prepared.args)
+    jax.block_until_ready(grads)
+    device_s = time.perf_counter() - t1
+    logprobs = engine.finish(prepared, out)
+    stats = dict(
+        engine=engine.name,
+        host_seconds=host_s,
+        seconds=device_s,
+        trace_count=engine.jit.trace_count,
+        **prepared.stats,
+    )
+    return total, grads, EngineAux(logprobs=logprobs, stats=stats)
+
+
+class SeqData(NamedTuple):
+    """Per-sequence device data in flat form (padded to buckets).
+
+    Sequence i's per-token data live at flat[off[i]: off[i] + len[i]]; the flat
+    arrays carry ``pad`` extra entries so a fixed-size slice never runs off.
+    """
+
+    off: jax.Array  # [N] int32
+    length: jax.Array  # [N] int32
+    advantage: jax.Array  # [N] f32
+    weight: jax.Array  # [N] f32
+    mask: jax.Array  # [F] f32
+    old: jax.Array  # [F] f32 (NaN = absent)
+    ref: jax.Array  # [F] f32 (NaN = absent)
+
+
+def check_batch(batch: RolloutBatch, loss, vocab_size: int) -> None:
+    """Host-side checks that need the model or the loss (before any device work)."""
+    if not isinstance(batch, RolloutBatch):
+        raise BatchError(f"batch must be a RolloutBatch, got {type(batch).__name__}")
+    batch.check_vocab(vocab_size)
+    if getattr(loss, "needs_ref_logprobs", False) and batch.ref_logprobs is None:
+        raise BatchError(f"{type(loss).__name__} needs ref_logprobs, but the batch has none")
+    if getattr(loss, "needs_old_logprobs", False) and batch.old_logprobs is None:
+        raise BatchError(f"{type(loss).__name__} needs old_logprobs, but the batch has none")
+
+
+def sequence_weights(batch: RolloutBatch, loss, weights: np.ndarray | None) -> np.ndarray:
+    if weights is not None:
+        w = np.asarray(weights, np.float32).reshape(-1)
+        if w.shape != (batch.num_sequences,):
+            raise BatchError(f"weights: expected shape ({batch.num_sequences},), got {w.shape}")
+        return w
+    return batch.sequence_weights(loss.norm, getattr(loss, "norm_constant", None))
+
+
+def flat_sequence_data(
+    batch: RolloutBatch, weights: np.ndarray, *, n_pad: int, f_pad: int, pad: int
+) -> SeqData:
+    """Host numpy -> padded flat arrays (see SeqData)."""
+    n = batch.num_sequences
+    lengths = batch.lengths
+    off = np.zeros(n_pad, np.int32)
+    off[:n] = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    ln = np.zeros(n_pad, np.int32)
+    ln[:n] = lengths
+    adv = np.zeros(n_pad, np.float32)
+    adv[:n] = batch.advantages
+    w = np.zeros(n_pad, np.float32)
+    w[:n] = weights
+    total = int(lengths.sum())
+    size = f_pad + pad
+    assert size >= total + pad
+
+    def flat(arrs, fill):
+        out = np.full(size, fill, np.float32)
+        if arrs is not None:
+            out[:total] = np.concatenate(arrs)
+        return out
+
+    return SeqData(
+        off=off,
+        length=ln,
+        advantage=adv,
+        weight=w,
+        mask=flat(batch.loss_mask, 0.0),
+        old=flat(batch.old_logprobs, np.nan),
+        ref=flat(batch.ref_logprobs, np.nan),
+    )
+
+
+def sequence_loss(loss, logp_S, seq: SeqData, sid) -> jax.Array:
+    """The loss of sequence ``sid`` (or 0 when sid < 0) from its path logprobs [S].
+
+    Positions past the sequence's end are sanitised to 0 so that garbage in a
+    shared path buffer can never reach the loss (not even as 0 * inf).
+    """
+    s = logp_S.shape[0]
+    real = sid >= 0
+    i = jnp.maximum(sid, 0)
+    valid = (jnp.arange(s) < seq.length[i]) & real
+
+    def window(flat):
+        return jnp.where(valid, jax.lax.dynamic_slice_in_dim(flat, seq.off[i], s), 0.0)
+
+    tok = TokenData(
+        mask=window(seq.mask), old_logprobs=window(seq.old), ref_logprobs=window(seq.ref)
+    )
+    sd = SequenceData(advantage=seq.advantage[i], weight=jnp.where(real, seq.weight[i], 0.0))
+    return loss(jnp.where(valid, logp_S, 0.0), tok, sd)
+
+
+def zeros_like_f32(params: nnx.State) -> nnx.State:
+    return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+
+def split_model(model: Decoder):
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, params

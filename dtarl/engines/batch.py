@@ -1,0 +1,216 @@
+"""The training batch shared by every engine.
+
+A batch is N ragged token sequences (prompt + response, or a whole multi-turn
+trajectory) with per-token and per-sequence data. Per-token arrays are aligned
+with the tokens: entry ``t`` belongs to token ``t``. Token 0 is never predicted,
+so ``loss_mask[i][0]`` must be 0 and the logprob of token 0 is defined as 0.
+
+All validation happens here, on the host, before any device work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class BatchError(ValueError):
+    """A malformed training batch; the message names the field and sequence."""
+
+
+class LossNorm(enum.Enum):
+    """How per-token losses are normalised into the batch loss.
+
+    TOKEN:    L = sum_i sum_t m_it l_it / sum_i sum_t m_it       (DAPO token-level)
+    SEQUENCE: L = 1/N sum_i (sum_t m_it l_it / sum_t m_it)       (GRPO)
+    CONSTANT: L = sum_i sum_t m_it l_it / c                      (Dr.GRPO, c = max length)
+    """
+
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+    CONSTANT = "constant"
+
+
+def _as_ragged(name: str, arrays, n: int, dtype, lengths: Sequence[int] | None):
+    if arrays is None:
+        return None
+    if len(arrays) != n:
+        raise BatchError(f"{name}: expected {n} sequences, got {len(arrays)}")
+    out = []
+    for i, a in enumerate(arrays):
+        a = np.asarray(a)
+        if a.ndim != 1:
+            raise BatchError(f"{name}[{i}]: expected a 1-D array, got shape {a.shape}")
+        if lengths is not None and a.shape[0] != lengths[i]:
+            raise BatchError(f"{name}[{i}]: length {a.shape[0]} != tokens[{i}] length {lengths[i]}")
+        out.append(np.ascontiguousarray(a, dtype=dtype))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class RolloutBatch:
+    """N rollouts for one training step.
+
+    Attributes:
+      tokens: N int32 arrays [n_i], n_i >= 2.
+      loss_mask: N float32 arrays [n_i]; 1 where token t is trained on (response
+        tokens), 0 for prompt / tool-output tokens. Entry 0 must be 0.
+      advantages: [N] float32 per-sequence advantage (or reward for SFT-like losses).
+      old_logprobs: optional N float32 arrays [n_i]: logprob of token t under the
+        sampling policy (entry 0 ignored).
+      ref_logprobs: optional N float32 arrays [n_i] under a frozen reference policy.
+      group_ids: [N] int32 group (prompt) ids; defaults to one group per sequence.
+      rewards: optional [N] float32, carried for metrics only.
+    """
+
+    tokens: tuple[np.ndarray, ...]
+    loss_mask: tuple[np.ndarray, ...]
+    advantages: np.ndarray
+    old_logprobs: tuple[np.ndarray, ...] | None = None
+    ref_logprobs: tuple[np.ndarray, ...] | None = None
+    group_ids: np.ndarray | None = None
+    rewards: np.ndarray | None = None
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        tokens: Sequence,
+        loss_mask: Sequence | None = None,
+        advantages=None,
+        old_logprobs: Sequence | None = None,
+        ref_logprobs: Sequence | None = None,
+        group_ids=None,
+        rewards=None,
+        prompt_lens: Sequence[int] | None = None,
+    ) -> RolloutBatch:
+        """Validates and normalises user input into a batch.
+
+        ``loss_mask`` defaults to all tokens after the prompt (``prompt_lens``)
+        or, without prompt lengths, to every token but the first.
+        ``advantages`` defaults to ones.
+        """
+        n = len(tokens)
+        if n == 0:
+            raise BatchError("tokens: the batch is empty (need at least 1 sequence)")
+        toks = _as_ragged("tokens", tokens, n, np.int64, None)
+        for i, t in enumerate(toks):
+            if t.shape[0] < 2:
+                raise BatchError(
+                    f"tokens[{i}]: length {t.shape[0]} < 2; a sequence needs at least one "
+                    "predicted token"
+                )
+            if t.min() < 0:
+                raise BatchError(f"tokens[{i}]: negative token id {int(t.min())}")
+        toks = tuple(t.astype(np.int32) for t in toks)
+        lengths = [t.shape[0] for t in toks]
+        if loss_mask is None:
+            if prompt_lens is not None:
+                if len(prompt_lens) != n:
+                    raise BatchError(f"prompt_lens: expected {n} entries, got {len(prompt_lens)}")
+                loss_mask = []
+                for i, (p, ln) in enumerate(zip(prompt_lens, lengths, strict=True)):
+                    if not 1 <= p < ln:
+                        raise BatchError(
+                            f"prompt_lens[{i}]={p} outside [1, {ln - 1}] for a sequence of "
+                            f"length {ln}"
+                        )
+                    m = np.zeros(ln, np.float32)
+                    m[p:] = 1.0
+                    loss_mask.append(m)
+            else:
+                loss_mask = [np.concatenate([[0.0], np.ones(ln - 1)]) for ln in lengths]
+        mask = _as_ragged("loss_mask", loss_mask, n, np.float32, lengths)
+        for i, m in enumerate(mask):
+            if m[0] != 0:
+                raise BatchError(f"loss_mask[{i}][0] = {m[0]}; token 0 is never predicted, use 0")
+            if not np.all(np.isfinite(m)) or m.min() < 0:
+                raise BatchError(f"loss_mask[{i}]: entries must be finite and >= 0")
+        if advantages is None:
+            advantages = np.ones(n, np.float32)
+        adv = np.asarray(advantages, np.float32).reshape(-1)
+        if adv.shape != (n,):
+            raise BatchError(f"advantages: expected shape ({n},), got {np.shape(advantages)}")
+        if not np.all(np.isfinite(adv)):
+            bad = int(np.flatnonzero(~np.isfinite(adv))[0])
+            raise BatchError(f"advantages[{bad}] = {adv[bad]} is not finite")
+        old = _as_ragged("old_logprobs", old_logprobs, n, np.float32, lengths)
+        ref = _as_ragged("ref_logprobs", ref_logprobs, n, np.float32, lengths)
+        for name, arrs in (("old_logprobs", old), ("ref_logprobs", ref)):
+            for i, a in enumerate(arrs or ()):
+                if not np.all(np.isfinite(a[1:])):
+                    raise BatchError(f"{name}[{i}]: contains NaN or inf")
+        if group_ids is None:
+            gids = np.arange(n, dtype=np.int32)
+        else:
+            gids = np.asarray(group_ids, np.int32).reshape(-1)
+            if gids.shape != (n,):
+                raise BatchError(f"group_ids: expected shape ({n},), got {np.shape(group_ids)}")
+        rw = None
+        if rewards is not None:
+            rw = np.asarray(rewards, np.float32).reshape(-1)
+            if rw.shape != (n,):
+                raise BatchError(f"rewards: expected shape ({n},), got {np.shape(rewards)}")
+        return cls(
+            tokens=toks,
+            loss_mask=mask,
+            advantages=adv,
+            old_logprobs=old,
+            ref_logprobs=ref,
+            group_ids=gids,
+            rewards=rw,
+        )
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.array([t.shape[0] for t in self.tokens], np.int64)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def check_vocab(self, vocab_size: int) -> None:
+        for i, t in enumerate(self.tokens):
+            if t.max() >= vocab_size:
+                raise BatchError(f"tokens[{i}]: token id {int(t.max())} >= vocab_size {vocab_size}")
+
+    def sequence_weights(self, norm: LossNorm, constant: float | None = None) -> np.ndarray:
+        """Per-sequence weight w_i so that L = sum_i w_i sum_t m_it l_it (see LossNorm)."""
+        msum = np.array([m.sum() for m in self.loss_mask], np.float64)
+        n = self.num_sequences
+        if norm is LossNorm.TOKEN:
+            total = msum.sum()
+            w = np.full(n, 0.0 if total == 0 else 1.0 / total)
+        elif norm is LossNorm.SEQUENCE:
+            w = np.where(msum > 0, 1.0 / (n * np.maximum(msum, 1e-30)), 0.0)
+        elif norm is LossNorm.CONSTANT:
+            if constant is None or not constant > 0:
+                raise BatchError(f"LossNorm.CONSTANT needs a constant > 0, got {constant}")
+            w = np.full(n, 1.0 / constant)
+        else:  # pragma: no cover - exhaustive enum
+            raise BatchError(f"unknown normalisation {norm}")
+        return w.astype(np.float32)
+
+    def select(self, indices: Sequence[int]) -> RolloutBatch:
+        """A sub-batch with the given sequences (for partitioning). Keeps weights' inputs."""
+        idx = [int(i) for i in indices]
+
+        def pick(x):
+            return None if x is None else tuple(x[i] for i in idx)
+
+        return RolloutBatch(
+            tokens=pick(self.tokens),
+            loss_mask=pick(self.loss_mask),
+            advantages=self.advantages[idx],
+            old_logprobs=pick(self.old_logprobs),
+            ref_logprobs=pick(self.ref_logprobs),
+            group_ids=self.group_ids[idx],
+            rewards=None if self.rewards is None else self.rewards[idx],
+        )

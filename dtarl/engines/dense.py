@@ -1,0 +1,126 @@
+"""The dense baseline: every sequence run separately as a padded batch.
+
+    L(theta) = sum_i loss(logp_i(theta), ...)   with logp_i from one full forward of
+    sequence i; grads = jax.grad(L).
+
+Sequences are padded to a bucketed length and processed in microbatches of
+``microbatch`` sequences inside one ``lax.scan`` (gradients summed in fp32), with
+optional per-layer rematerialisation (``remat=True``: the papers' "Dense + CKPT").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dtarl.engines import base
+from dtarl.engines.batch import RolloutBatch
+from dtarl.model.decoder import Decoder, token_logprobs
+from dtarl.tree.plan import bucket
+
+
+@dataclasses.dataclass(eq=False)
+class DenseEngine:
+    model: Decoder
+    microbatch: int = 8
+    remat: bool = False
+    name: str = "dense"
+
+    def __post_init__(self):
+        if self.microbatch < 1:
+            raise ValueError(f"microbatch={self.microbatch} must be >= 1")
+        self.graphdef, _ = base.split_model(self.model)
+        self.cfg = self.model.cfg
+        self.jit = base.JitCache(self)
+        self._min = dict(length=8, seqs=1, flat=1)
+
+    @property
+    def trace_count(self) -> int:
+        return self.jit.trace_count
+
+    def reserve(self, *, length: int = 8, sequences: int = 1, tokens: int = 1) -> DenseEngine:
+        """Pre-sizes the shape buckets so smaller batches never recompile."""
+        for key, value in (("length", length), ("seqs", sequences), ("flat", tokens)):
+            self._min[key] = max(self._min[key], bucket(value))
+        return self
+
+    # ------------------------------------------------------------ device side
+
+    def device_fn(self, loss, static):
+        num_mb, mb, t = static
+
+        def microbatch_loss(params, tokens_BxT, rows_B, seq):
+            model = nnx.merge(self.graphdef, params)
+            b = tokens_BxT.shape[0]
+            pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+            hidden, _ = model(tokens_BxT, pos, return_hidden=True, remat=self.remat)
+            lp_pred, _ = token_logprobs(
+                model.lm_head_weight(),
+                hidden[:, :-1],
+                tokens_BxT[:, 1:],
+                chunk=self.cfg.logits_chunk,
+            )
+            logp_BxT = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), lp_pred], axis=1)
+            per_seq = jax.vmap(lambda lp, sid: base.sequence_loss(loss, lp, seq, sid))
+            return jnp.sum(per_seq(logp_BxT, rows_B)), logp_BxT
+
+        grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
+
+        def run(params, tokens_NxT, rows_N, seq):
+            def body(acc, xs):
+                total, grads = acc
+                (val, logp), g = grad_fn(params, xs[0], xs[1], seq)
+                grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+                return (total + val, grads), logp
+
+            xs = (tokens_NxT.reshape(num_mb, mb, t), rows_N.reshape(num_mb, mb))
+            init = (jnp.zeros((), jnp.float32), base.zeros_like_f32(params))
+            (total, grads), logp = jax.lax.scan(body, init, xs)
+            return total, grads, logp.reshape(num_mb * mb, t)
+
+        return run
+
+    # -------------------------------------------------------------- host side
+
+    def prepare(self, batch: RolloutBatch, loss, *, weights=None) -> base.Prepared:
+        base.check_batch(batch, loss, self.cfg.vocab_size)
+        w = base.sequence_weights(batch, loss, weights)
+        n = batch.num_sequences
+        lengths = batch.lengths
+        self._min["length"] = t_pad = bucket(int(lengths.max()), self._min["length"])
+        self._min["seqs"] = n_rows = bucket(n, self._min["seqs"])
+        mb = min(self.microbatch, n_rows)
+        n_rows = -(-n_rows // mb) * mb
+        self._min["flat"] = f_pad = bucket(batch.num_tokens, self._min["flat"])
+        seq = base.flat_sequence_data(batch, w, n_pad=n_rows, f_pad=f_pad, pad=t_pad)
+        tokens = np.zeros((n_rows, t_pad), np.int32)
+        for i, tk in enumerate(batch.tokens):
+            tokens[i, : tk.shape[0]] = tk
+        rows = np.arange(n_rows, dtype=np.int32)
+        rows[n:] = -1
+        stats = dict(
+            num_tokens=int(lengths.sum()),
+            computed_tokens=int(n_rows * t_pad),
+            padded_length=t_pad,
+        )
+        return base.Prepared(
+            static=(n_rows // mb, mb, t_pad), args=(tokens, rows, seq), host=lengths, stats=stats
+        )
+
+    def finish(self, prepared: base.Prepared, out) -> tuple[np.ndarray, ...]:
+        logp = np.asarray(out)
+        return tuple(logp[i, :ln].copy() for i, ln in enumerate(prepared.host))
+
+    def compiled_memory(self, params, batch: RolloutBatch, loss, *, weights=None):
+        """XLA's memory analysis of the compiled program for this batch's buckets."""
+        prepared = self.prepare(batch, loss, weights=weights)
+        return (
+            self.jit.lower(loss, prepared.static, params, prepared.args).compile().memory_analysis()
+        )
+
+    def value_and_grad(self, params, batch: RolloutBatch, loss, *, weights=None):
+        return base.run_value_and_grad(self, params, batch, loss, weights)

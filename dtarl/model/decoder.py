@@ -1,0 +1,340 @@
+"""A Flax NNX decoder for Qwen3, Qwen2.5 and Llama 3 with explicit prefix K/V.
+
+Contract::
+
+    model(tokens_BxT, positions_BxT, kv_prefix=None, prefix_len_B=None)
+        -> (logits_BxTxV fp32 | hidden_BxTxE, kv_new)
+
+``kv_prefix`` is a differentiable ``KVCache`` with K/V of the P tokens before the
+chunk (post-RoPE keys); only its first ``prefix_len[b]`` rows are valid. The
+chunk's mask is bottom-right aligned: chunk query i sees every valid prefix key
+and chunk keys 0..i. ``kv_new`` holds the chunk's own K/V only ([L, B, T, ...]);
+callers place it into whatever buffer they keep (stack, paged cache, ...).
+
+Letters: B batch, T chunk (query) tokens, P prefix tokens, S = P + T keys,
+E hidden, H query heads, K kv heads, G = H / K, D head dim, F mlp, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dtarl import axes
+from dtarl.model.config import AttentionBackend, ModelConfig
+
+_NEG = -1e30
+
+
+class KVCache(NamedTuple):
+    """Per-layer keys and values: k, v are [L, B, S, K, D] (keys after RoPE)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
+        dtype = dtype or jnp.dtype(cfg.compute_dtype)
+        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def _param(rngs: nnx.Rngs, shape, names, dtype, scale: float | None = None) -> nnx.Param:
+    if scale is None:
+        scale = 1.0 / np.sqrt(shape[0])
+    value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), axes=names)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype, names=(axes.EMBED,)):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=names)
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        # HF order: normalise in fp32, cast to the input dtype, then scale.
+        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [D/2], with Llama 3 frequency scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = cfg.rope_scaling
+    if rs is not None:
+        old = rs.original_max_position_embeddings
+        low_wl = old / rs.low_freq_factor
+        high_wl = old / rs.high_freq_factor
+        wl = 2 * np.pi / inv
+        smooth = (old / wl - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        mid = (1 - smooth) * inv / rs.factor + smooth * inv
+        inv = np.where(wl < high_wl, inv, np.where(wl > low_wl, inv / rs.factor, mid))
+    return inv.astype(np.float32)
+
+
+def apply_rope(x_BxTxHxD, positions_BxT, inv_freq):
+    """Rotate-half RoPE (the HF convention), computed in fp32."""
+    ang = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B,T,D/2]
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    xf = x_BxTxHxD.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxHxD.dtype)
+
+
+def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new):
+    """Reference attention of a chunk over [valid prefix, causal chunk].
+
+    k_prefix/v_prefix: [B, P, K, D] (P may be 0); k_new/v_new: [B, T, K, D].
+    Scores and softmax in fp32.
+    """
+    b, t, h, d = q_BxTxHxD.shape
+    kh = k_new.shape[2]
+    g = h // kh
+    p = k_prefix.shape[1]
+    k_BxSxKxD = jnp.concatenate([k_prefix.astype(k_new.dtype), k_new], axis=1)
+    v_BxSxKxD = jnp.concatenate([v_prefix.astype(v_new.dtype), v_new], axis=1)
+    q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kh, g, d)
+    att_BxKxGxTxS = jnp.einsum(
+        "btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=jnp.float32
+    ) * (1.0 / np.sqrt(d))
+    key_pos = jnp.arange(p + t)
+    prefix_ok_BxS = (key_pos[None, :] < prefix_len_B[:, None]) & (key_pos[None, :] < p)
+    chunk_ok_TxS = (key_pos[None, :] >= p) & (key_pos[None, :] - p <= jnp.arange(t)[:, None])
+    mask_BxTxS = prefix_ok_BxS[:, None, :] | chunk_ok_TxS[None]
+    att_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], att_BxKxGxTxS, _NEG)
+    probs = jax.nn.softmax(att_BxKxGxTxS, axis=-1).astype(v_BxSxKxD.dtype)
+    out_BxTxKxGxD = jnp.einsum(
+        "bkgts,bskd->btkgd", probs, v_BxSxKxD, preferred_element_type=jnp.float32
+    )
+    return out_BxTxKxGxD.reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
+
+
+def attend_pallas(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new):
+    """The same attention through ``pallas_kernels.chunk_attention``.
+
+    The chunk's K/V are written right after the valid prefix so the kernel sees
+    one contiguous [prefix, chunk] K/V with ``start = prefix_len``.
+    """
+    from pallas_kernels.chunk_attention import chunk_attention
+
+    b, t = q_BxTxHxD.shape[:2]
+    p = k_prefix.shape[1]
+    pad = jnp.zeros((b, t) + k_new.shape[2:], k_new.dtype)
+    k_all = jnp.concatenate([k_prefix.astype(k_new.dtype), pad], axis=1)
+    v_all = jnp.concatenate([v_prefix.astype(v_new.dtype), pad], axis=1)
+    start_B = jnp.minimum(prefix_len_B, p).astype(jnp.int32)
+    put = jax.vmap(lambda buf, x, s: jax.lax.dynamic_update_slice_in_dim(buf, x, s, axis=0))
+    k_all = put(k_all, k_new, start_B)
+    v_all = put(v_all, v_new, start_B)
+    return chunk_attention(q_BxTxHxD, k_all, v_all, start_B, start_B + t)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        e, h, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pd = jnp.dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.q_proj = _param(rngs, (e, h, d), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), pd)
+        self.k_proj = _param(rngs, (e, k, d), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), pd)
+        self.v_proj = _param(rngs, (e, k, d), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), pd)
+        self.o_proj = _param(
+            rngs, (h, d, e), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), pd, 1.0 / np.sqrt(h * d)
+        )
+        if cfg.attention_bias:
+            self.q_bias = nnx.Param(jnp.zeros((h, d), pd), axes=(axes.HEADS, axes.HEAD_DIM))
+            self.k_bias = nnx.Param(jnp.zeros((k, d), pd), axes=(axes.KV_HEADS, axes.HEAD_DIM))
+            self.v_bias = nnx.Param(jnp.zeros((k, d), pd), axes=(axes.KV_HEADS, axes.HEAD_DIM))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, pd, names=(axes.HEAD_DIM,))
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pd, names=(axes.HEAD_DIM,))
+
+    def __call__(self, x_BxTxE, positions_BxT, k_prefix, v_prefix, prefix_len_B, inv_freq):
+        cfg = self.cfg
+        cd = x_BxTxE.dtype
+        q = jnp.einsum("bte,ehd->bthd", x_BxTxE, self.q_proj[...].astype(cd))
+        k = jnp.einsum("bte,ekd->btkd", x_BxTxE, self.k_proj[...].astype(cd))
+        v = jnp.einsum("bte,ekd->btkd", x_BxTxE, self.v_proj[...].astype(cd))
+        if cfg.attention_bias:
+            q = q + self.q_bias[...].astype(cd)
+            k = k + self.k_bias[...].astype(cd)
+            v = v + self.v_bias[...].astype(cd)
+        if cfg.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, positions_BxT, inv_freq)
+        k = apply_rope(k, positions_BxT, inv_freq)
+        attend = attend_pallas if cfg.attention_backend is AttentionBackend.PALLAS else attend_xla
+        out_BxTxHxD = attend(q, k_prefix, v_prefix, prefix_len_B, k, v)
+        y = jnp.einsum("bthd,hde->bte", out_BxTxHxD, self.o_proj[...].astype(cd))
+        return y, k, v
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        e, f = cfg.hidden_size, cfg.intermediate_size
+        pd = jnp.dtype(cfg.param_dtype)
+        self.gate_proj = _param(rngs, (e, f), (axes.EMBED, axes.MLP), pd)
+        self.up_proj = _param(rngs, (e, f), (axes.EMBED, axes.MLP), pd)
+        self.down_proj = _param(rngs, (f, e), (axes.MLP, axes.EMBED), pd)
+
+    def __call__(self, x):
+        cd = x.dtype
+        gate = x @ self.gate_proj[...].astype(cd)
+        up = x @ self.up_proj[...].astype(cd)
+        return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(cd)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions, k_prefix, v_prefix, prefix_len, inv_freq):
+        h, k, v = self.self_attn(
+            self.input_layernorm(x), positions, k_prefix, v_prefix, prefix_len, inv_freq
+        )
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k, v
+
+
+class Decoder(nnx.Module):
+    """The decoder-only LM. See the module docstring for the call contract."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, seed: int = 0):
+        rngs = rngs if rngs is not None else nnx.Rngs(seed)
+        pd = jnp.dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.embed_tokens = _param(
+            rngs, (cfg.vocab_size, cfg.hidden_size), (axes.VOCAB, axes.EMBED), pd, 0.02
+        )
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(
+                rngs, (cfg.hidden_size, cfg.vocab_size), (axes.EMBED, axes.VOCAB), pd
+            )
+
+    def lm_head_weight(self) -> jax.Array:
+        """The output projection [E, V] (the transposed embedding when tied)."""
+        if self.cfg.tie_word_embeddings:
+            return self.embed_tokens[...].T
+        return self.lm_head[...]
+
+    def __call__(
+        self,
+        tokens_BxT,
+        positions_BxT,
+        kv_prefix: KVCache | None = None,
+        prefix_len_B=None,
+        *,
+        return_hidden: bool = False,
+        remat: bool = False,
+    ):
+        cfg = self.cfg
+        cd = jnp.dtype(cfg.compute_dtype)
+        tokens_BxT = jnp.asarray(tokens_BxT)
+        positions_BxT = jnp.asarray(positions_BxT)
+        if tokens_BxT.ndim != 2 or positions_BxT.shape != tokens_BxT.shape:
+            raise ValueError(
+                f"tokens {tokens_BxT.shape} and positions {positions_BxT.shape} must both be [B, T]"
+            )
+        b, t = tokens_BxT.shape
+        if kv_prefix is None:
+            kv_prefix = KVCache.zeros(cfg, b, 0, cd)
+        want = (cfg.num_layers, b, cfg.num_kv_heads, cfg.head_dim)
+        got = (kv_prefix.k.shape[0], kv_prefix.k.shape[1]) + kv_prefix.k.shape[3:]
+        if kv_prefix.k.ndim != 5 or got != want or kv_prefix.v.shape != kv_prefix.k.shape:
+            raise ValueError(
+                f"kv_prefix.k/v must be [L={want[0]}, B={b}, P, K={want[2]}, D={want[3]}], "
+                f"got k {kv_prefix.k.shape}, v {kv_prefix.v.shape}"
+            )
+        p = kv_prefix.k.shape[2]
+        if prefix_len_B is None:
+            prefix_len_B = jnp.full((b,), p, jnp.int32)
+        prefix_len_B = jnp.broadcast_to(jnp.asarray(prefix_len_B, jnp.int32), (b,))
+        inv_freq = rope_inv_freq(cfg)
+        x = self.embed_tokens[...].astype(cd)[tokens_BxT]
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            args = (x, positions_BxT, kv_prefix.k[i], kv_prefix.v[i], prefix_len_B)
+            if remat:
+                # Rematerialise the layer's activations in the backward pass.
+                graphdef, state = nnx.split(layer)
+
+                def run(state, *a, graphdef=graphdef):
+                    return nnx.merge(graphdef, state)(*a, inv_freq)
+
+                x, k, v = jax.checkpoint(run)(state, *args)
+            else:
+                x, k, v = layer(*args, inv_freq)
+            ks.append(k)
+            vs.append(v)
+        x = self.norm(x)
+        kv_new = KVCache(jnp.stack(ks), jnp.stack(vs))
+        if return_hidden:
+            return x, kv_new
+        logits = jnp.einsum(
+            "bte,ev->btv", x, self.lm_head_weight().astype(cd), preferred_element_type=jnp.float32
+        )
+        return logits, kv_new
+
+
+def token_logprobs(
+    lm_head_ExV, hidden_BxTxE, targets_BxT, *, chunk: int = 0, entropy: bool = False
+):
+    """log p(target) (and optionally the entropy) per position, in fp32.
+
+    With ``chunk > 0`` the [T, V] logits are built ``chunk`` positions at a time
+    under ``jax.checkpoint``, so neither the forward nor the backward holds the
+    full [B, T, V] logits.
+    """
+
+    def one(h_BxCxE, tgt_BxC):
+        logits = jnp.einsum(
+            "bce,ev->bcv",
+            h_BxCxE,
+            lm_head_ExV.astype(h_BxCxE.dtype),
+            preferred_element_type=jnp.float32,
+        )
+        logz = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, tgt_BxC[..., None], axis=-1)[..., 0]
+        lp = picked - logz
+        if not entropy:
+            return lp, jnp.zeros_like(lp)
+        probs = jax.nn.softmax(logits, axis=-1)
+        ent = logz - jnp.sum(probs * logits, axis=-1)
+        return lp, ent
+
+    b, t, e = hidden_BxTxE.shape
+    if chunk <= 0 or t <= chunk:
+        return one(hidden_BxTxE, targets_BxT)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    h = jnp.pad(hidden_BxTxE, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, e)
+    tg = jnp.pad(targets_BxT, ((0, 0), (0, pad))).reshape(b, n, chunk)
+    lp, ent = jax.lax.map(
+        jax.checkpoint(lambda xs: one(*xs)), (h.transpose(1, 0, 2, 3), tg.transpose(1, 0, 2))
+    )
+    lp = lp.transpose(1, 0, 2).reshape(b, n * chunk)[:, :t]
+    ent = ent.transpose(1, 0, 2).reshape(b, n * chunk)[:, :t]
+    return lp, ent
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
+    return Decoder(cfg, rngs=nnx.Rngs(seed))

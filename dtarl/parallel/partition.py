@@ -1,0 +1,685 @@
+"""Load-balanced data-parallel partition of a rollout batch (AREAL-DTA §4).
+
+N rollouts (token sequences) are split over K data-parallel ranks; every rank
+builds the prefix tree T_j of its own sequences, so a rank's work is the cost
+C(T_j) of that tree, and the step time is the makespan max_j C(T_j).
+
+The balanced method sorts the sequences lexicographically (a DFS order of the
+global prefix tree) and cuts that order into K contiguous segments minimising
+the largest segment cost. For sequences s_i in sorted order with
+lcp_i = lcp(s_i, s_{i-1}), the tree of the run s_i..s_{j-1} has the tokens
+
+    tree(i, j) = {positions [lcp_t, len_t) of s_t : i <= t < j},  lcp_i := 0,
+
+so a cost model that charges each tree token by its depth p gives the
+incremental segment cost
+
+    C(i, j) = c(len_i, 0) + sum_{t=i+1}^{j-1} c(len_t, lcp_t),
+    c(len, lcp) = sum_{p=lcp}^{len-1} w(p)        (w >= 0: TreeTokenCost w = 1,
+                                                    FlopCost w = a + b p).
+
+C is monotone (a sub-run never costs more), so the greedy scan "extend the
+segment while C <= tau" is an exact feasibility test for "K segments of cost
+<= tau", and binary search over tau finds the optimal contiguous cut. The
+search keeps its upper end on an achieved segment cost, so it is exact for
+integer and floating costs alike (see ``_balanced_cuts``).
+
+Contiguous cuts of a DFS order duplicate at most the shared prefix at each of
+the K-1 cuts: sum_j tree_tokens(T_j) - tree_tokens(T) <= (K-1) max_len.
+
+Baselines: greedy to the least-loaded rank by token count (AReaL / verl),
+greedy by tree cost, and Karmarkar-Karp (largest differencing) on token counts.
+
+Letters: N = sequences, K = ranks, G = groups (units with ``keep_groups``).
+Host-side numpy only; no JAX.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import enum
+import heapq
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+__all__ = [
+    "CostModel",
+    "FlopCost",
+    "Partition",
+    "PartitionInvariantError",
+    "PartitionMethod",
+    "TreeTokenCost",
+    "dfs_order",
+    "partition",
+    "partition_batch",
+    "tree_cost",
+    "tree_tokens",
+]
+
+
+class PartitionInvariantError(RuntimeError):
+    """An internal guarantee of the partitioner was violated (a bug, please report)."""
+
+
+class PartitionMethod(enum.Enum):
+    """How sequences are assigned to ranks.
+
+    BALANCED:       contiguous cuts of the DFS order, min-max tree cost (AREAL-DTA).
+    GREEDY_TOKENS:  longest first to the rank with the fewest tokens (AReaL / verl).
+    GREEDY_TREE:    largest tree cost first to the rank with the smallest tree cost
+                    after adding it (marginal cost counts the prefixes it shares there).
+    KARMARKAR_KARP: K-way largest differencing method on token counts.
+    """
+
+    BALANCED = "balanced"
+    GREEDY_TOKENS = "greedy_tokens"
+    GREEDY_TREE = "greedy_tree"
+    KARMARKAR_KARP = "karmarkar_karp"
+
+
+# ----------------------------------------------------------------------------- cost models
+
+
+class CostModel(Protocol):
+    """Cost of tree tokens; ``append_cost`` must be >= 0 and additive over positions."""
+
+    def append_cost(self, lengths: np.ndarray, lcps: np.ndarray) -> np.ndarray:
+        """Cost of the tree tokens at positions [lcp, len) of each sequence."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TreeTokenCost:
+    """The paper's cost: the number of tree tokens, c(len, lcp) = len - lcp (int64)."""
+
+    def append_cost(self, lengths: np.ndarray, lcps: np.ndarray) -> np.ndarray:
+        return np.asarray(lengths, np.int64) - np.asarray(lcps, np.int64)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlopCost:
+    """Linear + attention cost: a tree token at depth p (0-based position) costs a + b p.
+
+    c(len, lcp) = a n + b n (lcp + len - 1) / 2,  n = len - lcp.
+
+    ``a`` stands for the per-token matmul work and ``b`` for attention over the p
+    earlier tokens. The default (a = 1, b = 2.6e-5) is a Qwen2.5-7B-sized decoder
+    in units of one token's linear FLOPs (see ``from_transformer``).
+    """
+
+    a: float = 1.0
+    b: float = 2.6e-5
+
+    def __post_init__(self):
+        if not (np.isfinite(self.a) and self.a >= 0):
+            raise ValueError(f"FlopCost.a={self.a}: must be finite and >= 0")
+        if not (np.isfinite(self.b) and self.b >= 0):
+            raise ValueError(f"FlopCost.b={self.b}: must be finite and >= 0")
+        if self.a == 0 and self.b == 0:
+            raise ValueError("FlopCost: a and b are both 0; at least one must be > 0")
+
+    def append_cost(self, lengths: np.ndarray, lcps: np.ndarray) -> np.ndarray:
+        ln = np.asarray(lengths, np.float64)
+        lc = np.asarray(lcps, np.float64)
+        n = ln - lc
+        return self.a * n + self.b * n * (lc + ln - 1.0) * 0.5
+
+    @classmethod
+    def from_transformer(cls, *, num_params: float, num_layers: int, hidden: int) -> FlopCost:
+        """Training FLOPs of a dense decoder, normalised to a = 1.
+
+        Per token: 6 N (matmuls, fwd + bwd); attention at depth p: 12 L d p
+        (QK^T and AV, fwd + bwd). So b / a = 2 L d / N.
+        """
+        if num_params <= 0 or num_layers <= 0 or hidden <= 0:
+            raise ValueError(
+                f"from_transformer: num_params={num_params}, num_layers={num_layers}, "
+                f"hidden={hidden}; all must be > 0"
+            )
+        return cls(a=1.0, b=2.0 * num_layers * hidden / float(num_params))
+
+    @staticmethod
+    def features(sequences: Sequence) -> np.ndarray:
+        """[2] = (tree tokens, sum of tree-token depths) of the prefix tree of ``sequences``.
+
+        A measured time t ~ a * features[0] + b * features[1]; stack these rows to ``fit``.
+        """
+        order, lcps, lengths = dfs_order(sequences)
+        ln = lengths[order].astype(np.float64)
+        lc = lcps.astype(np.float64)
+        n = ln - lc
+        return np.array([n.sum(), (n * (lc + ln - 1.0) * 0.5).sum()])
+
+    @classmethod
+    def fit(cls, features, measured_times) -> FlopCost:
+        """Non-negative least squares for t_m ~ a f_m0 + b f_m1.
+
+        Args:
+          features: [M, 2] rows from ``FlopCost.features`` (one per measured run).
+          measured_times: [M] seconds (or any unit; a and b come out in that unit).
+        """
+        x = np.asarray(features, np.float64)
+        y = np.asarray(measured_times, np.float64).reshape(-1)
+        if x.ndim != 2 or x.shape[1] != 2:
+            raise ValueError(f"features: expected shape [M, 2], got {x.shape}")
+        if x.shape[0] != y.shape[0] or x.shape[0] < 1:
+            raise ValueError(
+                f"measured_times: expected {x.shape[0]} >= 1 entries matching features, "
+                f"got {y.shape[0]}"
+            )
+        if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+            raise ValueError("features / measured_times: must be finite")
+        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+        if np.all(coef >= 0) and np.any(coef > 0):
+            return cls(a=float(coef[0]), b=float(coef[1]))
+        # 2-variable NNLS: the optimum has one coefficient at 0; try both.
+        best = None
+        for j in (0, 1):
+            den = float(x[:, j] @ x[:, j])
+            c = max(float(x[:, j] @ y) / den, 0.0) if den > 0 else 0.0
+            r = float(np.sum((y - c * x[:, j]) ** 2))
+            if c > 0 and (best is None or r < best[0]):
+                best = (r, j, c)
+        if best is None:
+            raise ValueError("measured_times: no non-negative (a, b) fits these measurements")
+        _, j, c = best
+        return cls(a=c, b=0.0) if j == 0 else cls(a=0.0, b=c)
+
+
+# ----------------------------------------------------------------------------- DFS order
+
+
+def _check_sequences(sequences: Sequence) -> list[np.ndarray]:
+    seqs = []
+    for i, s in enumerate(sequences):
+        a = np.asarray(s)
+        if a.ndim != 1:
+            raise ValueError(f"sequences[{i}]: expected a 1-D token array, got shape {a.shape}")
+        if a.shape[0] == 0:
+            raise ValueError(f"sequences[{i}]: length 0; every sequence needs >= 1 token")
+        if a.dtype.kind not in "iub":
+            raise ValueError(f"sequences[{i}]: expected integer token ids, got dtype {a.dtype}")
+        seqs.append(a.astype(np.int64, copy=False))
+    return seqs
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(a.shape[0], b.shape[0])
+    if m == 0:
+        return 0
+    neq = a[:m] != b[:m]
+    k = int(np.argmax(neq))
+    return k if neq[k] else m
+
+
+def _sort_key(a: np.ndarray) -> bytes:
+    # Big-endian unsigned bytes compare like the int sequence (a proper prefix sorts first).
+    return (a + 2**31).astype(">u4").tobytes()
+
+
+def _dfs_order(seqs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    keys = [_sort_key(s) for s in seqs]
+    order = np.array(sorted(range(len(seqs)), key=keys.__getitem__), np.int64)
+    lcps = np.zeros(len(seqs), np.int64)
+    for t in range(1, len(order)):
+        lcps[t] = _lcp(seqs[order[t - 1]], seqs[order[t]])
+    return order, lcps
+
+
+def dfs_order(sequences: Sequence) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Lexicographic order of the sequences, a DFS order of their prefix tree.
+
+    Returns:
+      order: [N] indices into ``sequences``, lexicographically sorted (ties by index).
+      lcps: [N] lcps[t] = lcp(s[order[t-1]], s[order[t]]), lcps[0] = 0.
+      lengths: [N] lengths in the original order.
+    """
+    seqs = _check_sequences(sequences)
+    order, lcps = _dfs_order(seqs)
+    return order, lcps, np.array([s.shape[0] for s in seqs], np.int64)
+
+
+def tree_cost(sequences: Sequence, cost: CostModel | None = None):
+    """C(T) of the prefix tree of ``sequences``: sum_t c(len_t, lcp_t) over the DFS order."""
+    cost = TreeTokenCost() if cost is None else cost
+    if len(sequences) == 0:
+        return cost.append_cost(np.zeros(0, np.int64), np.zeros(0, np.int64)).sum()
+    order, lcps, lengths = dfs_order(sequences)
+    return cost.append_cost(lengths[order], lcps).sum()
+
+
+def tree_tokens(sequences: Sequence) -> int:
+    """Number of tokens (non-root nodes) of the prefix tree of ``sequences``."""
+    return int(tree_cost(sequences, TreeTokenCost()))
+
+
+# ----------------------------------------------------------------------------- result
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Partition:
+    """Assignment of N sequences to K ranks.
+
+    Attributes:
+      method: the method that produced it.
+      cost: the cost model the loads are measured with.
+      indices: K int64 arrays of indices into the original batch, each in DFS
+        (lexicographic) order of its rank's sequences. Every index appears once.
+      loads: [K] C(T_j) of each rank's own prefix tree under ``cost``.
+      tree_tokens: [K] tree tokens of each rank's prefix tree.
+      global_tree_tokens: tree tokens of the prefix tree of the whole batch.
+      total_tokens: sum of sequence lengths (no prefix sharing at all).
+      max_len: longest sequence length.
+    """
+
+    method: PartitionMethod
+    cost: CostModel
+    indices: tuple[np.ndarray, ...]
+    loads: np.ndarray
+    tree_tokens: np.ndarray
+    global_tree_tokens: int
+    total_tokens: int
+    max_len: int
+
+    @property
+    def k(self) -> int:
+        return len(self.indices)
+
+    @property
+    def makespan(self) -> float:
+        """max_j C(T_j): the simulated step time under ``cost``."""
+        return float(self.loads.max())
+
+    @property
+    def max_load(self) -> float:
+        return float(self.loads.max())
+
+    @property
+    def mean_load(self) -> float:
+        return float(self.loads.mean())
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean load (1.0 = perfect balance)."""
+        m = self.mean_load
+        return float(self.max_load / m) if m > 0 else 1.0
+
+    @property
+    def duplicated_tokens(self) -> int:
+        """Tree tokens computed on more than one rank: sum_j |T_j| - |T|."""
+        return int(self.tree_tokens.sum()) - self.global_tree_tokens
+
+    @property
+    def duplication_bound(self) -> int:
+        """(K - 1) max_len, the bound for contiguous cuts of a DFS order."""
+        return (self.k - 1) * self.max_len
+
+    def rank_of(self) -> np.ndarray:
+        """[N] the rank each sequence is assigned to."""
+        n = sum(ix.shape[0] for ix in self.indices)
+        out = np.full(n, -1, np.int64)
+        for j, ix in enumerate(self.indices):
+            out[ix] = j
+        return out
+
+    def split(self, batch) -> tuple:
+        """Per-rank sub-batches of a ``RolloutBatch`` (``batch.select`` per rank)."""
+        return tuple(batch.select(ix) for ix in self.indices)
+
+
+# ----------------------------------------------------------------------------- balanced
+
+
+def _segment_prefix(full: np.ndarray, inc: np.ndarray):
+    """C(i, j) = base[i] + P[j] with P[j] = sum_{t<j} inc[t], base[i] = full[i] - inc[i] - P[i]."""
+    p = np.concatenate([np.zeros(1, inc.dtype), np.cumsum(inc)])
+    base = full - inc - p[:-1]
+    return base, p
+
+
+def _greedy_cuts(base, p, tau, k: int) -> list[int] | None:
+    """Greedy scan: each segment extends while its cost <= tau. Start offsets or None."""
+    n = base.shape[0]
+    starts = []
+    i = 0
+    while i < n:
+        if len(starts) == k:
+            return None
+        # costs of [i, j) for j = i+1..n are base[i] + p[i+1:], non-decreasing in j.
+        reach = int(np.searchsorted(base[i] + p[i + 1 :], tau, side="right"))
+        if reach == 0:
+            return None
+        starts.append(i)
+        i += reach
+    return starts
+
+
+def _segment_costs(base, p, starts: list[int], n: int) -> np.ndarray:
+    ends = starts[1:] + [n]
+    return np.array([base[s] + p[e] for s, e in zip(starts, ends, strict=True)])
+
+
+def _balanced_cuts(full: np.ndarray, inc: np.ndarray, k: int) -> list[int]:
+    """Segment start offsets minimising max_j C(segment j) over <= k contiguous segments.
+
+    Binary search over tau with invariants: tau = lo is infeasible and hi is an
+    achieved segment cost of a feasible partition. A feasible probe moves hi
+    down to the makespan the greedy achieved (a candidate cost <= probe), so on
+    termination no representable value lies in (lo, hi) and hi is the optimum.
+    Integer costs bisect over integers; float costs stop when the midpoint
+    rounds onto an end.
+    """
+    base, p = _segment_prefix(full, inc)
+    n = full.shape[0]
+    integer = np.issubdtype(full.dtype, np.integer)
+    lo = full.max()  # every segment holds a sequence, so OPT >= max_i C(i, i+1).
+    starts = _greedy_cuts(base, p, lo, k)
+    if starts is not None:
+        return starts
+    starts = [0]
+    hi = base[0] + p[n]
+    while True:
+        mid = (lo + hi) // 2 if integer else lo + (hi - lo) / 2
+        if not lo < mid < hi:
+            break
+        probe = _greedy_cuts(base, p, mid, k)
+        if probe is None:
+            lo = mid
+        else:
+            starts = probe
+            hi = _segment_costs(base, p, probe, n).max()
+    return starts
+
+
+def _fill_to_k(starts: list[int], n_units: int, k: int) -> list[int]:
+    """Halve the segment with most units until there are k (C is monotone: max cost can't rise)."""
+    s = sorted(starts)
+    while len(s) < k:
+        sizes = np.diff(np.array(s + [n_units]))
+        j = int(np.argmax(sizes))
+        bisect.insort(s, s[j] + int(sizes[j]) // 2)
+    return s
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+class _SparseMin:
+    """Range-min over lcps: lcp(order[a], order[b]) = min(lcps[a+1..b]) for a < b."""
+
+    def __init__(self, x: np.ndarray):
+        self.levels = [x]
+        w = 1
+        while 2 * w <= x.shape[0]:
+            prev = self.levels[-1]
+            self.levels.append(np.minimum(prev[:-w], prev[w:]))
+            w *= 2
+
+    def min(self, lo: int, hi: int) -> int:
+        """min x[lo:hi], hi > lo."""
+        j = (hi - lo).bit_length() - 1
+        lvl = self.levels[j]
+        return int(min(lvl[lo], lvl[hi - (1 << j)]))
+
+
+class _RankTree:
+    """A rank's prefix tree as the sorted DFS positions of its sequences.
+
+    Inserting s adds the tokens at positions [m, len(s)), m = the longest lcp of
+    s with any sequence already there, which is attained at a sorted neighbour.
+    """
+
+    def __init__(self, rmq: _SparseMin):
+        self.rmq = rmq
+        self.pos: list[int] = []
+
+    def shared(self, q: int) -> int:
+        i = bisect.bisect_left(self.pos, q)
+        m = 0
+        if i > 0:
+            m = self.rmq.min(self.pos[i - 1] + 1, q + 1)
+        if i < len(self.pos):
+            m = max(m, self.rmq.min(q + 1, self.pos[i] + 1))
+        return m
+
+    def insert(self, q: int) -> None:
+        bisect.insort(self.pos, q)
+
+
+def _greedy_least_loaded(weights: np.ndarray, k: int) -> list[list[int]]:
+    """Heaviest first to the least-loaded rank (ties: lowest rank). Unit lists per rank."""
+    order = sorted(range(weights.shape[0]), key=lambda u: (-weights[u], u))
+    heap = [(0, j) for j in range(k)]
+    out: list[list[int]] = [[] for _ in range(k)]
+    for u in order:
+        load, j = heapq.heappop(heap)
+        out[j].append(u)
+        heapq.heappush(heap, (load + int(weights[u]), j))
+    return out
+
+
+def _karmarkar_karp(weights: np.ndarray, k: int) -> list[list[int]]:
+    """K-way largest differencing method (Karmarkar & Karp 1982; Korf's K-way form).
+
+    Each unit starts as a K-tuple (w, 0, ..., 0). Repeatedly merge the two tuples
+    with the largest spread (max - min): pair the largest subset of one with the
+    smallest of the other, then normalise by the minimum.
+    """
+    heap = []
+    for u in range(weights.shape[0]):
+        sums = [int(weights[u])] + [0] * (k - 1)
+        sets = [[u]] + [[] for _ in range(k - 1)]
+        heap.append((-sums[0], u, sums, sets))
+    heapq.heapify(heap)
+    tie = weights.shape[0]
+    while len(heap) > 1:
+        _, _, s1, t1 = heapq.heappop(heap)
+        _, _, s2, t2 = heapq.heappop(heap)
+        a = sorted(range(k), key=lambda j: -s1[j])
+        b = sorted(range(k), key=lambda j: s2[j])
+        sums = [s1[a[j]] + s2[b[j]] for j in range(k)]
+        sets = [t1[a[j]] + t2[b[j]] for j in range(k)]
+        m = min(sums)
+        sums = [s - m for s in sums]
+        heapq.heappush(heap, (-(max(sums) - min(sums)), tie, sums, sets))
+        tie += 1
+    return heap[0][3]
+
+
+# ----------------------------------------------------------------------------- partition
+
+
+def _units(n: int, group_ids, keep_groups: bool) -> list[np.ndarray]:
+    if group_ids is None:
+        if keep_groups:
+            raise ValueError("group_ids: required with keep_groups=True (one id per sequence)")
+        return [np.array([i], np.int64) for i in range(n)]
+    g = np.asarray(group_ids).reshape(-1)
+    if g.shape[0] != n:
+        raise ValueError(f"group_ids: expected {n} entries (one per sequence), got {g.shape[0]}")
+    if not keep_groups:
+        return [np.array([i], np.int64) for i in range(n)]
+    _, inv = np.unique(g, return_inverse=True)
+    members = [[] for _ in range(int(inv.max()) + 1)]
+    for i, u in enumerate(inv.tolist()):
+        members[u].append(i)
+    return [np.array(m, np.int64) for m in members]
+
+
+def partition(
+    sequences: Sequence,
+    k: int,
+    *,
+    method: PartitionMethod | str = PartitionMethod.BALANCED,
+    cost: CostModel | None = None,
+    group_ids=None,
+    keep_groups: bool = False,
+) -> Partition:
+    """Splits N sequences over K data-parallel ranks.
+
+    Args:
+      sequences: N 1-D integer token arrays, each of length >= 1.
+      k: number of ranks, 1 <= k <= N (<= number of groups with ``keep_groups``).
+      method: a ``PartitionMethod`` (or its value string).
+      cost: the per-rank cost model C(T_j) (``TreeTokenCost()`` by default); the
+        balanced and greedy-tree methods optimise it, and every method's loads
+        are measured with it.
+      group_ids: [N] group (prompt) ids; only used with ``keep_groups``.
+      keep_groups: assign whole groups (units = groups); a group's sequences never
+        split across ranks.
+
+    Returns:
+      A ``Partition``; balanced ranks are all non-empty (a baseline may leave one empty).
+
+    With ``keep_groups`` the balanced method orders groups by their smallest
+    member and each group's members lexicographically, and prices a segment by
+    the incremental sum over that order. That equals the tree cost whenever the
+    groups occupy disjoint lexicographic ranges (distinct prompts: the GRPO case)
+    and is an upper bound otherwise; the duplication bound is checked only when
+    the group order is a DFS order.
+    """
+    if isinstance(method, str):
+        try:
+            method = PartitionMethod(method)
+        except ValueError:
+            raise ValueError(
+                f"method={method!r}: expected one of {[m.value for m in PartitionMethod]}"
+            ) from None
+    if not isinstance(method, PartitionMethod):
+        raise ValueError(f"method={method!r}: expected a PartitionMethod")
+    cost = TreeTokenCost() if cost is None else cost
+    seqs = _check_sequences(sequences)
+    n = len(seqs)
+    if isinstance(k, bool) or not isinstance(k, int | np.integer):
+        raise ValueError(f"k={k!r}: expected an int number of ranks")
+    k = int(k)
+    units = _units(n, group_ids, keep_groups)
+    n_units = len(units)
+    what = "number of groups" if keep_groups else "number of sequences"
+    if not 1 <= k <= max(n_units, 1) or n == 0:
+        raise ValueError(f"k={k}: must be in [1, {n_units}] (the {what}); got N={n} sequences")
+
+    lengths = np.array([s.shape[0] for s in seqs], np.int64)
+    order, lcps = _dfs_order(seqs)
+    rank_in_order = np.empty(n, np.int64)
+    rank_in_order[order] = np.arange(n)
+    check_bound = False
+
+    if method is PartitionMethod.BALANCED:
+        if keep_groups:
+            # Units in DFS order of their smallest member; members in DFS order.
+            members = [np.sort(rank_in_order[u]) for u in units]
+            uorder = sorted(range(n_units), key=lambda u: members[u][0])
+            seq_order = np.concatenate([order[members[u]] for u in uorder])
+            unit_len = np.array([members[u].shape[0] for u in uorder], np.int64)
+            check_bound = bool(np.all(np.diff(rank_in_order[seq_order]) > 0))
+            u_lcps = np.zeros(n, np.int64)
+            for t in range(1, n):
+                u_lcps[t] = _lcp(seqs[seq_order[t - 1]], seqs[seq_order[t]])
+        else:
+            seq_order, unit_len, u_lcps, check_bound = order, np.ones(n, np.int64), lcps, True
+        ln = lengths[seq_order]
+        inc_seq = cost.append_cost(ln, u_lcps)
+        full_seq = cost.append_cost(ln, np.zeros_like(u_lcps))
+        # Per unit: full = cost of the unit alone, inc = cost appended after the previous unit.
+        bounds = np.concatenate([[0], np.cumsum(unit_len)])
+        csum = np.concatenate([np.zeros(1, inc_seq.dtype), np.cumsum(inc_seq)])
+        inc_u = csum[bounds[1:]] - csum[bounds[:-1]]
+        full_u = inc_u - inc_seq[bounds[:-1]] + full_seq[bounds[:-1]]
+        starts = _fill_to_k(_balanced_cuts(full_u, inc_u, k), n_units, k)
+        ends = starts[1:] + [n_units]
+        rank_units = [list(range(b, e)) for b, e in zip(starts, ends, strict=True)]
+        ranks = [
+            np.concatenate([seq_order[bounds[u] : bounds[u + 1]] for u in ru]) for ru in rank_units
+        ]
+    else:
+        unit_tokens = np.array([int(lengths[u].sum()) for u in units], np.int64)
+        if method is PartitionMethod.GREEDY_TOKENS:
+            groups = _greedy_least_loaded(unit_tokens, k)
+        elif method is PartitionMethod.KARMARKAR_KARP:
+            groups = _karmarkar_karp(unit_tokens, k)
+        else:
+            groups = _greedy_tree(units, lengths, order, lcps, rank_in_order, cost, k)
+        ranks = [
+            np.concatenate([units[u] for u in g]) if g else np.zeros(0, np.int64) for g in groups
+        ]
+
+    # Measure every rank's tree with the cost model, in DFS order.
+    indices = []
+    loads = []
+    ttok = []
+    for ix in ranks:
+        ix = ix[np.argsort(rank_in_order[ix], kind="stable")]
+        lc = np.zeros(ix.shape[0], np.int64)
+        for t in range(1, ix.shape[0]):
+            lc[t] = _lcp(seqs[ix[t - 1]], seqs[ix[t]])
+        indices.append(ix.astype(np.int64))
+        loads.append(cost.append_cost(lengths[ix], lc).sum())
+        ttok.append(int((lengths[ix] - lc).sum()))
+    result = Partition(
+        method=method,
+        cost=cost,
+        indices=tuple(indices),
+        loads=np.array(loads),
+        tree_tokens=np.array(ttok, np.int64),
+        global_tree_tokens=int((lengths[order] - lcps).sum()),
+        total_tokens=int(lengths.sum()),
+        max_len=int(lengths.max()),
+    )
+    if sorted(np.concatenate(indices).tolist()) != list(range(n)):
+        raise PartitionInvariantError(f"{method.value}: not every sequence assigned exactly once")
+    if check_bound and result.duplicated_tokens > result.duplication_bound:
+        raise PartitionInvariantError(
+            f"{method.value}: duplicated tokens {result.duplicated_tokens} > (K-1)*max_len = "
+            f"{result.duplication_bound}"
+        )
+    return result
+
+
+def _greedy_tree(units, lengths, order, lcps, rank_in_order, cost: CostModel, k: int):
+    """Largest standalone tree cost first, to the rank whose tree cost after adding it is least.
+
+    The marginal cost of a unit on a rank counts the prefixes it shares with the
+    sequences already there and among its own members (exact, via sorted neighbours).
+    Ties: the less loaded rank, then the lowest rank.
+    """
+    rmq = _SparseMin(lcps)
+    len_sorted = lengths[order]
+    unit_pos = [sorted(int(q) for q in rank_in_order[u]) for u in units]
+
+    def marginal(tree: _RankTree, pos: list[int]) -> float:
+        shared = []
+        for q in pos:
+            shared.append(tree.shared(q))
+            tree.insert(q)
+        for q in pos:
+            tree.pos.remove(q)
+        return float(cost.append_cost(len_sorted[pos], np.array(shared, np.int64)).sum())
+
+    empty = _RankTree(rmq)
+    standalone = [marginal(empty, pos) for pos in unit_pos]
+    trees = [_RankTree(rmq) for _ in range(k)]
+    loads = [0.0] * k
+    out: list[list[int]] = [[] for _ in range(k)]
+    for u in sorted(range(len(units)), key=lambda u: (-standalone[u], u)):
+        best = None
+        for j in range(k):
+            extra = marginal(trees[j], unit_pos[u])
+            key = (loads[j] + extra, loads[j], j)
+            if best is None or key < best[0]:
+                best = (key, j, extra)
+        _, j, extra = best
+        for q in unit_pos[u]:
+            trees[j].insert(q)
+        loads[j] += extra
+        out[j].append(u)
+    return out
+
+
+def partition_batch(batch, k: int, **kwargs) -> Partition:
+    """``partition`` of a ``RolloutBatch``'s tokens, with its ``group_ids``."""
+    kwargs.setdefault("group_ids", batch.group_ids)
+    return partition(batch.tokens, k, **kwargs)

@@ -1,0 +1,103 @@
+"""Structural invariants of the engines: no retrace, bounded memory, bad input."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from dtarl.engines import BatchError, DenseEngine, DFSEngine, RolloutBatch
+from dtarl.model import ModelConfig, init_model
+from dtarl.rl.losses import ClippedSurrogateLoss, MaskedNLLLoss
+from dtarl.testing import grpo_groups
+
+
+@pytest.fixture(scope="module")
+def model_params():
+    model = init_model(ModelConfig.tiny(), seed=0)
+    return model, nnx.split(model, nnx.Param)[1]
+
+
+def test_dfs_no_retrace_within_bucket(model_params):
+    model, params = model_params
+    engine = DFSEngine(model, chunk_len=8)
+    loss = MaskedNLLLoss()
+    first = grpo_groups(num_groups=2, group_size=4, prompt_len=12, response_len=(4, 10), seed=0)
+    engine.value_and_grad(params, first, loss)
+    assert engine.trace_count == 1
+    # Different lengths, counts and tokens; same or smaller buckets.
+    for seed in range(1, 4):
+        batch = grpo_groups(
+            num_groups=2, group_size=3, prompt_len=9 + seed, response_len=(2, 8), seed=seed
+        )
+        engine.value_and_grad(params, batch, loss)
+    assert engine.trace_count == 1
+    # A larger batch needs a larger bucket: exactly one more compilation, then reuse.
+    big = grpo_groups(num_groups=4, group_size=8, prompt_len=40, response_len=(10, 30), seed=9)
+    engine.value_and_grad(params, big, loss)
+    engine.value_and_grad(params, first, loss)
+    assert engine.trace_count == 2
+
+
+def test_dense_no_retrace_within_bucket(model_params):
+    model, params = model_params
+    engine = DenseEngine(model, microbatch=4)
+    loss = MaskedNLLLoss()
+    # Max length <= 32 and <= 128 tokens: one length/token bucket throughout.
+    for seed, prompt_len in enumerate([20, 14, 11]):
+        batch = grpo_groups(
+            num_groups=2, group_size=2, prompt_len=prompt_len, response_len=(2, 6), seed=seed
+        )
+        engine.value_and_grad(params, batch, loss)
+    assert engine.trace_count == 1
+
+
+def test_dfs_memory_bounded_by_longest_path(model_params):
+    """XLA's temp memory for 4x more sequences (same longest path) barely grows:
+    live state is the path's K/V stack, not per-token activations."""
+    model, params = model_params
+    cfg = model.cfg
+    loss = MaskedNLLLoss()
+
+    def temp_bytes(groups):
+        engine = DFSEngine(model, chunk_len=16)
+        batch = grpo_groups(
+            num_groups=groups, group_size=8, prompt_len=48, response_len=48, seed=groups
+        )
+        mem = engine.compiled_memory(params, batch, loss)
+        return mem.temp_size_in_bytes, batch.num_tokens
+
+    small, n_small = temp_bytes(1)
+    large, n_large = temp_bytes(8)
+    # What dense-style activation storage would add per extra token: at least the
+    # K/V of every layer (fp32), far more with MLP activations.
+    kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    growth = large - small
+    assert growth < 0.25 * (n_large - n_small) * kv_bytes_per_token, (small, large)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(tokens=[]), "empty"),
+        (dict(tokens=[[5]]), "length 1 < 2"),
+        (dict(tokens=[[5, 6, 7]], loss_mask=[[0, 1]]), r"loss_mask\[0\]: length 2 != tokens"),
+        (dict(tokens=[[5, 6, 7]], advantages=[np.nan]), r"advantages\[0\]"),
+        (dict(tokens=[[5, -6, 7]]), "negative token"),
+        (dict(tokens=[[5, 6, 7]], loss_mask=[[1, 1, 1]]), r"loss_mask\[0\]\[0\]"),
+        (dict(tokens=[[5, 6]], old_logprobs=[[0.0, np.inf]]), "old_logprobs"),
+        (dict(tokens=[[5, 6]], prompt_lens=[2]), r"prompt_lens\[0\]=2 outside"),
+    ],
+)
+def test_batch_rejects_bad_input(kwargs, match):
+    with pytest.raises(BatchError, match=match):
+        RolloutBatch.create(**kwargs)
+
+
+def test_engine_rejects_token_out_of_vocab_and_missing_ref(model_params):
+    model, params = model_params
+    engine = DFSEngine(model)
+    with pytest.raises(BatchError, match="vocab_size 256"):
+        engine.value_and_grad(params, RolloutBatch.create(tokens=[[1, 300]]), MaskedNLLLoss())
+    with pytest.raises(BatchError, match="needs ref_logprobs"):
+        engine.value_and_grad(
+            params, RolloutBatch.create(tokens=[[1, 3]]), ClippedSurrogateLoss.grpo(kl_coef=0.1)
+        )
