@@ -24,6 +24,7 @@ Letters: L layers, S path buffer, C chunk, K kv heads, D head dim, T steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -33,6 +34,7 @@ from flax import nnx
 
 from dtarl.engines import base
 from dtarl.engines.batch import RolloutBatch
+from dtarl.model.config import AttentionBackend
 from dtarl.model.decoder import Decoder, KVCache, token_logprobs
 from dtarl.tree.order import DFSOrder
 from dtarl.tree.plan import Op, SegmentPlan, bucket, compile_plan
@@ -42,11 +44,14 @@ from dtarl.tree.trie import PrefixTree, build_tree
 class _Step(NamedTuple):
     op: jax.Array
     start: jax.Array
-    n_valid: jax.Array
+    pbucket: jax.Array
+    positions: jax.Array
     inputs: jax.Array
     targets: jax.Array
-    tree_off: jax.Array
+    seg: jax.Array
+    tree_idx: jax.Array
     slots: jax.Array
+    slot_seg: jax.Array
 
 
 class _Carry(NamedTuple):
@@ -84,30 +89,42 @@ class DFSEngine:
     """Tree training by depth-first push/pop over the batch's prefix tree."""
 
     model: Decoder
-    chunk_len: int = 64
+    chunk_len: int = 128
     order: DFSOrder = DFSOrder.GREEDY
+    pack_leaves: bool = True
+    prefix_levels: int = 3
     name: str = "dfs"
 
     def __post_init__(self):
         if self.chunk_len < 1:
             raise ValueError(f"chunk_len={self.chunk_len} must be >= 1")
+        if self.prefix_levels < 1:
+            raise ValueError(f"prefix_levels={self.prefix_levels} must be >= 1")
         self.graphdef, _ = base.split_model(self.model)
         self.cfg = self.model.cfg
         self.jit = base.JitCache(self)
+        # The pallas kernel has no segment mask: no leaf packing with it.
+        self._single_segment = (
+            not self.pack_leaves or self.cfg.attention_backend is AttentionBackend.PALLAS
+        )
         # Buckets only grow, so a smaller batch reuses the last program.
-        self._min = dict(steps=1, path=1, slots=1, seqs=1, flat=1, tree=1)
+        # Loss slots are cheap (O(path) each); 8 covers most packed steps.
+        self._min = dict(steps=1, path=1, slots=8, seqs=1, flat=1, tree=1)
 
     # ------------------------------------------------------------ device side
 
-    def _chunk_forward(self, params, stack_k, stack_v, start, inputs_C, targets_C):
+    def _chunk_forward(self, params, stack_k, stack_v, st: _Step):
         model = nnx.merge(self.graphdef, params)
-        c = inputs_C.shape[0]
-        pos = (start + jnp.arange(c, dtype=jnp.int32))[None]
         hidden, kv_new = model(
-            inputs_C[None], pos, KVCache(stack_k, stack_v), start[None], return_hidden=True
+            st.inputs[None],
+            st.positions[None],
+            KVCache(stack_k, stack_v),
+            st.start[None],
+            return_hidden=True,
+            segment_ids_BxT=None if self._single_segment else st.seg[None],
         )
         logp, _ = token_logprobs(
-            model.lm_head_weight(), hidden, targets_C[None], chunk=self.cfg.logits_chunk
+            model.lm_head_weight(), hidden, st.targets[None], chunk=self.cfg.logits_chunk
         )
         return logp[0], kv_new.k, kv_new.v
 
@@ -116,10 +133,12 @@ class DFSEngine:
         return self.jit.trace_count
 
     def device_fn(self, loss, static):
-        s, tree_size = static
-        return lambda params, steps, seq: self._run_plan(loss, s, tree_size, params, steps, seq)
+        s, tree_size, sizes = static
+        return lambda params, steps, seq: self._run_plan(
+            loss, s, tree_size, sizes, params, steps, seq
+        )
 
-    def _run_plan(self, loss, s: int, tree_size: int, params, steps: _Step, seq: base.SeqData):
+    def _run_plan(self, loss, s, tree_size, sizes, params, steps: _Step, seq: base.SeqData):
         cfg = self.cfg
         c = steps.inputs.shape[1]
         buf = s + c
@@ -133,71 +152,90 @@ class DFSEngine:
             logp=jnp.zeros(buf + 1, jnp.float32),
             dlogp=jnp.zeros(buf + 1, jnp.float32),
             grads=base.zeros_like_f32(params),
-            tree_logp=jnp.zeros(tree_size + c, jnp.float32),
+            tree_logp=jnp.zeros(tree_size, jnp.float32),
             seq_loss=jnp.zeros(seq.off.shape[0], jnp.float32),
         )
+        oob = buf + 1  # scatter index that mode="drop" discards
 
         def put(buf_, x, at, axis):
             return jax.lax.dynamic_update_slice_in_dim(buf_, x, at, axis=axis)
 
-        def take(buf_, at, size, axis):
-            return jax.lax.dynamic_slice_in_dim(buf_, at, size, axis=axis)
-
         def noop(cr: _Carry, st: _Step) -> _Carry:
             return cr
 
-        def push(cr: _Carry, st: _Step) -> _Carry:
-            valid = jnp.arange(c) < st.n_valid
-            logp, k, v = self._chunk_forward(
-                params, cr.stack_k, cr.stack_v, st.start, st.inputs, st.targets
-            )
+        def push(p: int, cr: _Carry, st: _Step) -> _Carry:
+            # A single contiguous segment at st.start; reads the first p stack rows.
+            valid = st.seg >= 0
+            logp, k, v = self._chunk_forward(params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p], st)
             return cr._replace(
                 stack_k=put(cr.stack_k, k.astype(cd), st.start, 2),
                 stack_v=put(cr.stack_v, v.astype(cd), st.start, 2),
                 logp=put(cr.logp, jnp.where(valid, logp, 0.0), st.start + 1, 0),
             )
 
-        def pop(cr: _Carry, st: _Step) -> _Carry:
-            valid = jnp.arange(c) < st.n_valid
-            fwd = lambda p, sk, sv: self._chunk_forward(p, sk, sv, st.start, st.inputs, st.targets)
-            (logp, _, _), vjp = jax.vjp(fwd, params, cr.stack_k, cr.stack_v)
+        def visit(chunk_logp, st: _Step, path_logp):
+            """Losses of the sequences visited here; d loss / d (chunk logp, path logp)."""
+            valid = st.seg >= 0
+            tpos = jnp.where(valid, st.positions + 1, oob)
+
+            def one(sid, sseg):
+                mine = valid & (st.seg == sseg)
+                idx = jnp.where(mine, tpos, oob)
+                lp = path_logp[:s].at[idx].set(chunk_logp, mode="drop")
+                covered = jnp.zeros(s, jnp.float32).at[idx].set(1.0, mode="drop")
+                val, d = jax.value_and_grad(lambda x: base.sequence_loss(loss, x, seq, sid))(lp)
+                d_chunk = jnp.where(mine, d.at[tpos].get(mode="fill", fill_value=0.0), 0.0)
+                return val, d_chunk, d * (1.0 - covered)
+
+            vals, d_chunk, d_path = jax.vmap(one)(st.slots, st.slot_seg)
+            return vals, jnp.sum(d_chunk, axis=0), jnp.sum(d_path, axis=0)
+
+        def pop(p: int, cr: _Carry, st: _Step) -> _Carry:
+            valid = st.seg >= 0
+            fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st)
+            (logp, _, _), vjp = jax.vjp(fwd, params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p])
             logp = jnp.where(valid, logp, 0.0)
-            path_logp = put(cr.logp, logp, st.start + 1, 0)
-            # Visit: losses of the sequences ending here, and d loss / d logp.
-            per_slot = jax.vmap(
-                jax.value_and_grad(lambda lp, sid: base.sequence_loss(loss, lp, seq, sid)),
-                in_axes=(None, 0),
+            losses, d_chunk, d_path = visit(logp, st, cr.logp)
+            dlogp = cr.dlogp.at[:s].add(d_path)
+            tpos = jnp.where(valid, st.positions + 1, oob)
+            kpos = jnp.where(valid, st.positions, oob)
+            g_logp = d_chunk + jnp.where(
+                valid, dlogp.at[tpos].get(mode="fill", fill_value=0.0), 0.0
             )
-            losses, dlp = per_slot(path_logp[:s], st.slots)
-            dlogp = cr.dlogp.at[:s].add(jnp.sum(dlp, axis=0))
-            g_logp = jnp.where(valid, take(dlogp, st.start + 1, c, 0), 0.0)
-            g_k = take(cr.dstack_k, st.start, c, 2)
-            g_v = take(cr.dstack_v, st.start, c, 2)
+            take = lambda a: jnp.where(
+                valid[None, None, :, None, None],
+                a.at[:, :, kpos].get(mode="fill", fill_value=0.0),
+                0.0,
+            )
+            g_k, g_v = take(cr.dstack_k), take(cr.dstack_v)
             dparams, dk, dv = vjp((g_logp, g_k.astype(cd), g_v.astype(cd)))
-            zeros_kv = jnp.zeros_like(g_k)
+            dstack_k = cr.dstack_k.at[:, :, :p].add(dk.astype(jnp.float32))
+            dstack_v = cr.dstack_v.at[:, :, :p].add(dv.astype(jnp.float32))
             real = st.slots >= 0
+            tidx = jnp.where(valid, st.tree_idx, tree_size)
             return _Carry(
                 stack_k=cr.stack_k,
                 stack_v=cr.stack_v,
-                dstack_k=put(cr.dstack_k + dk.astype(jnp.float32), zeros_kv, st.start, 2),
-                dstack_v=put(cr.dstack_v + dv.astype(jnp.float32), zeros_kv, st.start, 2),
-                logp=path_logp,
-                dlogp=put(dlogp, jnp.zeros(c, jnp.float32), st.start + 1, 0),
+                # This chunk's cotangents are consumed: clear them for its siblings.
+                dstack_k=dstack_k.at[:, :, kpos].set(0.0, mode="drop"),
+                dstack_v=dstack_v.at[:, :, kpos].set(0.0, mode="drop"),
+                logp=cr.logp,
+                dlogp=dlogp.at[tpos].set(0.0, mode="drop"),
                 grads=jax.tree.map(lambda a, g: a + g.astype(jnp.float32), cr.grads, dparams),
-                # Only the valid entries: the padding must not clobber a neighbour.
-                tree_logp=put(
-                    cr.tree_logp,
-                    jnp.where(valid, logp, take(cr.tree_logp, st.tree_off, c, 0)),
-                    st.tree_off,
-                    0,
-                ),
+                tree_logp=cr.tree_logp.at[tidx].set(logp, mode="drop"),
                 seq_loss=cr.seq_loss.at[jnp.where(real, st.slots, 0)].add(
                     jnp.where(real, losses, 0.0)
                 ),
             )
 
+        branches = [noop]
+        branches += [functools.partial(push, p) for p in sizes]
+        branches += [functools.partial(pop, p) for p in sizes]
+        nb = len(sizes)
+
         def body(cr, st):
-            return jax.lax.switch(st.op, [noop, push, pop], cr, st), None
+            index = jnp.where(st.op == Op.NOOP, 0, jnp.where(st.op == Op.PUSH, 1, 1 + nb))
+            return jax.lax.switch(index + st.pbucket * (st.op != Op.NOOP), branches, cr, st), None
 
         out, _ = jax.lax.scan(body, carry, steps)
         return jnp.sum(out.seq_loss), out.grads, out.tree_logp
@@ -231,6 +269,8 @@ class DFSEngine:
             tree,
             chunk_len=self.chunk_len,
             order=self.order,
+            pack_leaves=not self._single_segment,
+            prefix_levels=self.prefix_levels,
             min_steps=self._min["steps"],
             min_path=self._min["path"],
             min_slots=self._min["slots"],
@@ -248,16 +288,21 @@ class DFSEngine:
         n = batch.num_sequences
         self._min["seqs"] = n_pad = bucket(n, self._min["seqs"])
         self._min["flat"] = f_pad = bucket(batch.num_tokens, self._min["flat"])
-        self._min["tree"] = tree_size = bucket(int(tree.token_data.shape[0]), self._min["tree"])
+        # +1: a trailing slot that padding entries write into and nothing reads.
+        tree_size = bucket(int(tree.token_data.shape[0]) + 1, self._min["tree"])
+        self._min["tree"] = tree_size
         seq = base.flat_sequence_data(batch, w, n_pad=n_pad, f_pad=f_pad, pad=plan.path_len)
         steps = _Step(
             op=plan.op,
             start=plan.start,
-            n_valid=plan.n_valid,
+            pbucket=plan.pbucket,
+            positions=plan.positions,
             inputs=plan.inputs,
             targets=plan.targets,
-            tree_off=plan.tree_off,
+            seg=plan.seg,
+            tree_idx=plan.tree_idx,
             slots=plan.slots,
+            slot_seg=plan.slot_seg,
         )
         stats = dict(
             num_tokens=tree.stats.num_tokens,
@@ -266,11 +311,15 @@ class DFSEngine:
             pushed_tokens=plan.pushed_tokens,
             peak_path=plan.peak_path,
             num_steps=plan.num_steps,
+            packed_steps=plan.packed_steps,
             padded_steps=int(plan.op.shape[0]),
             path_buffer=plan.path_len + plan.chunk_len,
         )
         return base.Prepared(
-            static=(plan.path_len, tree_size), args=(steps, seq), host=(tree, n), stats=stats
+            static=(plan.path_len, tree_size, plan.prefix_sizes),
+            args=(steps, seq),
+            host=(tree, n),
+            stats=stats,
         )
 
     def finish(self, prepared: base.Prepared, out) -> tuple[np.ndarray, ...]:

@@ -93,10 +93,12 @@ def apply_rope(x_BxTxHxD, positions_BxT, inv_freq):
     return out.astype(x_BxTxHxD.dtype)
 
 
-def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new):
+def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segment_ids_BxT=None):
     """Reference attention of a chunk over [valid prefix, causal chunk].
 
     k_prefix/v_prefix: [B, P, K, D] (P may be 0); k_new/v_new: [B, T, K, D].
+    With ``segment_ids`` a chunk packs several independent continuations of the
+    same prefix: chunk key c is visible to query i only if both share a segment.
     Scores and softmax in fp32.
     """
     b, t, h, d = q_BxTxHxD.shape
@@ -112,7 +114,13 @@ def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new):
     key_pos = jnp.arange(p + t)
     prefix_ok_BxS = (key_pos[None, :] < prefix_len_B[:, None]) & (key_pos[None, :] < p)
     chunk_ok_TxS = (key_pos[None, :] >= p) & (key_pos[None, :] - p <= jnp.arange(t)[:, None])
-    mask_BxTxS = prefix_ok_BxS[:, None, :] | chunk_ok_TxS[None]
+    chunk_ok_BxTxS = chunk_ok_TxS[None]
+    if segment_ids_BxT is not None:
+        seg_keys_BxS = jnp.concatenate(
+            [jnp.full((b, p), -1, segment_ids_BxT.dtype), segment_ids_BxT], axis=1
+        )
+        chunk_ok_BxTxS = chunk_ok_BxTxS & (segment_ids_BxT[:, :, None] == seg_keys_BxS[:, None, :])
+    mask_BxTxS = prefix_ok_BxS[:, None, :] | chunk_ok_BxTxS
     att_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], att_BxKxGxTxS, _NEG)
     probs = jax.nn.softmax(att_BxKxGxTxS, axis=-1).astype(v_BxSxKxD.dtype)
     out_BxTxKxGxD = jnp.einsum(
@@ -121,13 +129,17 @@ def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new):
     return out_BxTxKxGxD.reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
 
 
-def attend_pallas(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new):
+def attend_pallas(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segment_ids_BxT=None):
     """The same attention through ``pallas_kernels.chunk_attention``.
 
     The chunk's K/V are written right after the valid prefix so the kernel sees
-    one contiguous [prefix, chunk] K/V with ``start = prefix_len``.
+    one contiguous [prefix, chunk] K/V with ``start = prefix_len``. The kernel has
+    no segment mask: packed chunks need the ``xla`` backend.
     """
     from pallas_kernels.chunk_attention import chunk_attention
+
+    if segment_ids_BxT is not None:
+        raise ValueError("segment_ids (packed chunks) are not supported by the pallas backend")
 
     b, t = q_BxTxHxD.shape[:2]
     p = k_prefix.shape[1]
@@ -160,7 +172,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, pd, names=(axes.HEAD_DIM,))
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pd, names=(axes.HEAD_DIM,))
 
-    def __call__(self, x_BxTxE, positions_BxT, k_prefix, v_prefix, prefix_len_B, inv_freq):
+    def __call__(self, x_BxTxE, positions_BxT, k_prefix, v_prefix, prefix_len_B, inv_freq, seg):
         cfg = self.cfg
         cd = x_BxTxE.dtype
         q = jnp.einsum("bte,ehd->bthd", x_BxTxE, self.q_proj[...].astype(cd))
@@ -176,7 +188,7 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions_BxT, inv_freq)
         k = apply_rope(k, positions_BxT, inv_freq)
         attend = attend_pallas if cfg.attention_backend is AttentionBackend.PALLAS else attend_xla
-        out_BxTxHxD = attend(q, k_prefix, v_prefix, prefix_len_B, k, v)
+        out_BxTxHxD = attend(q, k_prefix, v_prefix, prefix_len_B, k, v, seg)
         y = jnp.einsum("bthd,hde->bte", out_BxTxHxD, self.o_proj[...].astype(cd))
         return y, k, v
 
@@ -204,9 +216,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, k_prefix, v_prefix, prefix_len, inv_freq):
+    def __call__(self, x, positions, k_prefix, v_prefix, prefix_len, seg, inv_freq):
         h, k, v = self.self_attn(
-            self.input_layernorm(x), positions, k_prefix, v_prefix, prefix_len, inv_freq
+            self.input_layernorm(x), positions, k_prefix, v_prefix, prefix_len, inv_freq, seg
         )
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
@@ -245,6 +257,7 @@ class Decoder(nnx.Module):
         *,
         return_hidden: bool = False,
         remat: bool = False,
+        segment_ids_BxT=None,
     ):
         cfg = self.cfg
         cd = jnp.dtype(cfg.compute_dtype)
@@ -272,7 +285,7 @@ class Decoder(nnx.Module):
         x = self.embed_tokens[...].astype(cd)[tokens_BxT]
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            args = (x, positions_BxT, kv_prefix.k[i], kv_prefix.v[i], prefix_len_B)
+            args = (x, positions_BxT, kv_prefix.k[i], kv_prefix.v[i], prefix_len_B, segment_ids_BxT)
             if remat:
                 # Rematerialise the layer's activations in the backward pass.
                 graphdef, state = nnx.split(layer)

@@ -19,6 +19,15 @@ all of the path's logprobs are known, and every sequence that passes through X
 (all in X's subtree) has already been visited, so the logprob cotangents X needs
 are complete.
 
+Packing. Sibling leaves whose whole segment fits in a chunk read the same stack
+prefix and nothing reads their K/V, so several of them share one POP step as
+separate segments (``seg``): the attention mask keeps segments apart, and each
+token carries its own position. A GRPO group's G short responses cost one step.
+
+Prefix buckets. Each step also names the smallest of a few static prefix lengths
+(``prefix_buckets``) that covers its stack prefix, so attention runs over at most
+about twice the real prefix rather than the whole path buffer.
+
 Shapes are bucketed (steps, path length, loss slots, sequences, flat token data)
 so that a new batch reuses the compiled program unless it needs a larger bucket.
 
@@ -48,35 +57,84 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def fine_bucket(n: int, minimum: int = 1) -> int:
+    """The smallest of {1, 1.25, 1.5, 1.75} x 2^k (integers) >= max(n, minimum).
+
+    Padding steps are not free, so step counts get quarter-octave buckets.
+    """
+    n = max(int(n), int(minimum), 1)
+    if n <= 8:
+        return bucket(n)
+    k = (n - 1).bit_length() - 1
+    for q in (4, 5, 6, 7, 8):
+        size = (q << k) // 4
+        if size >= n:
+            return size
+    return bucket(n)
+
+
+def prefix_bucket_sizes(path_len: int, chunk_len: int, levels: int) -> tuple[int, ...]:
+    """Static prefix lengths a step may attend to: 0 and path_len / 2^k (k < levels)."""
+    sizes = {0, path_len}
+    for k in range(1, max(levels, 1)):
+        size = path_len >> k
+        if size >= max(chunk_len // 2, 8):
+            sizes.add(size)
+    return tuple(sorted(sizes))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class SegmentPlan:
     """Fixed-shape device program for one tree. Arrays are host numpy.
 
-    Per step (padded to ``num_steps_padded`` with NOOP):
-      op [T], start [T] (path position of the chunk's first input), n_valid [T],
-      inputs [T, C], targets [T, C], tree_off [T] (offset in the tree's flat token
-      data of the chunk's first target, for writing logprobs), slots [T, K]
-      (ids of sequences visited at this step, -1 = empty).
+    Per step t (padded to a step bucket with NOOP) and chunk entry i < C:
+      op [T]; start [T]: stack prefix length the step reads (= path position of
+      its first input); pbucket [T]: index into ``prefix_sizes``;
+      positions [T, C], inputs [T, C], targets [T, C]; seg [T, C]: segment of the
+      entry, -1 for padding; tree_idx [T, C]: where the target's logprob goes in
+      the tree's flat token data, -1 for padding;
+      slots [T, K]: sequences visited at this step (-1 = empty), slot_seg [T, K].
+    PUSH steps are a single contiguous segment starting at ``start``.
     """
 
     op: np.ndarray
     start: np.ndarray
-    n_valid: np.ndarray
+    pbucket: np.ndarray
+    positions: np.ndarray
     inputs: np.ndarray
     targets: np.ndarray
-    tree_off: np.ndarray
+    seg: np.ndarray
+    tree_idx: np.ndarray
     slots: np.ndarray
+    slot_seg: np.ndarray
     chunk_len: int
     path_len: int  # S: padded path buffer for logprobs / sequence data
+    prefix_sizes: tuple[int, ...]
     num_steps: int  # real steps (before padding)
-    computed_tokens: int  # sum of segment lengths = tokens actually run forward
+    computed_tokens: int  # tokens run forward+backward (popped)
     pushed_tokens: int  # tokens whose forward also runs at push time
+    packed_steps: int  # pop steps holding more than one leaf
     peak_path: int  # longest stacked prefix + chunk
 
     @property
-    def shape_key(self) -> tuple[int, ...]:
+    def shape_key(self) -> tuple:
         """Everything that determines the compiled program's shapes."""
-        return (self.op.shape[0], self.chunk_len, self.path_len, self.slots.shape[1])
+        return (
+            self.op.shape[0],
+            self.chunk_len,
+            self.path_len,
+            self.slots.shape[1],
+            self.prefix_sizes,
+        )
+
+
+@dataclasses.dataclass
+class _Step:
+    op: Op
+    start: int
+    # (node, first input position, last input position + 1) per segment
+    segs: list[tuple[int, int, int]]
+    slots: list[tuple[int, int]]  # (sequence, segment)
 
 
 def compile_plan(
@@ -84,6 +142,8 @@ def compile_plan(
     *,
     chunk_len: int,
     order: DFSOrder = DFSOrder.GREEDY,
+    pack_leaves: bool = True,
+    prefix_levels: int = 3,
     min_steps: int = 1,
     min_path: int = 1,
     min_slots: int = 1,
@@ -91,82 +151,145 @@ def compile_plan(
     """Turns ``tree`` into a bucketed push/pop plan (see the module docstring)."""
     if chunk_len < 1:
         raise ValueError(f"chunk_len={chunk_len} must be >= 1")
+    if prefix_levels < 1:
+        raise ValueError(f"prefix_levels={prefix_levels} must be >= 1")
     c = int(chunk_len)
     children = child_order(tree, order, chunk_len=c)
     start_pos, length = tree.start, tree.length
 
-    def chunks(x: int) -> list[tuple[int, int]]:
+    def seg_range(x: int) -> tuple[int, int]:
         a, b = int(start_pos[x]), int(start_pos[x] + length[x])
-        s0, s1 = max(a - 1, 0), b - 1
+        return max(a - 1, 0), b - 1
+
+    def chunks(x: int) -> list[tuple[int, int]]:
+        s0, s1 = seg_range(x)
         return [(s, min(s + c, s1)) for s in range(s0, s1, c)]
 
-    ops: list[tuple[int, int, int, int, tuple[int, ...]]] = []  # op, node, s, e, slots
-    computed = pushed = peak = 0
-    # Iterative DFS: ("enter", x) / ("exit", x).
-    stack: list[tuple[bool, int]] = [(False, ch) for ch in reversed(children[0])]
+    def check_trainable(x: int) -> None:
+        s0, s1 = seg_range(x)
+        if s1 <= s0 and tree.ends_at[x]:
+            raise ValueError(
+                f"node {x}: sequences {tree.ends_at[x]} end at a node with no predicted "
+                "token (length-1 sequences are not trainable)"
+            )
+
+    steps: list[_Step] = []
+    pushed = 0
+
+    def emit_packed(leaves: list[int]) -> None:
+        # First-fit decreasing of whole leaf segments into chunks of C entries.
+        bins: list[tuple[int, list[int]]] = []
+        for x in sorted(leaves, key=lambda y: -(seg_range(y)[1] - seg_range(y)[0])):
+            size = seg_range(x)[1] - seg_range(x)[0]
+            for i, (used, members) in enumerate(bins):
+                if used + size <= c:
+                    bins[i] = (used + size, members + [x])
+                    break
+            else:
+                bins.append((size, [x]))
+        for _, members in bins:
+            segs = [(x, *seg_range(x)) for x in members]
+            slots = [(sid, j) for j, x in enumerate(members) for sid in tree.ends_at[x]]
+            steps.append(_Step(Op.POP, segs[0][1], segs, slots))
+
+    # Iterative DFS: (leaving?, node).
+    stack: list[tuple[bool, int]] = [(False, 0)]
     while stack:
         leaving, x = stack.pop()
-        cks = chunks(x)
-        leaf = len(children[x]) == 0
-        if not leaving:
-            if not cks and tree.ends_at[x]:
-                raise ValueError(
-                    f"node {x}: sequences {tree.ends_at[x]} end at a node with no predicted "
-                    "token (length-1 sequences are not trainable)"
-                )
-            to_push = cks[:-1] if leaf else cks
-            for s, e in to_push:
-                ops.append((Op.PUSH, x, s, e, ()))
+        if x == 0 and not leaving:
+            kids = children[0]
+        elif not leaving:
+            check_trainable(x)
+            cks = chunks(x)
+            leaf = len(children[x]) == 0
+            for s, e in cks[:-1] if leaf else cks:
+                steps.append(_Step(Op.PUSH, s, [(x, s, e)], []))
                 pushed += e - s
             stack.append((True, x))
-            stack.extend((False, ch) for ch in reversed(children[x]))
+            kids = children[x]
         else:
+            cks = chunks(x)
             for i in range(len(cks) - 1, -1, -1):
                 s, e = cks[i]
-                slots = tuple(tree.ends_at[x]) if i == len(cks) - 1 else ()
-                ops.append((Op.POP, x, s, e, slots))
-                computed += e - s
-                peak = max(peak, e)
+                last = i == len(cks) - 1
+                steps.append(
+                    _Step(Op.POP, s, [(x, s, e)], [(q, 0) for q in tree.ends_at[x]] if last else [])
+                )
+            continue
+        packable = []
+        rest = []
+        for ch in kids:
+            s0, s1 = seg_range(ch)
+            if pack_leaves and not children[ch] and 0 < s1 - s0 <= c:
+                check_trainable(ch)
+                packable.append(ch)
+            else:
+                rest.append(ch)
+        if packable:
+            emit_packed(packable)
+        stack.extend((False, ch) for ch in reversed(rest))
 
-    n_steps = len(ops)
-    t_pad = bucket(n_steps, min_steps)
-    k_pad = bucket(max((len(o[4]) for o in ops), default=1), min_slots)
+    n_steps = len(steps)
+    t_pad = fine_bucket(n_steps, min_steps)
+    k_pad = bucket(max((len(st.slots) for st in steps), default=1), min_slots)
     s_pad = bucket(int(tree.stats.longest_path), min_path)
+    sizes = prefix_bucket_sizes(s_pad, c, prefix_levels)
     op = np.zeros(t_pad, np.int32)
     start = np.zeros(t_pad, np.int32)
-    n_valid = np.zeros(t_pad, np.int32)
+    pbucket = np.zeros(t_pad, np.int32)
+    positions = np.zeros((t_pad, c), np.int32)
     inputs = np.zeros((t_pad, c), np.int32)
     targets = np.zeros((t_pad, c), np.int32)
-    tree_off = np.zeros(t_pad, np.int32)
+    seg = np.full((t_pad, c), -1, np.int32)
+    tree_idx = np.full((t_pad, c), -1, np.int32)
     slots = np.full((t_pad, k_pad), -1, np.int32)
-    for i, (o, x, s, e, sl) in enumerate(ops):
-        # Tokens at path positions [a-1, b): the parent's last token, then X's own.
-        a = int(start_pos[x])
-        own = tree.node_tokens(x)
-        if a > 0:
-            par = int(tree.parent[x])
-            last = tree.token_data[int(tree.offset[par] + tree.length[par]) - 1]
-            ext, base = np.concatenate([[last], own]), a - 1
-        else:
-            ext, base = own, 0
-        n = e - s
-        op[i], start[i], n_valid[i] = int(o), s, n
-        inputs[i, :n] = ext[s - base : e - base]
-        targets[i, :n] = ext[s - base + 1 : e - base + 1]
-        tree_off[i] = int(tree.offset[x]) + (s + 1 - int(start_pos[x]))
-        slots[i, : len(sl)] = sl
+    slot_seg = np.zeros((t_pad, k_pad), np.int32)
+    computed = packed = peak = 0
+    for t, st in enumerate(steps):
+        op[t], start[t] = int(st.op), st.start
+        pbucket[t] = int(np.searchsorted(sizes, st.start))
+        col = 0
+        for j, (x, s, e) in enumerate(st.segs):
+            # Tokens at path positions [a-1, b): the parent's last token, then X's own.
+            a = int(start_pos[x])
+            own = tree.node_tokens(x)
+            if a > 0:
+                par = int(tree.parent[x])
+                last = tree.token_data[int(tree.offset[par] + tree.length[par]) - 1]
+                ext, base = np.concatenate([[last], own]), a - 1
+            else:
+                ext, base = own, 0
+            n = e - s
+            sl = slice(col, col + n)
+            positions[t, sl] = np.arange(s, e)
+            inputs[t, sl] = ext[s - base : e - base]
+            targets[t, sl] = ext[s - base + 1 : e - base + 1]
+            seg[t, sl] = j
+            tree_idx[t, sl] = int(tree.offset[x]) + np.arange(s + 1, e + 1) - a
+            col += n
+            peak = max(peak, e)
+        if st.op is Op.POP:
+            computed += col
+            packed += len(st.segs) > 1
+        for k, (sid, j) in enumerate(st.slots):
+            slots[t, k], slot_seg[t, k] = sid, j
     return SegmentPlan(
         op=op,
         start=start,
-        n_valid=n_valid,
+        pbucket=pbucket,
+        positions=positions,
         inputs=inputs,
         targets=targets,
-        tree_off=tree_off,
+        seg=seg,
+        tree_idx=tree_idx,
         slots=slots,
+        slot_seg=slot_seg,
         chunk_len=c,
         path_len=s_pad,
+        prefix_sizes=sizes,
         num_steps=n_steps,
         computed_tokens=computed,
         pushed_tokens=pushed,
+        packed_steps=packed,
         peak_path=peak,
     )

@@ -37,11 +37,12 @@ def _model(family: ModelFamily, dtype: str = "float32"):
 
 
 @functools.cache
-def _engine(kind: str, family: ModelFamily, chunk: int = 8, order=DFSOrder.GREEDY):
+def _engine(kind: str, family: ModelFamily, chunk: int = 8, order=DFSOrder.GREEDY, levels=1):
     model, _ = _model(family)
-    # Pre-sized buckets: one compilation per loss for the whole module.
+    # Pre-sized buckets: one compilation per loss for the whole module. One prefix
+    # level keeps compile time down; test_dfs_prefix_buckets covers several.
     if kind == "dfs":
-        engine = DFSEngine(model, chunk_len=chunk, order=order)
+        engine = DFSEngine(model, chunk_len=chunk, order=order, prefix_levels=levels)
         return engine.reserve(steps=256, path=64, slots=8, sequences=64, tokens=2048)
     return DenseEngine(model, microbatch=4).reserve(length=64, sequences=64, tokens=2048)
 
@@ -110,9 +111,9 @@ def rel_errors(got, want):
     return jax.tree.leaves(errs)
 
 
-def check(engine_kind, family, batch, loss, chunk=8, order=DFSOrder.GREEDY):
+def check(engine_kind, family, batch, loss, chunk=8, order=DFSOrder.GREEDY, levels=1):
     model, params = _model(family)
-    engine = _engine(engine_kind, family, chunk, order)
+    engine = _engine(engine_kind, family, chunk, order, levels)
     want_loss, want_grads, want_logp = reference(model, params, batch, loss)
     got_loss, got_grads, aux = engine.value_and_grad(params, batch, loss)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=RTOL, atol=1e-7)
@@ -210,6 +211,18 @@ def test_dfs_chunk_sizes(chunk):
     aux = check("dfs", ModelFamily.QWEN3, batch, MaskedNLLLoss(), chunk=chunk)
     # The prompt is run once (plus one fork token per child), not once per sequence.
     assert aux.stats["computed_tokens"] < aux.stats["num_tokens"]
+
+
+def test_dfs_prefix_buckets_and_packing():
+    """Several static prefix lengths per program, packed sibling leaves, deep tree."""
+    rs = np.random.RandomState(4)
+    stem = list(rs.randint(3, 256, 30))
+    seqs = [stem + list(rs.randint(3, 256, rs.randint(1, 6))) for _ in range(6)]
+    seqs += [stem[:12] + list(rs.randint(3, 256, 20)) for _ in range(2)]
+    seqs += [list(rs.randint(3, 256, 5)) for _ in range(3)]  # unrelated short roots
+    batch = with_logprob_data(RolloutBatch.create(tokens=seqs, advantages=rs.randn(len(seqs))))
+    aux = check("dfs", ModelFamily.QWEN3, batch, LOSSES["dapo"], chunk=16, levels=3)
+    assert aux.stats["packed_steps"] >= 2
 
 
 def test_bf16_within_stated_bound():

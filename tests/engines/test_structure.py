@@ -18,7 +18,7 @@ def model_params():
 
 def test_dfs_no_retrace_within_bucket(model_params):
     model, params = model_params
-    engine = DFSEngine(model, chunk_len=8)
+    engine = DFSEngine(model, chunk_len=8, prefix_levels=1)
     loss = MaskedNLLLoss()
     first = grpo_groups(num_groups=2, group_size=4, prompt_len=12, response_len=(4, 10), seed=0)
     engine.value_and_grad(params, first, loss)
@@ -58,7 +58,7 @@ def test_dfs_memory_bounded_by_longest_path(model_params):
     loss = MaskedNLLLoss()
 
     def temp_bytes(groups):
-        engine = DFSEngine(model, chunk_len=16)
+        engine = DFSEngine(model, chunk_len=16, prefix_levels=1)
         batch = grpo_groups(
             num_groups=groups, group_size=8, prompt_len=48, response_len=48, seed=groups
         )

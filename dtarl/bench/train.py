@@ -1,0 +1,313 @@
+"""``dtarl bench train``: training engines side by side on one set of workloads.
+
+For every workload the same batch goes through each engine (same parameters,
+same loss); each engine is warmed up (compiled) once, then timed over
+``repeats`` steps (median). Printed per engine: step time, tokens/s, speedup
+vs dense and vs dense+remat, the ideal ratio (dense FLOPs / tree FLOPs with
+attention's quadratic part), measured / ideal, and XLA's compiled peak memory.
+
+The ideal ratio counts forward+backward FLOPs of every token at its context
+length: dense = sum over sequences and positions, tree = sum over distinct
+prefixes (tree tokens). A tree engine can approach it but not beat it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from flax import nnx
+
+from dtarl.engines import EngineKind, RolloutBatch, make_engine
+from dtarl.model import ModelConfig, init_model
+from dtarl.rl.losses import ClippedSurrogateLoss
+from dtarl.testing import grpo_groups
+from dtarl.tree import DFSOrder, build_tree
+
+
+def _context_flops(cfg: ModelConfig, start: np.ndarray, stop: np.ndarray) -> float:
+    """Forward FLOPs of tokens at positions [start, stop) (vectorised, closed form).
+
+    flops_per_token(p) = a + b * p, so the sum over p in [s, e) is
+    a * (e - s) + b * (e - s) * (s + e - 1) / 2.
+    """
+    a = cfg.flops_per_token(0.0)
+    b = cfg.flops_per_token(1.0) - a
+    n = (stop - start).astype(np.float64)
+    return float(np.sum(a * n + b * n * (start + stop - 1) / 2.0))
+
+
+def ideal_ratio(cfg: ModelConfig, batch: RolloutBatch) -> tuple[float, float, float]:
+    """(dense FLOPs, tree FLOPs, ratio); backward = 2x forward, so 3x both."""
+    lengths = batch.lengths
+    dense = 3 * _context_flops(cfg, np.zeros_like(lengths), lengths)
+    tree = build_tree(batch.tokens)
+    starts = tree.start[1:]
+    tree_f = 3 * _context_flops(cfg, starts, starts + tree.length[1:])
+    return dense, tree_f, dense / tree_f
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    name: str
+    make: Callable[[], RolloutBatch]
+    note: str = ""
+
+
+def synthetic_workloads(quick: bool = False) -> list[Workload]:
+    s = 0.25 if quick else 1.0
+
+    def grpo(g, p, r, seed):
+        return lambda: grpo_groups(
+            num_groups=2,
+            group_size=g,
+            prompt_len=max(2, int(p * s)),
+            response_len=(max(1, int(r * s * 0.75)), max(1, int(r * s))),
+            seed=seed,
+        )
+
+    def unshared():
+        rs = np.random.RandomState(11)
+        toks = [rs.randint(3, 256, int(384 * s)) for _ in range(8)]
+        return RolloutBatch.create(tokens=toks, prompt_lens=[1] * 8, advantages=rs.randn(8))
+
+    out = [
+        Workload(name=f"grpo_G{g}_prompt>>resp", make=grpo(g, 512, 96, g), note="prompt 512, resp <=96")
+        for g in ((4, 8) if quick else (4, 8, 16))
+    ]
+    out.append(Workload(name="grpo_G8_resp>>prompt", make=grpo(8, 64, 384, 3), note="prompt 64"))
+    out.append(Workload(name="no_shared_prefix", make=unshared, note="8 unrelated sequences"))
+    return out
+
+
+def polytrace_workloads(root: str | None, length_scale: float, quick: bool = False) -> list[Workload]:
+    """Real prefix structure and length distributions from PolyTrace (if present)."""
+    from dtarl.traces import default_polytrace_root, sample_workload
+
+    root = root or str(default_polytrace_root())
+    if not os.path.isdir(root):
+        return []
+    found = []
+    specs = [
+        ("verl_math", "verl", "trajectory", 2, 8),
+        ("search_r1_traj", "search_r1", "trajectory", 2, 8),
+        ("search_r1_per_turn", "search_r1", "per_turn", 2, 8),
+    ]
+    for name, sub, mode, groups, n in specs[:2] if quick else specs:
+        path = _first_run(os.path.join(root, sub))
+        if path is None:
+            continue
+        scale = length_scale * (10.0 if sub == "search_r1" else 1.0)
+
+        def make(path=path, mode=mode, groups=groups, n=n, scale=scale):
+            return sample_workload(
+                path,
+                batch_size=groups,
+                n_sampling=n,
+                step=None,
+                seed=0,
+                length_scale=scale,
+                mode=mode,
+                vocab_size=256,
+            )
+
+        found.append(Workload(name=name, make=make, note=f"{sub} x{scale:g} {mode}"))
+    return found
+
+
+def _first_run(folder: str) -> str | None:
+    """The first directory below ``folder`` that holds *.jsonl step files."""
+    for dirpath, _, files in sorted(os.walk(folder)):
+        if any(f.endswith(".jsonl") and "step" in f for f in files):
+            return dirpath
+    return None
+
+
+ENGINE_SPECS = {
+    "dense": (EngineKind.DENSE, {}),
+    "dense_remat": (EngineKind.DENSE_REMAT, {}),
+    "dfs_lex": (EngineKind.DFS, {"order": DFSOrder.LEXICOGRAPHIC}),
+    "dfs": (EngineKind.DFS, {"order": DFSOrder.GREEDY}),
+}
+
+
+def _engine_specs(names: Sequence[str] | None) -> dict[str, tuple]:
+    specs = dict(ENGINE_SPECS)
+    for kind in EngineKind:  # engines added later (prefix_reuse, auto) join automatically
+        if kind.value not in specs and kind.value not in ("dense_remat",):
+            specs[kind.value] = (kind, {})
+    if names:
+        unknown = [n for n in names if n not in specs]
+        if unknown:
+            raise ValueError(f"--engines: unknown {unknown}; accepted: {sorted(specs)}")
+        specs = {n: specs[n] for n in names}
+    return specs
+
+
+def _kwargs_for(kind: EngineKind, extra: dict, chunk_len: int, microbatch: int) -> dict:
+    kw = dict(extra)
+    if kind is EngineKind.DFS:
+        kw.setdefault("chunk_len", chunk_len)
+    elif kind in (EngineKind.DENSE, EngineKind.DENSE_REMAT):
+        kw.setdefault("microbatch", microbatch)
+    return kw
+
+
+def _peak_bytes(engine, params, batch, loss) -> int | None:
+    fn = getattr(engine, "compiled_memory", None)
+    if fn is None:
+        return None
+    try:
+        mem = fn(params, batch, loss)
+    except Exception:  # noqa: BLE001 - memory analysis is optional per backend
+        return None
+    if mem is None:
+        return None
+    return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes)
+
+
+def run(
+    *,
+    model_cfg: ModelConfig | None = None,
+    engines: Sequence[str] | None = None,
+    workloads: Sequence[str] | None = None,
+    polytrace: str | None = None,
+    length_scale: float = 0.02,
+    repeats: int = 3,
+    chunk_len: int = 128,
+    microbatch: int = 8,
+    quick: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Runs the benchmark and returns the results (also what the CLI writes as JSON)."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    cfg = model_cfg or ModelConfig.tiny()
+    model = init_model(cfg, seed=0)
+    params = nnx.split(model, nnx.Param)[1]
+    loss = ClippedSurrogateLoss.grpo()
+    specs = _engine_specs(engines)
+    all_w = synthetic_workloads(quick) + polytrace_workloads(polytrace, length_scale, quick)
+    if workloads:
+        known = {w.name for w in all_w}
+        unknown = [w for w in workloads if w not in known]
+        if unknown:
+            raise ValueError(f"--workloads: unknown {unknown}; accepted: {sorted(known)}")
+        all_w = [w for w in all_w if w.name in workloads]
+    results = {"model": dataclasses.asdict(cfg) | {"family": cfg.family.value}, "workloads": []}
+    results["model"]["attention_backend"] = cfg.attention_backend.value
+    for wl in all_w:
+        batch = wl.make()
+        dense_f, tree_f, ideal = ideal_ratio(cfg, batch)
+        tree = build_tree(batch.tokens)
+        row = {
+            "workload": wl.name,
+            "note": wl.note,
+            "sequences": batch.num_sequences,
+            "num_tokens": batch.num_tokens,
+            "tree_tokens": tree.stats.tree_tokens,
+            "longest_path": tree.stats.longest_path,
+            "ideal_ratio": ideal,
+            "engines": {},
+        }
+        log(
+            f"\n== {wl.name} ({wl.note}): {batch.num_sequences} seqs, {batch.num_tokens} tokens, "
+            f"{tree.stats.tree_tokens} tree tokens, ideal x{ideal:.2f}"
+        )
+        for name, (kind, extra) in specs.items():
+            engine = make_engine(kind, model, **_kwargs_for(kind, extra, chunk_len, microbatch))
+            t0 = time.perf_counter()
+            engine.value_and_grad(params, batch, loss)  # compile + warm up
+            compile_s = time.perf_counter() - t0
+            times, stats = [], {}
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                _, _, aux = engine.value_and_grad(params, batch, loss)
+                times.append(time.perf_counter() - t0)
+                stats = aux.stats
+            step = statistics.median(times)
+            row["engines"][name] = {
+                "step_seconds": step,
+                "device_seconds": stats.get("seconds"),
+                "host_seconds": stats.get("host_seconds"),
+                "compile_seconds": compile_s,
+                "tokens_per_second": batch.num_tokens / step,
+                "peak_bytes": _peak_bytes(engine, params, batch, loss),
+                "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
+            }
+        base_t = row["engines"].get("dense", {}).get("step_seconds")
+        remat_t = row["engines"].get("dense_remat", {}).get("step_seconds")
+        for name, e in row["engines"].items():
+            e["speedup_vs_dense"] = base_t / e["step_seconds"] if base_t else None
+            e["speedup_vs_dense_remat"] = remat_t / e["step_seconds"] if remat_t else None
+            e["measured_over_ideal"] = (
+                e["speedup_vs_dense"] / ideal if e["speedup_vs_dense"] else None
+            )
+        log(_format_rows(row))
+        results["workloads"].append(row)
+    return results
+
+
+def _format_rows(row: dict) -> str:
+    head = (
+        f"{'engine':<14}{'step s':>9}{'tok/s':>10}{'x dense':>9}{'x remat':>9}"
+        f"{'ideal':>7}{'meas/ideal':>11}{'peak MiB':>10}{'compile s':>10}"
+    )
+    lines = [head]
+    for name, e in row["engines"].items():
+
+        def f(x, fmt):
+            return format(x, fmt) if x is not None else "-"
+
+        peak = e["peak_bytes"] / 2**20 if e["peak_bytes"] else None
+        lines.append(
+            f"{name:<14}{e['step_seconds']:>9.3f}{e['tokens_per_second']:>10.0f}"
+            f"{f(e['speedup_vs_dense'], '>9.2f')}{f(e['speedup_vs_dense_remat'], '>9.2f')}"
+            f"{row['ideal_ratio']:>7.2f}{f(e['measured_over_ideal'], '>11.2f')}"
+            f"{f(peak, '>10.1f')}{e['compile_seconds']:>10.1f}"
+        )
+    return "\n".join(lines)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="time the training engines side by side (dense, dense+remat, dfs, ...)",
+        description=__doc__,
+    )
+    p.add_argument("--engines", nargs="+", help=f"subset of {sorted(_engine_specs(None))}")
+    p.add_argument("--workloads", nargs="+", help="subset of workload names (see the output)")
+    p.add_argument("--polytrace", help="PolyTrace root (default: ../shared/polytrace)")
+    p.add_argument("--length-scale", type=float, default=0.02, help="scale for trace lengths")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--chunk-len", type=int, default=128)
+    p.add_argument("--microbatch", type=int, default=8, help="dense microbatch (sequences)")
+    p.add_argument("--model", default="tiny", help=f"preset, one of {ModelConfig.PRESETS}")
+    p.add_argument("--quick", action="store_true", help="smaller workloads (about a minute)")
+    p.add_argument("--json", help="write the results here")
+    p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    cfg = ModelConfig.preset(args.model)
+    res = run(
+        model_cfg=cfg,
+        engines=args.engines,
+        workloads=args.workloads,
+        polytrace=args.polytrace,
+        length_scale=args.length_scale,
+        repeats=args.repeats,
+        chunk_len=args.chunk_len,
+        microbatch=args.microbatch,
+        quick=args.quick,
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        print(f"\nwrote {args.json}")
+    return 0

@@ -1,0 +1,49 @@
+"""The ``dtarl`` command: thin argparse front end over library functions.
+
+Each subcommand module exposes ``register(subparsers)`` and sets ``func`` on its
+parser; ``func(args)`` returns the exit code. Only working subcommands are listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dtarl",
+        description="Fast RL post-training of LLMs in JAX: prefix-tree training and friends.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    bench = sub.add_parser("bench", help="benchmarks (train engines, DP partition)")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    from dtarl.bench import train as bench_train
+
+    bench_train.register(bench_sub)
+    from dtarl.parallel import bench_partition
+
+    bench_partition.register(bench_sub)
+
+    trace = sub.add_parser("trace", help="PolyTrace workloads: report, sample")
+    trace_sub = trace.add_subparsers(dest="trace_command", metavar="TRACE")
+    from dtarl.traces import cli as trace_cli
+
+    trace_cli.register(trace_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        # A group without its subcommand: show that group's help.
+        parser.parse_args((argv or sys.argv[1:]) + ["--help"])
+        return 2
+    return int(func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The decoder's call contract: prefix K/V, bottom-right masks, packing, backends."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dtarl.model import (
+    AttentionBackend,
+    ConfigError,
+    KVCache,
+    ModelConfig,
+    ModelFamily,
+    init_model,
+    token_logprobs,
+)
+
+FAMILIES = list(ModelFamily)
+
+
+def _tokens(b, t, seed=0):
+    return jnp.asarray(np.random.RandomState(seed).randint(0, 256, (b, t)))
+
+
+def _pos(b, start, t):
+    return jnp.broadcast_to(jnp.arange(start, start + t), (b, t))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_kv_forward_equals_full_forward(family):
+    model = init_model(ModelConfig.tiny(family), seed=0)
+    toks = _tokens(2, 13)
+    full, kv_full = model(toks, _pos(2, 0, 13))
+    head, kv = model(toks[:, :8], _pos(2, 0, 8))
+    tail, kv_tail = model(toks[:, 8:], _pos(2, 8, 5), kv)
+    np.testing.assert_allclose(jnp.concatenate([head, tail], 1), full, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(kv_tail.k, kv_full.k[:, :, 8:], atol=1e-5)
+    # A padded prefix buffer with garbage past prefix_len gives the same result.
+    pad = ((0, 0), (0, 0), (0, 4), (0, 0), (0, 0))
+    junk = KVCache(
+        jnp.pad(kv.k, pad, constant_values=7.0), jnp.pad(kv.v, pad, constant_values=-3.0)
+    )
+    tail2, _ = model(toks[:, 8:], _pos(2, 8, 5), junk, jnp.array([8, 8]))
+    np.testing.assert_allclose(tail2, tail, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_incremental_decoding_equals_full_forward(family):
+    model = init_model(ModelConfig.tiny(family), seed=1)
+    toks = _tokens(1, 10, seed=2)
+    full, _ = model(toks, _pos(1, 0, 10))
+    cache = KVCache.zeros(model.cfg, 1, 16)
+    for t in range(10):
+        logits, kv = model(toks[:, t : t + 1], _pos(1, t, 1), cache, jnp.array([t]))
+        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
+        cache = KVCache(
+            jax.lax.dynamic_update_slice_in_dim(cache.k, kv.k, t, axis=2),
+            jax.lax.dynamic_update_slice_in_dim(cache.v, kv.v, t, axis=2),
+        )
+
+
+def test_jit_equals_eager_and_hidden_logprobs():
+    model = init_model(ModelConfig.tiny(logits_chunk=3), seed=0)
+    graphdef, params = nnx.split(model)
+    toks = _tokens(2, 9)
+
+    def f(params, toks):
+        m = nnx.merge(graphdef, params)
+        return m(toks, _pos(2, 0, 9))[0]
+
+    np.testing.assert_allclose(jax.jit(f)(params, toks), f(params, toks), atol=1e-5, rtol=1e-5)
+    logits = f(params, toks)
+    hidden, _ = model(toks, _pos(2, 0, 9), return_hidden=True)
+    want = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), toks[:, 1:, None], -1)[..., 0]
+    # Chunked over positions (3 at a time): never the full [T, V] logits.
+    got, ent = token_logprobs(
+        model.lm_head_weight(), hidden[:, :-1], toks[:, 1:], chunk=3, entropy=True
+    )
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    p = jax.nn.softmax(logits[:, :-1])
+    np.testing.assert_allclose(ent, -jnp.sum(p * jnp.log(p), -1), atol=1e-4)
+
+
+def test_segment_packing_equals_separate_continuations():
+    model = init_model(ModelConfig.tiny(), seed=0)
+    pre, a, b = _tokens(1, 6, 1), _tokens(1, 4, 2), _tokens(1, 3, 3)
+    _, kv = model(pre, _pos(1, 0, 6))
+    la, _ = model(a, _pos(1, 6, 4), kv)
+    lb, _ = model(b, _pos(1, 6, 3), kv)
+    pos = jnp.concatenate([jnp.arange(6, 10), jnp.arange(6, 9)])[None]
+    seg = jnp.array([[0, 0, 0, 0, 1, 1, 1]])
+    lp, _ = model(jnp.concatenate([a, b], 1), pos, kv, segment_ids_BxT=seg)
+    np.testing.assert_allclose(lp[:, :4], la, atol=1e-5)
+    np.testing.assert_allclose(lp[:, 4:], lb, atol=1e-5)
+
+
+def test_pallas_backend_matches_xla():
+    cfg = ModelConfig.tiny()
+    xla = init_model(cfg, seed=3)
+    pal = init_model(cfg.replace(attention_backend=AttentionBackend.PALLAS), seed=3)
+    toks = _tokens(2, 12, 4)
+    _, kv = xla(toks[:, :7], _pos(2, 0, 7))
+    want, _ = xla(toks[:, 7:], _pos(2, 7, 5), kv)
+    got, _ = pal(toks[:, 7:], _pos(2, 7, 5), kv)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+
+    def loss(model, kv):
+        return jnp.sum(model(toks[:, 7:], _pos(2, 7, 5), kv)[0] ** 2) * 1e-3
+
+    gx = nnx.grad(loss, argnums=(0, 1))(xla, kv)
+    gp = nnx.grad(loss, argnums=(0, 1))(pal, kv)
+    for a, b in zip(jax.tree.leaves(gp), jax.tree.leaves(gx), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(jnp.abs(b).max())), rtol=1e-4)
+
+
+def test_presets_have_published_sizes():
+    # Parameter counts of the real checkpoints (embeddings included).
+    assert abs(ModelConfig.qwen3_0p6b().num_params() / 1e6 - 596) < 5
+    assert abs(ModelConfig.qwen2p5_0p5b().num_params() / 1e6 - 494) < 5
+    assert abs(ModelConfig.llama3p2_1b().num_params() / 1e9 - 1.236) < 0.01
+    assert abs(ModelConfig.llama3p1_8b().num_params() / 1e9 - 8.03) < 0.01
+    for name in ModelConfig.PRESETS:
+        ModelConfig.preset(name)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (dict(num_heads=3), "multiple of num_kv_heads"),
+        (dict(head_dim=15), "even"),
+        (dict(param_dtype="float8"), "param_dtype"),
+        (dict(vocab_size=0), "vocab_size"),
+    ],
+)
+def test_config_errors_name_the_field(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.tiny(**overrides)
+
+
+def test_from_hf_config_rejects_unknown(tmp_path):
+    with pytest.raises(ConfigError, match="model_type='gpt2'"):
+        ModelConfig.from_hf_config({"model_type": "gpt2"})
+    bad = dict(
+        model_type="llama",
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        rope_scaling={"rope_type": "yarn", "factor": 2.0},
+    )
+    with pytest.raises(ConfigError, match="'yarn' is not supported"):
+        ModelConfig.from_hf_config(bad)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json:1"):
+        ModelConfig.from_hf_config(tmp_path)
+
+
+def test_bad_prefix_shape_is_rejected():
+    model = init_model(ModelConfig.tiny())
+    wrong = KVCache(jnp.zeros((2, 1, 3, 4, 16)), jnp.zeros((2, 1, 3, 4, 16)))
+    with pytest.raises(ValueError, match="kv_prefix"):
+        model(_tokens(1, 2), _pos(1, 3, 2), wrong)
