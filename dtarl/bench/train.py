@@ -77,7 +77,9 @@ def synthetic_workloads(quick: bool = False) -> list[Workload]:
         return RolloutBatch.create(tokens=toks, prompt_lens=[1] * 8, advantages=rs.randn(8))
 
     out = [
-        Workload(name=f"grpo_G{g}_prompt>>resp", make=grpo(g, 512, 96, g), note="prompt 512, resp <=96")
+        Workload(
+            name=f"grpo_G{g}_prompt>>resp", make=grpo(g, 512, 96, g), note="prompt 512, resp <=96"
+        )
         for g in ((4, 8) if quick else (4, 8, 16))
     ]
     out.append(Workload(name="grpo_G8_resp>>prompt", make=grpo(8, 64, 384, 3), note="prompt 64"))
@@ -85,7 +87,9 @@ def synthetic_workloads(quick: bool = False) -> list[Workload]:
     return out
 
 
-def polytrace_workloads(root: str | None, length_scale: float, quick: bool = False) -> list[Workload]:
+def polytrace_workloads(
+    root: str | None, length_scale: float, quick: bool = False
+) -> list[Workload]:
     """Real prefix structure and length distributions from PolyTrace (if present)."""
     from dtarl.traces import default_polytrace_root, sample_workload
 
@@ -242,7 +246,7 @@ def run(
             }
         base_t = row["engines"].get("dense", {}).get("step_seconds")
         remat_t = row["engines"].get("dense_remat", {}).get("step_seconds")
-        for name, e in row["engines"].items():
+        for e in row["engines"].values():
             e["speedup_vs_dense"] = base_t / e["step_seconds"] if base_t else None
             e["speedup_vs_dense_remat"] = remat_t / e["step_seconds"] if remat_t else None
             e["measured_over_ideal"] = (

@@ -1,17 +1,22 @@
-"""Training engines behind one interface: dense (baseline) and dfs (AREAL-DTA)."""
+"""Training engines behind one interface: dense (baseline), dfs (AREAL-DTA),
+prefix_reuse (schedule-level, papers/001) and auto (cost-model choice per batch)."""
 
 import enum
 
+from dtarl.engines.auto import AutoEngine
 from dtarl.engines.base import Engine, EngineAux
 from dtarl.engines.batch import BatchError, LossNorm, RolloutBatch
 from dtarl.engines.dense import DenseEngine
 from dtarl.engines.dfs import DFSEngine
+from dtarl.engines.prefix_reuse import PrefixActivations, PrefixReuseEngine
 
 
 class EngineKind(enum.Enum):
     DENSE = "dense"
     DENSE_REMAT = "dense_remat"
     DFS = "dfs"
+    PREFIX_REUSE = "prefix_reuse"
+    AUTO = "auto"
 
 
 def make_engine(kind: EngineKind | str, model, **kwargs) -> Engine:
@@ -26,10 +31,15 @@ def make_engine(kind: EngineKind | str, model, **kwargs) -> Engine:
         return DenseEngine(model, **kwargs)
     if kind is EngineKind.DENSE_REMAT:
         return DenseEngine(model, remat=True, name="dense_remat", **kwargs)
+    if kind is EngineKind.PREFIX_REUSE:
+        return PrefixReuseEngine(model, **kwargs)
+    if kind is EngineKind.AUTO:
+        return AutoEngine(model, **kwargs)
     return DFSEngine(model, **kwargs)
 
 
 __all__ = [
+    "AutoEngine",
     "BatchError",
     "DFSEngine",
     "DenseEngine",
@@ -37,6 +47,8 @@ __all__ = [
     "EngineAux",
     "EngineKind",
     "LossNorm",
+    "PrefixActivations",
+    "PrefixReuseEngine",
     "RolloutBatch",
     "make_engine",
 ]

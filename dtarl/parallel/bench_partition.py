@@ -4,8 +4,17 @@ For every step file of each workload we build dummy token sequences with the
 real prefix structure (one shared prompt per group, distinct random responses),
 partition them over K ranks with every ``PartitionMethod``, and take the
 simulated step time = makespan = max_j C(T_j) under a cost model
-(``TreeTokenCost`` and ``FlopCost``). Measured per-rank engine time is not part
-of this benchmark.
+(``TreeTokenCost`` and ``FlopCost``).
+
+With ``--measure`` it also runs every rank's sub-batch through the DFS engine
+on the tiny model on this machine's CPU, with the trace lengths scaled down by
+``--measure-scale`` (tokens from the tiny model's 256-token vocabulary), and
+reports the measured step time = max over ranks of the engine time next to the
+simulated makespan (tree tokens) of the same scaled batch. One engine per
+(workload, K) serves every method, so all ranks share its shape buckets (one
+compilation); a rank padded to a longer plan runs no-op steps, which slightly
+favours the methods with the largest rank (the measured gain is conservative).
+Each rank is timed ``--measure-repeats`` times after a warm-up; min is kept.
 
 Workloads (PolyTrace, see ``polytrace/README.md``):
   math    verl DAPO math, Qwen2.5-32B: 96 prompts x 8 responses per step.
@@ -15,7 +24,7 @@ Workloads (PolyTrace, see ``polytrace/README.md``):
   video   verl-video (not in the default set; the prompt lengths are text-only).
 Without a PolyTrace directory, synthetic GRPO-like batches stand in.
 
-CLI: ``dtarl bench partition [--polytrace DIR] [--json OUT]``
+CLI: ``dtarl bench partition [--polytrace DIR] [--json OUT] [--measure]``
 (or ``python -m dtarl.parallel.bench_partition ...``).
 """
 
@@ -132,20 +141,23 @@ def synthetic_steps(workload: str, n_steps: int = 3, seed: int = 0) -> list[Step
     return out
 
 
-def build_sequences(batch: StepBatch, seed: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
+def build_sequences(
+    batch: StepBatch, seed: int = 0, *, vocab: int = VOCAB
+) -> tuple[list[np.ndarray], np.ndarray]:
     """Dummy tokens with the batch's prefix structure.
 
     Each group gets one random prompt shared by its sequences; each response is
     random tokens whose first token differs from its siblings', so siblings share
-    exactly the prompt. Returns (sequences, group_ids).
+    exactly the prompt. Returns (sequences, group_ids). ``vocab`` must be at
+    least the largest group size.
     """
     rng = np.random.default_rng([seed, batch.step])
     seqs, gids = [], []
     for g, (p, resp) in enumerate(zip(batch.prompt_lens, batch.response_lens, strict=True)):
-        prompt = rng.integers(0, VOCAB, max(int(p), 1), dtype=np.int32)
-        firsts = rng.choice(VOCAB, size=len(resp), replace=False).astype(np.int32)
+        prompt = rng.integers(0, vocab, max(int(p), 1), dtype=np.int32)
+        firsts = rng.choice(vocab, size=len(resp), replace=False).astype(np.int32)
         for first, r in zip(firsts, resp, strict=True):
-            body = rng.integers(0, VOCAB, max(int(r) - 1, 0), dtype=np.int32)
+            body = rng.integers(0, vocab, max(int(r) - 1, 0), dtype=np.int32)
             seqs.append(np.concatenate([prompt, [first] if r > 0 else [], body]).astype(np.int32))
             gids.append(g)
     return seqs, np.array(gids, np.int32)
@@ -160,6 +172,211 @@ def _steps(trace_root: Path | None, workload: str, max_steps: int | None, seed: 
     return steps[:max_steps] if max_steps else steps
 
 
+# ----------------------------------------------------------------------------- measured
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeasureConfig:
+    """Measured per-rank engine time: DFS engine, tiny model, CPU, scaled lengths.
+
+    scale: every prompt / response length is multiplied by this (>= 1 token kept).
+    steps: trace steps per workload to measure (the first ones).
+    repeats: timed runs per rank after one warm-up (min is kept).
+    chunk_len: the DFS engine's chunk length.
+    """
+
+    scale: float = 1 / 32
+    steps: int = 1
+    repeats: int = 2
+    chunk_len: int = 64
+
+    def __post_init__(self):
+        if not 0 < self.scale <= 1:
+            raise ValueError(f"MeasureConfig.scale={self.scale}: must be in (0, 1]")
+        for name in ("steps", "repeats", "chunk_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MeasureConfig.{name}={getattr(self, name)}: must be >= 1")
+
+
+def scale_step(sb: StepBatch, scale: float) -> StepBatch:
+    """The step with every prompt and response length scaled (at least 1 token each)."""
+
+    def f(x: int) -> int:
+        return max(1, int(round(x * scale)))
+
+    return dataclasses.replace(
+        sb,
+        prompt_lens=tuple(f(p) for p in sb.prompt_lens),
+        response_lens=tuple(tuple(f(r) for r in rs) for rs in sb.response_lens),
+    )
+
+
+class _Measurer:
+    """Times each rank's sub-batch through one DFS engine on the tiny model (CPU)."""
+
+    def __init__(self, cfg: MeasureConfig):
+        import jax
+        from flax import nnx
+
+        from dtarl.engines import DFSEngine
+        from dtarl.model import ModelConfig, init_model
+        from dtarl.rl.losses import MaskedNLLLoss
+
+        self.cfg = cfg
+        self.model_cfg = ModelConfig.tiny()
+        # Abstract init + host values: no per-op compilation for the weights.
+        self.model = nnx.eval_shape(lambda: init_model(self.model_cfg, seed=0))
+        _, abstract = nnx.split(self.model, nnx.Param)
+        rs = np.random.RandomState(0)
+        self.params = jax.device_put(
+            jax.tree.map(lambda a: (0.05 * rs.standard_normal(a.shape)).astype(a.dtype), abstract)
+        )
+        self.loss = MaskedNLLLoss()
+        self.engine_cls = DFSEngine
+        self.engine = None
+
+    def new_engine(self) -> None:
+        """A fresh engine (fresh buckets) for the next group of measurements."""
+        self.engine = self.engine_cls(self.model, chunk_len=self.cfg.chunk_len)
+
+    def prepare(self, seqs: list[np.ndarray], ranks: Sequence[np.ndarray]):
+        from dtarl.engines.batch import RolloutBatch
+
+        out = []
+        for ix in ranks:
+            if ix.shape[0] == 0:
+                out.append(None)
+                continue
+            batch = RolloutBatch.create(tokens=[seqs[i] for i in ix.tolist()])
+            out.append(self.engine.prepare(batch, self.loss))
+        return out
+
+    def time_ranks(self, prepared) -> list[float]:
+        import jax
+
+        times = []
+        for prep in prepared:
+            if prep is None:
+                times.append(0.0)
+                continue
+            fn = self.engine.jit.get(self.loss, prep.static)
+            args = jax.device_put(prep.args)
+            jax.block_until_ready(fn(self.params, *args))  # warm-up (compiles once)
+            best = float("inf")
+            for _ in range(self.cfg.repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(self.params, *args))
+                best = min(best, time.perf_counter() - t0)
+            times.append(best)
+        return times
+
+
+def _measure(
+    root: Path | None,
+    ks: Sequence[int],
+    workloads: Sequence[str],
+    keep_groups_modes: Sequence[bool],
+    cfg: MeasureConfig,
+    seed: int,
+) -> list[dict]:
+    """Measured rows: per workload, step, K, units mode and method (tree-token partition)."""
+    m = _Measurer(cfg)
+    rows = []
+    for wl in workloads:
+        for sb in _steps(root, wl, cfg.steps, seed):
+            small = scale_step(sb, cfg.scale)
+            seqs, gids = build_sequences(small, seed, vocab=m.model_cfg.vocab_size)
+            n_groups = len(small.prompt_lens)
+            for k in ks:
+                jobs = []
+                for kg in keep_groups_modes:
+                    if k > (n_groups if kg else len(seqs)):
+                        continue
+                    for method in PartitionMethod:
+                        p = partition(seqs, k, method=method, group_ids=gids, keep_groups=kg)
+                        jobs.append((kg, method, p))
+                if not jobs:
+                    continue
+                # One engine per (workload, K): pass 1 grows its buckets to the largest
+                # rank of every method, pass 2 prepares them all at that one shape.
+                m.new_engine()
+                for _, _, p in jobs:
+                    m.prepare(seqs, p.indices)
+                cache: dict[tuple, list[float]] = {}
+                for kg, method, p in jobs:
+                    key = tuple(tuple(ix.tolist()) for ix in p.indices)
+                    if key not in cache:
+                        cache[key] = m.time_ranks(m.prepare(seqs, p.indices))
+                    times = cache[key]
+                    rows.append(
+                        {
+                            "workload": wl,
+                            "step": sb.step,
+                            "k": k,
+                            "keep_groups": kg,
+                            "method": method.value,
+                            "scale": cfg.scale,
+                            "rank_seconds": times,
+                            "measured_max_s": max(times),
+                            "measured_mean_s": float(np.mean(times)),
+                            "sim_makespan": p.makespan,
+                            "rank_tree_tokens": p.tree_tokens.tolist(),
+                            "n_sequences": len(seqs),
+                            "scaled_tree_tokens": p.global_tree_tokens,
+                        }
+                    )
+    return rows
+
+
+def _summarise_measured(rows: list[dict]) -> list[dict]:
+    by: dict[tuple, dict[str, list[dict]]] = {}
+    for r in rows:
+        by.setdefault((r["workload"], r["k"], r["keep_groups"]), {}).setdefault(
+            r["method"], []
+        ).append(r)
+    out = []
+    for (wl, k, kg), methods in by.items():
+        bal = methods[PartitionMethod.BALANCED.value]
+        entry = {"workload": wl, "k": k, "keep_groups": kg, "steps": len(bal)}
+        for meth, rs in methods.items():
+            entry[f"measured_s_{meth}"] = float(np.mean([r["measured_max_s"] for r in rs]))
+            entry[f"sim_{meth}"] = float(np.mean([r["sim_makespan"] for r in rs]))
+            if meth != PartitionMethod.BALANCED.value:
+                for col, src in (("measured", "measured_max_s"), ("sim", "sim_makespan")):
+                    entry[f"{col}_pct_lower_vs_{meth}"] = float(
+                        np.mean([_pct_lower(b[src], o[src]) for o, b in zip(bal, rs, strict=True)])
+                    )
+        out.append(entry)
+    return out
+
+
+def format_measured(result: dict) -> str:
+    """Plain-text table of the measured per-rank engine times (max over ranks)."""
+    summary = result.get("measured_summary")
+    if not summary:
+        return ""
+    cfg = result["config"]["measure"]
+    methods = [m.value for m in PartitionMethod]
+    base = [m for m in methods if m != PartitionMethod.BALANCED.value]
+    lines = [
+        "",
+        f"measured: DFS engine, tiny model, CPU, lengths x{cfg['scale']:.4g}; step time = max "
+        "over ranks (ms); % = balanced lower than baseline, measured (simulated tree tokens)",
+    ]
+    hdr = f"{'workload':<8} {'K':>2} {'units':<9} " + " ".join(f"{m[:13]:>13}" for m in methods)
+    hdr += " " + " ".join(f"{'vs ' + m[:13]:>19}" for m in base)
+    lines.append(hdr)
+    for s in summary:
+        row = f"{s['workload']:<8} {s['k']:>2} {'groups' if s['keep_groups'] else 'sequences':<9} "
+        row += " ".join(f"{1e3 * s['measured_s_' + m]:>13.1f}" for m in methods)
+        row += " " + " ".join(
+            f"{s['measured_pct_lower_vs_' + m]:>8.1f}% ({s['sim_pct_lower_vs_' + m]:>6.1f}%)"
+            for m in base
+        )
+        lines.append(row)
+    return "\n".join(lines)
+
+
 def run(
     trace_root: str | Path | None,
     ks: Sequence[int] = (2, 4, 8),
@@ -169,13 +386,16 @@ def run(
     flop: FlopCost | None = None,
     max_steps: int | None = None,
     seed: int = 0,
+    measure: MeasureConfig | None = None,
 ) -> dict:
     """Partitions every step of every workload for each K, cost model and method.
 
     Returns a JSON-able dict: ``rows`` (one per step x K x cost x mode x method),
     ``summary`` (per workload, K, cost, mode: mean % lower makespan of balanced
     vs each baseline, and the balanced duplication vs its bound) and
-    ``headline`` (the % vs greedy-by-tokens averaged over workloads).
+    ``headline`` (the % vs greedy-by-tokens averaged over workloads). With
+    ``measure``, also ``measured`` rows (per-rank DFS engine seconds on CPU, scaled
+    lengths; see ``MeasureConfig``) and their ``measured_summary``.
     """
     flop = FlopCost() if flop is None else flop
     root = Path(trace_root) if trace_root else None
@@ -217,7 +437,10 @@ def run(
                             )
     summary = _summarise(rows)
     headline = _headline(summary)
+    measured = _measure(root, ks, workloads, keep_groups_modes, measure, seed) if measure else []
     return {
+        "measured": measured,
+        "measured_summary": _summarise_measured(measured),
         "config": {
             "trace_root": str(root) if root else None,
             "synthetic": root is None,
@@ -227,6 +450,7 @@ def run(
             "flop_cost": {"a": flop.a, "b": flop.b},
             "seed": seed,
             "max_steps": max_steps,
+            "measure": dataclasses.asdict(measure) if measure else None,
         },
         "rows": rows,
         "summary": summary,
@@ -360,6 +584,21 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flop-b", type=float, default=FlopCost().b, help="FlopCost b (a = 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--synthetic", action="store_true", help="ignore traces; synthetic batches")
+    m = MeasureConfig()
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="also time each rank's sub-batch through the DFS engine (tiny model, CPU)",
+    )
+    p.add_argument(
+        "--measure-scale", type=float, default=m.scale, help="length scale for --measure"
+    )
+    p.add_argument(
+        "--measure-steps", type=int, default=m.steps, help="steps per workload to measure"
+    )
+    p.add_argument(
+        "--measure-repeats", type=int, default=m.repeats, help="timed runs per rank (min)"
+    )
 
 
 def _main(args: argparse.Namespace) -> dict:
@@ -371,9 +610,16 @@ def _main(args: argparse.Namespace) -> dict:
         flop=FlopCost(a=1.0, b=args.flop_b),
         max_steps=args.max_steps,
         seed=args.seed,
+        measure=MeasureConfig(
+            scale=args.measure_scale, steps=args.measure_steps, repeats=args.measure_repeats
+        )
+        if args.measure
+        else None,
     )
     print(f"traces: {root if root else 'synthetic (no PolyTrace directory)'}")
     print(format_table(result))
+    if args.measure:
+        print(format_measured(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
@@ -390,8 +636,13 @@ def register(subparsers) -> argparse.ArgumentParser:
         "partition", help="DP partition: simulated makespan, balanced vs baselines"
     )
     _add_arguments(p)
-    p.set_defaults(func=_main)
+    p.set_defaults(func=_cli)
     return p
+
+
+def _cli(args: argparse.Namespace) -> int:
+    _main(args)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -5,6 +5,12 @@ The lead wires ``register(subparsers)`` into ``dtarl``'s argparse parser:
     dtarl trace report PATH [--out DIR] [--steps 0 1 2] [--no-html]
     dtarl trace sample SOURCE --batch-size B [--n-sampling G] [--step K] [--seed S]
                        [--length-scale X] [--mode trajectory|per_turn]
+    dtarl trace replay [SOURCE ...] [--engines dense dfs] [--repeats 5] [--max-len 256]
+                       [--tool-clock simulated|sleep] [--out DIR]
+    dtarl trace simulate [SOURCE ...] --profile PROFILE.json [--calibrate]
+                       [--validate REPLAY.json] [--devices N --dp D --tp T] [--out DIR]
+
+Without SOURCEs, replay / simulate use the real-trace suite (``DEFAULT_SUITE``).
 """
 
 from __future__ import annotations
@@ -57,12 +63,179 @@ def _sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _workload_specs(args: argparse.Namespace) -> list:
+    """WorkloadSpecs from SOURCE arguments, or the default real-trace suite."""
+    from dtarl.traces.replay import WorkloadSpec, auto_length_scale, default_suite
+
+    if not args.sources:
+        specs = default_suite(max_len=args.max_len, seed=args.seed)
+        if not specs:
+            raise SystemExit(
+                "no PolyTrace data found for the default suite; pass SOURCE paths or set "
+                "$DTARL_POLYTRACE to the polytrace folder"
+            )
+        return specs
+    specs = []
+    for i, src in enumerate(args.sources):
+        scale = args.length_scale
+        if scale is None:
+            scale = auto_length_scale(
+                src,
+                batch_size=args.batch_size,
+                max_len=args.max_len or 256,
+                n_sampling=args.n_sampling,
+                step=args.step,
+                seed=args.seed,
+            )
+        name = src.rstrip("/").split("/")[-1] if not src.startswith("fitted:") else src
+        specs.append(
+            WorkloadSpec(
+                name=f"{i}:{name}"[:14],
+                source=src,
+                batch_size=args.batch_size,
+                n_sampling=args.n_sampling,
+                step=args.step,
+                seed=args.seed,
+                length_scale=scale,
+                mode=args.mode,
+            )
+        )
+    return specs
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dtarl.traces.replay import ReplayConfig, replay
+
+    cfg = ReplayConfig(
+        engines=tuple(args.engines),
+        repeats=args.repeats,
+        warmup=args.warmup,
+        tool_clock=args.tool_clock,
+        tool_time_scale=args.tool_time_scale,
+        tool_latency_source=args.tool_latencies,
+        rollout=not args.no_rollout,
+        rollout_repeats=args.rollout_repeats,
+    )
+    specs = _workload_specs(args)
+    res = replay(specs, cfg, log=print)
+    out = Path(args.out)
+    js = res.save(out / "replay.json")
+    png = res.plot(out / "replay.png")
+    print(res.table())
+    for w in res.workloads:
+        r = w.rollout
+        roll = (
+            r.status
+            if r.seconds is None
+            else (
+                f"{r.seconds:.2f}s, {r.generated_tokens} tokens, {r.tokens_per_s:.0f} tok/s "
+                f"(compile {r.compile_s:.1f}s, {r.status})"
+            )
+        )
+        print(
+            f"{w.spec.name}: rollout {roll}; tool ({w.tool.clock} clock) "
+            f"{w.tool.seconds:.2f}s over {w.tool.calls} calls ({w.tool.status})"
+        )
+    print(f"wrote {js} and {png}")
+    return 0
+
+
+def _cluster(args: argparse.Namespace):
+    from dtarl.traces.simulate import ClusterSpec
+
+    dp, tp = args.dp, args.tp
+    devices = args.devices if args.devices is not None else dp * tp
+    return ClusterSpec(
+        devices=devices,
+        dp=dp,
+        tp=tp,
+        throughput_scale=args.throughput_scale,
+        interconnect_bytes_per_s=args.interconnect_gbps * 1e9,
+        interconnect_latency_s=args.latency_us * 1e-6,
+        partition=args.partition,
+    )
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from dtarl.model import ModelConfig
+    from dtarl.traces.replay import load_replay_json
+    from dtarl.traces.simulate import CostProfile, predict_workload, profile_engines, validate
+
+    out = Path(args.out)
+    if args.calibrate:
+        prof = profile_engines(tuple(args.engines), repeats=args.repeats, log=print)
+        prof.save(args.profile)
+        for k, c in prof.engines.items():
+            print(
+                f"{k}: {c.lin_s_per_flop:.3e} s/lin-FLOP, {c.attn_s_per_flop:.3e} s/attn-FLOP, "
+                f"{c.step_s * 1e3:.3f} ms/step, {c.const_s * 1e3:.2f} ms/call "
+                f"(fit error {c.fit_mape:.1f}%)"
+            )
+        print(f"wrote {args.profile}")
+    prof = CostProfile.load(args.profile)
+    if args.validate:
+        rep = validate(prof, load_replay_json(args.validate), engines=args.engines)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "validation.json").write_text(json.dumps(rep.to_dict(), indent=1))
+        rep.plot(out / "validation.png")
+        print(rep.table())
+        print(f"wrote {out / 'validation.json'} and {out / 'validation.png'}")
+    if args.sources or not (args.calibrate or args.validate):
+        cluster = _cluster(args)
+        model = ModelConfig.preset(args.model) if args.model else None
+        rows = []
+        for spec in _workload_specs(args):
+            p = predict_workload(spec, prof, cluster, engines=args.engines, model=model)
+            rows.append(dict(spec=spec.to_dict(), prediction=p.to_dict()))
+            parts = ", ".join(
+                f"{k} {p.step_s(k):.3f}s (train {e.train_s:.3f}s, all-reduce "
+                f"{e.allreduce_s * 1e3:.2f}ms)"
+                for k, e in p.engines.items()
+            )
+            print(f"{spec.name}: tool {p.tool_s:.2f}s (simulated); {parts}")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "simulate.json").write_text(
+            json.dumps(dict(kind="dtarl.trace.simulate", workloads=rows), indent=1)
+        )
+        print(f"wrote {out / 'simulate.json'}")
+    return 0
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "sources",
+        nargs="*",
+        help="trace paths or 'fitted:math'/'fitted:tool' (default: the real-trace suite)",
+    )
+    p.add_argument("--batch-size", type=int, default=4, help="prompt groups per workload")
+    p.add_argument("--n-sampling", type=int, default=None)
+    p.add_argument("--step", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--length-scale", type=float, default=None, help="default: from --max-len")
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="auto length scale: longest sequence -> this many tokens (default 256 / per suite)",
+    )
+    p.add_argument("--mode", choices=("trajectory", "per_turn"), default="trajectory")
+    p.add_argument("--engines", nargs="+", default=["dense", "dfs"], help="make_engine kinds")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls (median)")
+
+
 def register(subparsers) -> argparse.ArgumentParser:
-    """Adds ``trace`` with ``report`` and ``sample`` to an argparse subparsers object.
+    """Adds ``trace`` with ``report``, ``sample``, ``replay`` and ``simulate`` to a subparsers.
 
     Each leaf parser sets ``func`` (call it as ``args.func(args)``; returns an exit code).
     """
-    trace = subparsers.add_parser("trace", help="PolyTrace workloads: reports, batch sampling")
+    trace = subparsers.add_parser(
+        "trace", help="PolyTrace workloads: reports, sampling, replay, simulation"
+    )
     sub = trace.add_subparsers(dest="trace_command", required=True)
 
     rep = sub.add_parser("report", help="characterization report (Markdown/HTML + PNG plots)")
@@ -81,4 +254,39 @@ def register(subparsers) -> argparse.ArgumentParser:
     smp.add_argument("--length-scale", type=float, default=1.0)
     smp.add_argument("--mode", choices=("trajectory", "per_turn"), default="trajectory")
     smp.set_defaults(func=_sample)
+
+    rpl = sub.add_parser(
+        "replay", help="time the rollout/tool/train stages of real workloads per engine"
+    )
+    _add_workload_args(rpl)
+    rpl.add_argument("--warmup", type=int, default=1, help="untimed calls (compile)")
+    rpl.add_argument("--tool-clock", choices=("simulated", "sleep"), default="simulated")
+    rpl.add_argument("--tool-time-scale", type=float, default=1.0, help="scales slept latency")
+    rpl.add_argument("--tool-latencies", default=None, help="multi-turn trace for latencies")
+    rpl.add_argument("--rollout-repeats", type=int, default=2, help="timed rollouts (median)")
+    rpl.add_argument("--no-rollout", action="store_true", help="skip the rollout stage")
+    rpl.add_argument("--out", default="trace_replay", help="output directory")
+    rpl.set_defaults(func=_replay)
+
+    sim = sub.add_parser(
+        "simulate", help="predict step time on a described cluster from a cost profile"
+    )
+    _add_workload_args(sim)
+    sim.add_argument("--profile", required=True, help="cost profile JSON (made by --calibrate)")
+    sim.add_argument("--calibrate", action="store_true", help="profile this machine first")
+    sim.add_argument("--validate", default=None, help="replay JSON to compare predictions with")
+    sim.add_argument("--devices", type=int, default=None, help="default dp x tp")
+    sim.add_argument("--dp", type=int, default=1)
+    sim.add_argument("--tp", type=int, default=1)
+    sim.add_argument("--throughput-scale", type=float, default=1.0)
+    sim.add_argument("--interconnect-gbps", type=float, default=50.0, help="GB/s")
+    sim.add_argument("--latency-us", type=float, default=10.0)
+    sim.add_argument(
+        "--partition",
+        default="balanced",
+        choices=("balanced", "greedy_tokens", "greedy_tree", "karmarkar_karp"),
+    )
+    sim.add_argument("--model", default=None, help="model preset for FLOPs (default: profile's)")
+    sim.add_argument("--out", default="trace_simulate", help="output directory")
+    sim.set_defaults(func=_simulate)
     return trace
