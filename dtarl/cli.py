@@ -17,6 +17,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    from dtarl.rl import cli as rl_cli
+
+    rl_cli.register(sub)
+
     bench = sub.add_parser("bench", help="benchmarks (train engines, DP partition)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     from dtarl.bench import train as bench_train
@@ -26,11 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_partition.register(bench_sub)
 
-    trace = sub.add_parser("trace", help="PolyTrace workloads: report, sample")
-    trace_sub = trace.add_subparsers(dest="trace_command", metavar="TRACE")
     from dtarl.traces import cli as trace_cli
 
-    trace_cli.register(trace_sub)
+    trace_cli.register(sub)  # adds `trace` with report / sample / replay / simulate
     return parser
 
 

@@ -1,0 +1,881 @@
+"""Replay benchmark: drive dtarl on generated PolyTrace workloads and time every stage.
+
+One replayed RL step of a workload (a ``WorkloadSpec``: trace, step, seed, batch
+size, ``length_scale``) has three stages:
+
+  rollout  dtarl's sampler generating every response with its *forced* trace
+           length (EOS ignored). Runs only when ``dtarl.rollout`` offers a
+           sampler with forced per-sequence lengths; otherwise the stage is
+           reported as "unavailable (sampler not built)" and nothing is faked.
+  tool     tool-call latencies drawn from the real search_r1 latencies
+           (``ToolLatencySampler``) for every tool output in the trajectories.
+           Trajectories run concurrently and their calls sequentially, so the
+           stage's wall time is the critical path  max_traj sum_calls latency.
+           ``ToolClock.SIMULATED`` adds that number to a simulated clock;
+           ``ToolClock.SLEEP`` really sleeps it (times ``tool_time_scale``).
+  train    ``engine.value_and_grad`` of the batch, for every engine kind asked
+           (anything ``make_engine`` accepts: dense, dense_remat, dfs, ...).
+
+Timing protocol per (workload, engine): a fresh engine (its shape buckets then
+follow this batch only), ``warmup`` untimed calls (the first one compiles),
+then ``repeats`` timed calls; the step time is the median of host prepare +
+device seconds. ``compile_s = first_call_s - median step_s`` (the compile
+estimate is reported separately and never mixed into step times).
+
+Lengths must be scaled to fit a CPU and the tiny model: ``auto_length_scale``
+picks the scale that maps the workload's longest sequence to ``max_len`` tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dtarl.model.config import AttentionBackend, ModelConfig, ModelFamily, RopeScaling
+from dtarl.traces.loaders import RunKind, RunTrace, default_polytrace_root, load_trace
+from dtarl.traces.workload import (
+    ToolLatencySampler,
+    Workload,
+    WorkloadMode,
+    generate_workload,
+    sample_group_specs,
+)
+
+ROLLOUT_UNAVAILABLE = "unavailable (sampler not built)"
+SEARCH_R1_RELPATH = Path("search_r1/profile/multiturn_workload_log/0617_0223")
+
+#: The default replay suite: (name, trace folder below the PolyTrace root, step, mode,
+#: batch size, n_sampling, max_len). Lengths are scaled by ``auto_length_scale`` so the
+#: longest sequence has ``max_len`` tokens (a CPU with the tiny model).
+DEFAULT_SUITE = (
+    ("math_verl", "verl/profile/packed_length_log/20260610_092349", 1, "trajectory", 4, None, 256),
+    (
+        "video_verl",
+        "verl-video/profile/packed_length_log/20260609_033329",
+        2,
+        "trajectory",
+        4,
+        None,
+        256,
+    ),
+    (
+        "search_r1",
+        "search_r1/profile/multiturn_workload_log/0617_0223",
+        1,
+        "per_turn",
+        2,
+        4,
+        250,
+    ),
+    (
+        "coding_rllm",
+        "rllm/profile/packed_length_log/20260616_024512",
+        1,
+        "trajectory",
+        3,
+        None,
+        256,
+    ),
+)
+
+
+class ToolClock(enum.Enum):
+    """How sampled tool latencies enter the step: added to a simulated clock, or slept."""
+
+    SIMULATED = "simulated"
+    SLEEP = "sleep"
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkloadSpec:
+    """Everything that regenerates one replayed batch deterministically.
+
+    ``source`` is a trace path or ``fitted:math`` / ``fitted:tool`` (see
+    ``generate_workload``); the other fields are its arguments.
+    """
+
+    name: str
+    source: str
+    batch_size: int
+    n_sampling: int | None = None
+    step: int | None = None
+    seed: int = 0
+    length_scale: float = 1.0
+    mode: str = "trajectory"
+    min_len: int = 1
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ValueError(f"WorkloadSpec.batch_size={self.batch_size}: must be >= 1")
+        if not self.length_scale > 0:
+            raise ValueError(f"WorkloadSpec.length_scale={self.length_scale}: must be > 0")
+        try:
+            WorkloadMode(self.mode)
+        except ValueError:
+            raise ValueError(
+                f"WorkloadSpec.mode={self.mode!r}; accepted: {[m.value for m in WorkloadMode]}"
+            ) from None
+
+    def build(self, *, vocab_size: int = 256) -> Workload:
+        return generate_workload(
+            self.source,
+            batch_size=self.batch_size,
+            n_sampling=self.n_sampling,
+            step=self.step,
+            seed=self.seed,
+            length_scale=self.length_scale,
+            mode=self.mode,
+            vocab_size=vocab_size,
+            min_len=self.min_len,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WorkloadSpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def auto_length_scale(
+    source,
+    *,
+    batch_size: int,
+    max_len: int,
+    n_sampling: int | None = None,
+    step: int | None = None,
+    seed: int = 0,
+) -> float:
+    """The ``length_scale`` that maps the sampled batch's longest sequence to ``max_len``.
+
+    Longest sequence = prompt + whole response (RLE runs) of the unscaled specs;
+    the scale is capped at 1 (never stretch a trace).
+    """
+    if max_len < 2:
+        raise ValueError(f"max_len={max_len}: must be >= 2")
+    specs, _, _ = sample_group_specs(
+        source, batch_size=batch_size, n_sampling=n_sampling, step=step, seed=seed
+    )
+    longest = max(s.prompt_len + sum(n for _, n in r) for s in specs for r in s.responses)
+    return min(1.0, max_len / max(longest, 1))
+
+
+def default_suite(
+    root: str | os.PathLike | None = None, *, max_len: int | None = None, seed: int = 0
+) -> list[WorkloadSpec]:
+    """The real-trace replay suite (``DEFAULT_SUITE``) found under ``root``, auto-scaled.
+
+    ``max_len`` overrides every entry's longest-sequence target. Traces missing
+    under ``root`` are skipped; an empty list means no PolyTrace data.
+    """
+    root = default_polytrace_root() if root is None else Path(root)
+    out = []
+    for name, rel, step, mode, bs, ns, entry_max in DEFAULT_SUITE:
+        target = entry_max if max_len is None else max_len
+        path = root / rel
+        if not path.exists():
+            continue
+        scale = auto_length_scale(
+            str(path), batch_size=bs, max_len=target, n_sampling=ns, step=step, seed=seed
+        )
+        out.append(
+            WorkloadSpec(
+                name=name,
+                source=str(path),
+                batch_size=bs,
+                n_sampling=ns,
+                step=step,
+                seed=seed,
+                length_scale=round(scale, 6),
+                mode=mode,
+            )
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- tool stage
+
+
+def trajectory_masks(workload: Workload) -> dict[int, tuple[int, np.ndarray]]:
+    """Per trajectory: (row of its longest sample, its model-token mask over that row).
+
+    In per-turn mode a trajectory's samples are prefixes of each other, each
+    trained on one turn only; the union of their masks marks all model turns.
+    """
+    b, info = workload.batch, workload.info
+    best: dict[int, int] = {}
+    for i, t in enumerate(info.trajectory_ids.tolist()):
+        if t not in best or b.tokens[i].shape[0] > b.tokens[best[t]].shape[0]:
+            best[t] = i
+    out = {t: (i, b.loss_mask[i] > 0) for t, i in best.items()}
+    for i, t in enumerate(info.trajectory_ids.tolist()):
+        m = b.loss_mask[i] > 0
+        out[t][1][: m.shape[0]] |= m
+    return out
+
+
+def tool_calls_per_trajectory(workload: Workload) -> dict[int, int]:
+    """Tool outputs per trajectory: the runs of non-model tokens after the prompt."""
+    out = {}
+    for t, (i, mask) in trajectory_masks(workload).items():
+        m = mask[int(workload.info.prompt_lens[i]) :]
+        # A run of zeros starts where m is False and (first or previous True).
+        starts = (~m) & np.concatenate([[True], m[:-1]])
+        out[t] = int(starts.sum())
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToolPhase:
+    """The tool stage of one step.
+
+    clock: "simulated" (critical path added to a clock) or "sleep" (really slept).
+    calls: tool calls in the step; critical_path_s: max over trajectories of the
+    sum of their call latencies; total_call_s: sum over all calls; seconds: the
+    stage's wall time (critical path x time scale; measured when sleeping);
+    status: "ok", "no tool calls" or why latencies are missing.
+    """
+
+    clock: str
+    calls: int
+    critical_path_s: float
+    total_call_s: float
+    seconds: float
+    status: str = "ok"
+
+
+def default_tool_sampler(workload_source: str | None = None) -> ToolLatencySampler | None:
+    """Latencies of the workload's own multi-turn trace, else the shared search_r1 run."""
+    cands = []
+    if workload_source is not None and not str(workload_source).startswith("fitted:"):
+        cands.append(Path(workload_source))
+    cands.append(default_polytrace_root() / SEARCH_R1_RELPATH)
+    for p in cands:
+        try:
+            tr = load_trace(p)
+        except (FileNotFoundError, ValueError, OSError):
+            continue
+        if isinstance(tr, RunTrace) and tr.kind is RunKind.MULTI_TURN:
+            steps = tr.steps[:1]
+            try:
+                return ToolLatencySampler.from_trace(tr, steps=steps)
+            except ValueError:
+                continue
+    return None
+
+
+def tool_phase(
+    workload: Workload,
+    sampler: ToolLatencySampler | None,
+    *,
+    clock: ToolClock = ToolClock.SIMULATED,
+    time_scale: float = 1.0,
+    seed: int = 0,
+) -> ToolPhase:
+    """Samples every tool call's latency (seeded) and runs the tool stage's clock."""
+    clock = ToolClock(clock)
+    per_traj = tool_calls_per_trajectory(workload)
+    n = sum(per_traj.values())
+    if n == 0:
+        return ToolPhase(
+            clock=clock.value,
+            calls=0,
+            critical_path_s=0.0,
+            total_call_s=0.0,
+            seconds=0.0,
+            status="no tool calls",
+        )
+    if sampler is None:
+        return ToolPhase(
+            clock=clock.value,
+            calls=n,
+            critical_path_s=0.0,
+            total_call_s=0.0,
+            seconds=0.0,
+            status="no tool-latency data (pass a multi-turn trace)",
+        )
+    rng = np.random.default_rng([seed, 7])
+    lat = sampler.sample(n, seed=rng)
+    sums, k = [], 0
+    for t in sorted(per_traj):
+        c = per_traj[t]
+        sums.append(float(lat[k : k + c].sum()))
+        k += c
+    crit = max(sums)
+    wall = crit * time_scale
+    if clock is ToolClock.SLEEP:
+        t0 = time.perf_counter()
+        time.sleep(wall)
+        wall = time.perf_counter() - t0
+    return ToolPhase(
+        clock=clock.value,
+        calls=n,
+        critical_path_s=crit,
+        total_call_s=float(lat.sum()),
+        seconds=wall,
+    )
+
+
+# ----------------------------------------------------------------------------- rollout stage
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutPhase:
+    """The generation stage: ``status`` is "ok" or why it did not run (seconds None)."""
+
+    status: str
+    seconds: float | None = None
+    compile_s: float | None = None
+    generated_tokens: int = 0
+    tokens_per_s: float | None = None
+    detail: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def find_forced_length_sampler():
+    """``dtarl.rollout``'s sampler class if it generates with forced lengths, else None.
+
+    Accepted: a class ``Sampler(model, SamplingParams)`` in ``dtarl.rollout`` or
+    ``dtarl.rollout.sampler`` whose ``generate`` takes ``forced_lengths``.
+    """
+    import importlib
+    import inspect
+
+    for mod_name in ("dtarl.rollout", "dtarl.rollout.sampler"):
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        cls = getattr(mod, "Sampler", None)
+        params_cls = getattr(mod, "SamplingParams", None)
+        gen = getattr(cls, "generate", None)
+        if cls is None or params_cls is None or gen is None:
+            continue
+        try:
+            if "forced_lengths" in inspect.signature(gen).parameters:
+                return cls, params_cls
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
+def model_turns(workload: Workload) -> dict[int, tuple[int, list[tuple[int, int]]]]:
+    """Per trajectory: (row of its longest sample, [(start, length)] of its model runs).
+
+    Model runs are the model-token runs after the prompt (``trajectory_masks``);
+    everything between them is tool output, which the rollout appends instead
+    of generating.
+    """
+    out = {}
+    for t, (i, m) in trajectory_masks(workload).items():
+        p = int(workload.info.prompt_lens[i])
+        runs, j = [], p
+        while j < m.shape[0]:
+            if m[j]:
+                k = j
+                while k < m.shape[0] and m[k]:
+                    k += 1
+                runs.append((j, k - j))
+                j = k
+            else:
+                j += 1
+        out[t] = (i, runs)
+    return out
+
+
+def _rollout_once(sampler, params, workload: Workload, turns, seed: int):
+    """One replayed rollout: per turn k, every trajectory with a k-th model run generates
+    it with its forced length from its context (prompt + earlier turns + tool outputs).
+
+    Turn 0 prefills each group's shared prompt once (``num_samples`` = its rows).
+    Returns (seconds, generated tokens, lengths honoured, turns).
+    """
+    b, info = workload.batch, workload.info
+    total_s, gen, ok = 0.0, 0, True
+    n_turns = max((len(r) for _, r in turns.values()), default=0)
+    for k in range(n_turns):
+        rows = [(t, i, r[k]) for t, (i, r) in sorted(turns.items()) if len(r) > k]
+        if k == 0:
+            prompts, counts, forced = [], [], []
+            for g in dict.fromkeys(int(info.group_ids[i]) for _, i, _ in rows):
+                mine = [(i, run) for _, i, run in rows if int(info.group_ids[i]) == g]
+                i0, (st0, _) = mine[0]
+                prompts.append(b.tokens[i0][:st0])
+                counts.append(len(mine))
+                forced.extend(run[1] for _, run in mine)
+        else:
+            prompts = [b.tokens[i][: run[0]] for _, i, run in rows]
+            counts = [1] * len(rows)
+            forced = [run[1] for _, _, run in rows]
+        res = sampler.generate(
+            params, prompts, num_samples=counts, seed=seed + k, forced_lengths=forced
+        )
+        total_s += float(res.stats["seconds"])
+        gen += int(res.lengths.sum())
+        ok = ok and bool(np.array_equal(np.sort(res.lengths), np.sort(np.asarray(forced))))
+    return total_s, gen, ok, n_turns
+
+
+def rollout_phase(
+    workload: Workload, model, params, *, repeats: int = 1, seed: int = 0
+) -> RolloutPhase:
+    """The rollout stage with forced per-sequence lengths (EOS ignored), if a sampler exists.
+
+    Protocol: one untimed rollout (compiles every bucket), then ``repeats`` timed
+    ones; seconds = median; compile_s = first - median. Without a forced-length
+    sampler in ``dtarl.rollout`` the stage is reported unavailable, never faked.
+    """
+    found = find_forced_length_sampler()
+    if found is None:
+        return RolloutPhase(status=ROLLOUT_UNAVAILABLE)
+    sampler_cls, params_cls = found
+    turns = model_turns(workload)
+    longest = max((n for _, r in turns.values() for _, n in r), default=1)
+    from dtarl.tree.plan import bucket
+
+    sampler = sampler_cls(model, params_cls(temperature=1.0, max_new_tokens=bucket(longest)))
+    first, gen, ok, n_turns = _rollout_once(sampler, params, workload, turns, seed)
+    runs = [_rollout_once(sampler, params, workload, turns, seed)[0] for _ in range(repeats)]
+    med = statistics.median(runs)
+    return RolloutPhase(
+        status="ok" if ok else "ok (WARNING: sampler lengths differ from the forced lengths)",
+        seconds=med,
+        compile_s=max(first - med, 0.0),
+        generated_tokens=gen,
+        tokens_per_s=gen / med if med > 0 else None,
+        detail=dict(
+            sampler=f"{sampler_cls.__module__}.{sampler_cls.__name__}",
+            turns=n_turns,
+            lengths_match=ok,
+            runs_s=runs,
+            note="multi-turn contexts are re-prefilled per turn (no cross-turn KV reuse)",
+        ),
+    )
+
+
+# ----------------------------------------------------------------------------- train stage
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineTiming:
+    """Training-stage timing of one engine on one batch (seconds; medians over repeats)."""
+
+    kind: str
+    first_call_s: float
+    compile_s: float
+    step_s: float
+    device_s: float
+    host_s: float
+    runs_s: tuple[float, ...]
+    num_tokens: int
+    tree_tokens: int | None
+    computed_tokens: int | None
+    trace_count: int
+    stats: dict[str, Any]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Dense (trained-sequence) tokens per second of step time."""
+        return self.num_tokens / self.step_s if self.step_s > 0 else float("nan")
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, enum.Enum):
+        return x.value
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, bool | int | float | str) or x is None:
+        return x
+    return repr(x)
+
+
+def time_engine(
+    kind: str,
+    model,
+    params,
+    batch,
+    loss,
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    engine_kwargs: dict[str, Any] | None = None,
+) -> EngineTiming:
+    """Warm-up (compile) then ``repeats`` timed ``value_and_grad`` calls of a fresh engine."""
+    from dtarl.engines import make_engine
+
+    if repeats < 1 or warmup < 1:
+        raise ValueError(f"repeats={repeats}, warmup={warmup}: both must be >= 1")
+    engine = make_engine(kind, model, **(engine_kwargs or {}))
+    t0 = time.perf_counter()
+    _, grads, aux = engine.value_and_grad(params, batch, loss)
+    first = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        engine.value_and_grad(params, batch, loss)
+    runs, dev, host = [], [], []
+    for _ in range(repeats):
+        _, grads, aux = engine.value_and_grad(params, batch, loss)
+        s = aux.stats
+        dev.append(float(s["seconds"]))
+        host.append(float(s.get("host_seconds", 0.0)))
+        runs.append(dev[-1] + host[-1])
+    step = statistics.median(runs)
+    s = aux.stats
+    return EngineTiming(
+        kind=str(kind),
+        first_call_s=first,
+        compile_s=max(first - step, 0.0),
+        step_s=step,
+        device_s=statistics.median(dev),
+        host_s=statistics.median(host),
+        runs_s=tuple(runs),
+        num_tokens=int(s.get("num_tokens", batch.num_tokens)),
+        tree_tokens=None if s.get("tree_tokens") is None else int(s["tree_tokens"]),
+        computed_tokens=None if s.get("computed_tokens") is None else int(s["computed_tokens"]),
+        trace_count=int(s.get("trace_count", -1)),
+        stats=_jsonable(dict(s)),
+    )
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+def model_config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
+    return _jsonable(dataclasses.asdict(cfg))
+
+
+def model_config_from_dict(d: dict[str, Any]) -> ModelConfig:
+    d = dict(d)
+    d["family"] = ModelFamily(d["family"])
+    d["attention_backend"] = AttentionBackend(d.get("attention_backend", "xla"))
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayConfig:
+    """How to replay: engines, timing protocol, tool clock and the model.
+
+    engines: engine kinds (``make_engine``); "dense" is the speedup baseline.
+    repeats / warmup: timed and untimed (compile) calls per engine.
+    tool_clock / tool_time_scale: see ``ToolClock``; the scale shrinks slept time.
+    tool_latency_source: a multi-turn trace for latencies (None: the default).
+    model: the policy (the tiny test model by default); model_seed: its init.
+    rollout / rollout_repeats: run the rollout stage (when a sampler exists) and
+    how many timed rollouts (median) follow its untimed warm-up.
+    """
+
+    engines: tuple[str, ...] = ("dense", "dfs")
+    repeats: int = 5
+    warmup: int = 1
+    tool_clock: ToolClock = ToolClock.SIMULATED
+    tool_time_scale: float = 1.0
+    tool_latency_source: str | None = None
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig.tiny)
+    model_seed: int = 0
+    rollout: bool = True
+    rollout_repeats: int = 3
+
+    def __post_init__(self):
+        if self.rollout_repeats < 1:
+            raise ValueError(f"ReplayConfig.rollout_repeats={self.rollout_repeats}: must be >= 1")
+        if not self.engines:
+            raise ValueError("ReplayConfig.engines: empty; give at least one engine kind")
+        if self.repeats < 1:
+            raise ValueError(f"ReplayConfig.repeats={self.repeats}: must be >= 1")
+        if self.warmup < 1:
+            raise ValueError(f"ReplayConfig.warmup={self.warmup}: must be >= 1 (it compiles)")
+        if not self.tool_time_scale >= 0:
+            raise ValueError(f"ReplayConfig.tool_time_scale={self.tool_time_scale}: must be >= 0")
+        object.__setattr__(self, "tool_clock", ToolClock(self.tool_clock))
+        object.__setattr__(self, "engines", tuple(str(e) for e in self.engines))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkloadReplay:
+    """All stages of one replayed workload."""
+
+    spec: WorkloadSpec
+    num_sequences: int
+    dense_tokens: int
+    tree_tokens: int
+    max_len: int
+    rollout: RolloutPhase
+    tool: ToolPhase
+    engines: dict[str, EngineTiming]
+
+    def speedup(self, kind: str, baseline: str = "dense") -> float | None:
+        """Training step-time speedup of ``kind`` over ``baseline`` (None if not run)."""
+        if baseline not in self.engines or kind not in self.engines:
+            return None
+        return self.engines[baseline].step_s / self.engines[kind].step_s
+
+    def step_s(self, kind: str) -> float:
+        """End-to-end step: rollout (when it ran) + tool + training."""
+        roll = self.rollout.seconds or 0.0  # None when the stage did not run
+        return roll + self.tool.seconds + self.engines[kind].step_s
+
+    def to_dict(self) -> dict[str, Any]:
+        engines = {}
+        for k, t in self.engines.items():
+            d = dataclasses.asdict(t)
+            d["runs_s"] = list(t.runs_s)
+            d["tokens_per_s"] = t.tokens_per_s
+            d["tree_tokens_per_s"] = self.tree_tokens / t.step_s if t.step_s > 0 else float("nan")
+            d["speedup_vs_dense"] = self.speedup(k)
+            d["end_to_end_step_s"] = self.step_s(k)
+            engines[k] = d
+        return dict(
+            spec=self.spec.to_dict(),
+            num_sequences=self.num_sequences,
+            dense_tokens=self.dense_tokens,
+            tree_tokens=self.tree_tokens,
+            ideal_speedup=self.dense_tokens / max(self.tree_tokens, 1),
+            max_len=self.max_len,
+            stages=dict(
+                rollout=dataclasses.asdict(self.rollout), tool=dataclasses.asdict(self.tool)
+            ),
+            engines=engines,
+        )
+
+
+def machine_info() -> dict[str, Any]:
+    import jax
+
+    dev = jax.devices()[0]
+    return dict(
+        platform=dev.platform,
+        device=str(getattr(dev, "device_kind", dev.platform)),
+        jax=jax.__version__,
+        cpu_count=os.cpu_count(),
+        host=platform.node(),
+        python=platform.python_version(),
+        load_avg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayResult:
+    config: ReplayConfig
+    machine: dict[str, Any]
+    workloads: tuple[WorkloadReplay, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        cfg = dataclasses.asdict(self.config)
+        cfg["tool_clock"] = self.config.tool_clock.value
+        cfg["model"] = model_config_to_dict(self.config.model)
+        cfg["engines"] = list(self.config.engines)
+        return dict(
+            kind="dtarl.trace.replay",
+            config=_jsonable(cfg),
+            machine=self.machine,
+            timing=(
+                "train step_s = median over repeats of host prepare + device seconds after "
+                "warm-up; compile_s = first call - step_s; rollout/tool per stages"
+            ),
+            workloads=[w.to_dict() for w in self.workloads],
+        )
+
+    def save(self, path: str | os.PathLike) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.to_dict(), indent=1))
+        return p
+
+    def table(self) -> str:
+        """A plain-text summary: one row per (workload, engine)."""
+        head = (
+            f"{'workload':<14}{'engine':<14}{'seqs':>5}{'dense':>7}{'tree':>7}"
+            f"{'compile_s':>10}{'step_s':>9}{'tok/s':>9}{'speedup':>9}{'tool_s':>8}"
+        )
+        lines = [head]
+        for w in self.workloads:
+            for k, t in w.engines.items():
+                sp = w.speedup(k)
+                lines.append(
+                    f"{w.spec.name:<14}{k:<14}{w.num_sequences:>5}{w.dense_tokens:>7}"
+                    f"{w.tree_tokens:>7}{t.compile_s:>10.2f}{t.step_s:>9.3f}"
+                    f"{t.tokens_per_s:>9.0f}{'-' if sp is None else f'{sp:.2f}x':>9}"
+                    f"{w.tool.seconds:>8.2f}"
+                )
+        return "\n".join(lines)
+
+    def plot(self, path: str | os.PathLike) -> Path:
+        """PNG: training step time per engine and workload, and the speedup over dense."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = [w.spec.name for w in self.workloads]
+        kinds = list(self.config.engines)
+        x = np.arange(len(names))
+        width = 0.8 / max(len(kinds), 1)
+        fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
+        for j, k in enumerate(kinds):
+            ys = [w.engines[k].step_s if k in w.engines else np.nan for w in self.workloads]
+            ax0.bar(x + j * width, ys, width, label=k)
+            sp = [w.speedup(k) or np.nan for w in self.workloads]
+            ax1.bar(x + j * width, sp, width, label=k)
+        for ax in (ax0, ax1):
+            ax.set_xticks(x + width * (len(kinds) - 1) / 2)
+            ax.set_xticklabels(names, rotation=15)
+            ax.legend()
+        ax0.set_ylabel("training step time (s, median)")
+        ax0.set_title("replay: train stage per engine")
+        ax1.axhline(1.0, color="k", lw=0.8)
+        ax1.set_ylabel("speedup over dense")
+        ax1.set_title("speedup on the real length distribution")
+        fig.tight_layout()
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        return p
+
+
+def replay_workload(
+    workload: Workload,
+    config: ReplayConfig,
+    *,
+    spec: WorkloadSpec | None = None,
+    model=None,
+    params=None,
+    loss=None,
+    sampler: ToolLatencySampler | None = None,
+    engine_kwargs: dict[str, dict[str, Any]] | None = None,
+) -> WorkloadReplay:
+    """Replays one generated workload: rollout (if available), tool, then every engine."""
+    from dtarl.engines.base import split_model
+    from dtarl.model import init_model
+    from dtarl.rl.losses import ClippedSurrogateLoss
+
+    if model is None:
+        model = init_model(config.model, config.model_seed)
+    if params is None:
+        _, params = split_model(model)
+    loss = ClippedSurrogateLoss.grpo() if loss is None else loss
+    info = workload.info
+    spec = spec or WorkloadSpec(name=info.source, source=info.source, batch_size=1)
+    if sampler is None:
+        sampler = default_tool_sampler(config.tool_latency_source or spec.source)
+    rollout = (
+        rollout_phase(workload, model, params, repeats=config.rollout_repeats, seed=spec.seed)
+        if config.rollout
+        else RolloutPhase(status="skipped (ReplayConfig.rollout=False)")
+    )
+    tool = tool_phase(
+        workload,
+        sampler,
+        clock=config.tool_clock,
+        time_scale=config.tool_time_scale,
+        seed=spec.seed,
+    )
+    timings = {}
+    for kind in config.engines:
+        timings[kind] = time_engine(
+            kind,
+            model,
+            params,
+            workload.batch,
+            loss,
+            repeats=config.repeats,
+            warmup=config.warmup,
+            engine_kwargs=(engine_kwargs or {}).get(kind),
+        )
+    return WorkloadReplay(
+        spec=spec,
+        num_sequences=workload.batch.num_sequences,
+        dense_tokens=info.dense_tokens,
+        tree_tokens=info.tree_tokens,
+        max_len=int(workload.batch.lengths.max()),
+        rollout=rollout,
+        tool=tool,
+        engines=timings,
+    )
+
+
+def replay(
+    specs: Sequence[WorkloadSpec],
+    config: ReplayConfig | None = None,
+    *,
+    log=None,
+) -> ReplayResult:
+    """Replays every workload spec with one model; ``log`` gets a line per workload."""
+    from dtarl.engines.base import split_model
+    from dtarl.model import init_model
+
+    config = ReplayConfig() if config is None else config
+    if not specs:
+        raise ValueError("specs: empty; pass at least one WorkloadSpec (see default_suite)")
+    model = init_model(config.model, config.model_seed)
+    _, params = split_model(model)
+    out = []
+    for spec in specs:
+        w = spec.build(vocab_size=config.model.vocab_size)
+        r = replay_workload(w, config, spec=spec, model=model, params=params)
+        out.append(r)
+        if log is not None:
+            parts = ", ".join(
+                f"{k} {t.step_s:.3f}s (compile {t.compile_s:.1f}s)" for k, t in r.engines.items()
+            )
+            log(f"{spec.name}: {r.num_sequences} seqs, {r.dense_tokens} tokens: {parts}")
+    return ReplayResult(config=config, machine=machine_info(), workloads=tuple(out))
+
+
+def load_replay_json(path: str | os.PathLike) -> dict[str, Any]:
+    """A saved replay (``ReplayResult.save``) as a dict; checks its ``kind``."""
+    d = json.loads(Path(path).read_text())
+    if d.get("kind") != "dtarl.trace.replay":
+        raise ValueError(f"{path}: not a dtarl replay JSON (kind={d.get('kind')!r})")
+    return d
+
+
+__all__ = [
+    "DEFAULT_SUITE",
+    "ROLLOUT_UNAVAILABLE",
+    "EngineTiming",
+    "ReplayConfig",
+    "ReplayResult",
+    "RolloutPhase",
+    "ToolClock",
+    "ToolPhase",
+    "WorkloadReplay",
+    "WorkloadSpec",
+    "auto_length_scale",
+    "default_suite",
+    "default_tool_sampler",
+    "find_forced_length_sampler",
+    "load_replay_json",
+    "machine_info",
+    "model_turns",
+    "trajectory_masks",
+    "model_config_from_dict",
+    "model_config_to_dict",
+    "replay",
+    "replay_workload",
+    "rollout_phase",
+    "time_engine",
+    "tool_calls_per_trajectory",
+    "tool_phase",
+]

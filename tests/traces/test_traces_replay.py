@@ -1,0 +1,190 @@
+"""Replay benchmark: tool stage by hand, auto length scale, and a tiny end-to-end replay."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from dtarl.model import ModelConfig, ModelFamily
+from dtarl.traces import ToolLatencySampler, generate_workload
+from dtarl.traces.cli import register
+from dtarl.traces.replay import (
+    ROLLOUT_UNAVAILABLE,
+    ReplayConfig,
+    ToolClock,
+    WorkloadSpec,
+    auto_length_scale,
+    find_forced_length_sampler,
+    load_replay_json,
+    model_config_from_dict,
+    model_config_to_dict,
+    model_turns,
+    replay,
+    rollout_phase,
+    tool_calls_per_trajectory,
+    tool_phase,
+)
+
+# One layer keeps the compiles of the end-to-end replay short.
+SMALL_MODEL = ModelConfig.tiny(num_layers=1)
+
+
+@pytest.mark.parametrize("mode", ["trajectory", "per_turn"])
+def test_tool_calls_per_trajectory_by_hand(multi_run, mode):
+    w = generate_workload(multi_run, batch_size=2, step=0, seed=0, mode=mode)
+    calls = tool_calls_per_trajectory(w)
+    # Expected: the RLE's 0-runs of each trajectory (MULTI_STEP0 in conftest); per-turn
+    # samples end at the last model run, so a trailing tool output is not in the batch.
+    want = {(0, 0): 1, (0, 1): 0, (0, 2): 2, (1, 0): 2, (1, 1): 0, (1, 2): 1}
+    if mode == "per_turn":
+        want[(1, 0)] = 1
+    got = {}
+    for t, n in calls.items():
+        row = int(np.flatnonzero(w.info.trajectory_ids == t)[0])
+        key = (int(w.info.record_index[row]), int(w.info.sample_index[row]))
+        got[key] = n
+    assert got == want
+
+
+def test_tool_phase_simulated_clock_is_critical_path(multi_run):
+    w = generate_workload(multi_run, batch_size=2, step=0, seed=0)
+    const = ToolLatencySampler(latencies_s=np.array([0.5]))
+    ph = tool_phase(w, const, clock=ToolClock.SIMULATED)
+    # Concurrent trajectories, sequential calls: max calls per trajectory (2) x 0.5 s.
+    assert ph.clock == "simulated" and ph.status == "ok"
+    assert ph.calls == 6
+    assert ph.critical_path_s == pytest.approx(1.0)
+    assert ph.total_call_s == pytest.approx(3.0)
+    assert ph.seconds == pytest.approx(1.0)
+
+
+def test_tool_phase_sleep_clock_sleeps(multi_run):
+    w = generate_workload(multi_run, batch_size=2, step=0, seed=0)
+    const = ToolLatencySampler(latencies_s=np.array([0.5]))
+    ph = tool_phase(w, const, clock="sleep", time_scale=0.01)
+    assert ph.clock == "sleep"
+    assert ph.critical_path_s == pytest.approx(1.0)
+    assert ph.seconds >= 0.01  # measured wall time of the (scaled) sleep
+
+
+def test_tool_phase_single_turn_and_missing_latencies(single_run, multi_run):
+    ph = tool_phase(generate_workload(single_run, batch_size=2, step=0), None)
+    assert ph.calls == 0 and ph.status == "no tool calls" and ph.seconds == 0
+    ph = tool_phase(generate_workload(multi_run, batch_size=2, step=0), None)
+    assert ph.calls == 6 and ph.seconds == 0 and "no tool-latency data" in ph.status
+
+
+def test_auto_length_scale_by_hand(single_run):
+    # Step 0 groups (prompt, outputs): (5, .., 9), (8, 9, ..), (3, .., 9): longest 8 + 9 = 17.
+    s = auto_length_scale(single_run, batch_size=3, step=0, max_len=10)
+    assert s == pytest.approx(10 / 17)
+    assert auto_length_scale(single_run, batch_size=3, step=0, max_len=1000) == 1.0
+    w = generate_workload(single_run, batch_size=3, step=0, length_scale=s)
+    assert w.batch.lengths.max() <= 10
+
+
+def test_workload_spec_validates_and_round_trips(single_run):
+    with pytest.raises(ValueError, match="batch_size"):
+        WorkloadSpec(name="x", source=str(single_run), batch_size=0)
+    with pytest.raises(ValueError, match="length_scale"):
+        WorkloadSpec(name="x", source=str(single_run), batch_size=1, length_scale=0)
+    with pytest.raises(ValueError, match="per_turn"):
+        WorkloadSpec(name="x", source=str(single_run), batch_size=1, mode="bogus")
+    spec = WorkloadSpec(name="x", source=str(single_run), batch_size=2, step=1, seed=3)
+    assert WorkloadSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_replay_config_validates():
+    with pytest.raises(ValueError, match="engines"):
+        ReplayConfig(engines=())
+    with pytest.raises(ValueError, match="repeats"):
+        ReplayConfig(repeats=0)
+    with pytest.raises(ValueError, match="warmup"):
+        ReplayConfig(warmup=0)
+    assert ReplayConfig(tool_clock="sleep").tool_clock is ToolClock.SLEEP
+
+
+@pytest.mark.parametrize("cfg", [ModelConfig.tiny(), ModelConfig.tiny(ModelFamily.LLAMA3)])
+def test_model_config_json_round_trip(cfg):
+    assert model_config_from_dict(json.loads(json.dumps(model_config_to_dict(cfg)))) == cfg
+
+
+def test_rollout_phase_forced_lengths(single_run):
+    from dtarl.engines.base import split_model
+    from dtarl.model import init_model
+
+    w = generate_workload(single_run, batch_size=2, step=1, seed=0)
+    model = init_model(SMALL_MODEL, 0)
+    _, params = split_model(model)
+    ph = rollout_phase(w, model, params, repeats=1)
+    if find_forced_length_sampler() is None:
+        assert ph.status == ROLLOUT_UNAVAILABLE and ph.seconds is None
+        return
+    # Every response generated with exactly its trace length (EOS ignored).
+    assert ph.status == "ok" and ph.detail["lengths_match"] and ph.detail["turns"] == 1
+    assert ph.generated_tokens == int(w.info.response_lens.sum())
+    assert ph.seconds > 0 and ph.compile_s >= 0
+
+
+@pytest.mark.parametrize("mode", ["trajectory", "per_turn"])
+def test_model_turns_by_hand(multi_run, mode):
+    w = generate_workload(multi_run, batch_size=2, step=0, seed=0, mode=mode)
+    turns = model_turns(w)
+    lens = sorted(tuple(n for _, n in runs) for _, runs in turns.values())
+    # The RLE's model runs of MULTI_STEP0 (conftest).
+    assert lens == sorted([(4, 3), (2,), (5, 2, 6), (3, 4), (8,), (2, 2)])
+
+
+def test_replay_end_to_end_tiny(multi_run, tmp_path):
+    spec = WorkloadSpec(name="mt", source=str(multi_run), batch_size=2, step=0, seed=1)
+    cfg = ReplayConfig(
+        engines=("dense", "dfs"),
+        repeats=2,
+        model=SMALL_MODEL,
+        tool_latency_source=str(multi_run),
+        rollout=False,  # the rollout stage has its own test below
+    )
+    res = replay([spec], cfg)
+    (w,) = res.workloads
+    assert w.num_sequences == 6
+    assert w.rollout.seconds is None and w.rollout.status.startswith("skipped")
+    # Latencies of this synthetic trace: 0.1 (k + 1) + 0.01 sample; tool stage is simulated.
+    assert w.tool.clock == "simulated" and w.tool.calls == 6 and w.tool.seconds > 0
+    for kind in ("dense", "dfs"):
+        t = w.engines[kind]
+        assert t.step_s > 0 and t.compile_s >= 0 and len(t.runs_s) == 2
+        assert t.trace_count == 1  # warm-up compiled once; timed repeats never retrace
+        assert t.num_tokens == w.dense_tokens
+        roll = w.rollout.seconds or 0.0
+        assert w.step_s(kind) == pytest.approx(roll + w.tool.seconds + t.step_s)
+    assert w.speedup("dense") == 1.0
+    assert w.speedup("dfs") == pytest.approx(w.engines["dense"].step_s / w.engines["dfs"].step_s)
+    js = res.save(tmp_path / "r" / "replay.json")
+    png = res.plot(tmp_path / "r" / "replay.png")
+    assert png.stat().st_size > 0
+    d = load_replay_json(js)
+    e = d["workloads"][0]["engines"]["dfs"]
+    assert e["speedup_vs_dense"] == pytest.approx(w.speedup("dfs"))
+    assert d["workloads"][0]["stages"]["tool"]["clock"] == "simulated"
+    assert WorkloadSpec.from_dict(d["workloads"][0]["spec"]) == spec
+    assert "dfs" in res.table()
+
+
+def test_load_replay_json_rejects_other_json(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text(json.dumps({"kind": "something"}))
+    with pytest.raises(ValueError, match="not a dtarl replay"):
+        load_replay_json(p)
+
+
+def test_cli_registers_replay_and_simulate():
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="cmd"))
+    a = parser.parse_args(["trace", "replay", "fitted:math", "--engines", "dense", "dfs"])
+    assert a.sources == ["fitted:math"] and a.engines == ["dense", "dfs"]
+    assert a.tool_clock == "simulated"
+    a = parser.parse_args(["trace", "simulate", "--profile", "p.json", "--dp", "2", "--tp", "2"])
+    assert a.profile == "p.json" and a.dp == 2 and a.tp == 2 and a.calibrate is False
