@@ -1,0 +1,361 @@
+"""Trainer configuration: frozen keyword-only dataclasses, parsed from YAML overrides.
+
+A YAML file (``configs/*.yaml``) holds only overrides of the defaults below,
+nested by section; ``--set section.key=value`` applies more on top (the value is
+parsed as YAML: ``--set rollout.group_size=8``, ``--set model.hf_path=/ckpt``).
+Unknown keys raise a ``ConfigError`` listing the valid keys of that section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import types
+import typing
+from typing import Any
+
+import yaml
+
+from dtarl.model.config import ModelConfig
+from dtarl.rl.rewards import RewardErrorPolicy
+from dtarl.rl.tasks import TaskKind
+
+
+class ConfigError(ValueError):
+    """An invalid trainer configuration; the message names the key and the accepted values."""
+
+
+class Algorithm(enum.Enum):
+    GRPO = "grpo"  # group-normalised advantages, per-sequence mean, symmetric clip
+    DR_GRPO = "dr_grpo"  # no std scaling, constant normaliser
+    DAPO = "dapo"  # clip-higher, token-level loss, dynamic sampling, overlong shaping
+    PPO = "ppo"  # value model + GAE, per-token advantages, KL in the reward
+
+
+class Schedule(enum.Enum):
+    CONSTANT = "constant"  # linear warm-up then constant
+    COSINE = "cosine"  # linear warm-up then cosine decay to 0.1 x lr
+    LINEAR = "linear"  # linear warm-up then linear decay to 0
+
+
+def _positive(obj, *names):
+    for n in names:
+        v = getattr(obj, n)
+        if not v > 0:
+            raise ConfigError(f"{obj.SECTION}.{n}={v!r} must be > 0")
+
+
+def _nonneg(obj, *names):
+    for n in names:
+        v = getattr(obj, n)
+        if not v >= 0:
+            raise ConfigError(f"{obj.SECTION}.{n}={v!r} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    """The policy. ``hf_path`` (a local HF checkpoint) wins over ``preset``."""
+
+    SECTION: typing.ClassVar[str] = "model"
+    preset: str = "tiny"
+    hf_path: str | None = None
+    tokenizer_path: str | None = None  # a dir with tokenizer.json; default: hf_path if it has one
+    seed: int = 0
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig fields
+
+    def __post_init__(self):
+        if self.hf_path is None and self.preset not in ModelConfig.PRESETS:
+            raise ConfigError(
+                f"model.preset={self.preset!r} is not known; accepted: {ModelConfig.PRESETS}"
+            )
+        valid = {f.name for f in dataclasses.fields(ModelConfig)}
+        bad = sorted(set(self.overrides) - valid)
+        if bad:
+            raise ConfigError(f"model.overrides: unknown keys {bad}; valid keys: {sorted(valid)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskSection:
+    SECTION: typing.ClassVar[str] = "task"
+    kind: TaskKind = TaskKind.ARITHMETIC
+    max_operand: int = 20  # arithmetic, calculator
+    ops: str = "+-"  # arithmetic
+    num_numbers: int = 3  # countdown
+    max_number: int = 9  # countdown
+    max_turns: int = 2  # calculator
+
+    def options(self) -> dict[str, Any]:
+        if self.kind is TaskKind.ARITHMETIC:
+            return dict(max_operand=self.max_operand, ops=self.ops)
+        if self.kind is TaskKind.COUNTDOWN:
+            return dict(num_numbers=self.num_numbers, max_number=self.max_number)
+        return dict(max_operand=self.max_operand, max_turns=self.max_turns)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutSection:
+    SECTION: typing.ClassVar[str] = "rollout"
+    prompts_per_step: int = 16
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 8  # per turn
+
+    def __post_init__(self):
+        _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "top_p")
+        _nonneg(self, "temperature", "top_k")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AlgoSection:
+    SECTION: typing.ClassVar[str] = "algo"
+    algorithm: Algorithm = Algorithm.GRPO
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None  # default: clip_eps (0.28 for DAPO)
+    kl_coef: float = 0.0  # > 0: KL to the frozen reference policy (the post-SFT weights)
+    dynamic_sampling: bool | None = None  # default: True for DAPO only
+    overlong_buffer: int = 0  # DAPO soft overlong punishment window (0 = off)
+    updates_per_batch: int = 1  # optimizer steps per rollout batch (ratio != 1 after the 1st)
+    engine: str = "auto"  # any kind make_engine accepts
+    fallback_engine: str = "dfs"  # used when make_engine rejects ``engine``
+    gamma: float = 1.0  # PPO GAE
+    lam: float = 0.95  # PPO GAE
+    value_lr: float = 1e-3  # PPO value model
+
+    def __post_init__(self):
+        _nonneg(self, "clip_eps", "kl_coef", "overlong_buffer")
+        _positive(self, "updates_per_batch", "value_lr")
+        if self.clip_eps >= 1:
+            raise ConfigError(f"algo.clip_eps={self.clip_eps} must be < 1")
+
+    @property
+    def eps_high(self) -> float:
+        if self.clip_eps_high is not None:
+            return self.clip_eps_high
+        return 0.28 if self.algorithm is Algorithm.DAPO else self.clip_eps
+
+    @property
+    def use_dynamic_sampling(self) -> bool:
+        if self.dynamic_sampling is not None:
+            return self.dynamic_sampling
+        return self.algorithm is Algorithm.DAPO
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimSection:
+    """AdamW with global-norm gradient clipping and a warm-up schedule."""
+
+    SECTION: typing.ClassVar[str] = "optim"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.99
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    schedule: Schedule = Schedule.CONSTANT
+
+    def __post_init__(self):
+        _positive(self, "lr", "max_grad_norm")
+        _nonneg(self, "weight_decay", "warmup_steps")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTSection:
+    """Optional warm-up on the task's reference solutions (0 steps = off)."""
+
+    SECTION: typing.ClassVar[str] = "sft"
+    steps: int = 0
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 0
+
+    def __post_init__(self):
+        _nonneg(self, "steps", "warmup_steps")
+        _positive(self, "batch_size", "lr")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """``dtarl train CONFIG``: SFT warm-up (``sft.steps``) then ``steps`` RL steps."""
+
+    SECTION: typing.ClassVar[str] = "trainer"
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    task: TaskSection = dataclasses.field(default_factory=TaskSection)
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    algo: AlgoSection = dataclasses.field(default_factory=AlgoSection)
+    optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    sft: SFTSection = dataclasses.field(default_factory=SFTSection)
+    steps: int = 20
+    seed: int = 0
+    out_dir: str = "runs/default"
+    checkpoint_every: int = 0  # 0 = only at the end
+    keep_checkpoints: int = 2
+    resume: bool = True  # continue from the latest checkpoint in out_dir/checkpoints
+    eval_problems: int = 64  # greedy success rate on a fixed set, before and after
+    eval_every: int = 0  # also every N RL steps (0 = only before and after)
+    tensorboard: bool = True  # when tensorboardX / torch.utils.tensorboard is importable
+    console: bool = True
+    reward_on_error: RewardErrorPolicy = RewardErrorPolicy.RAISE
+
+    def __post_init__(self):
+        _nonneg(self, "steps", "checkpoint_every", "eval_problems", "eval_every")
+        _positive(self, "keep_checkpoints")
+
+    @property
+    def total_steps(self) -> int:
+        return self.sft.steps + self.steps
+
+    def replace(self, **changes) -> TrainerConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def quickstart(cls) -> TrainerConfig:
+        """The embedded default (configs/quickstart.yaml): tiny model, SFT then GRPO."""
+        return load_config(os.path.join(_configs_dir(), "quickstart.yaml"))
+
+
+def _configs_dir() -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "configs")
+
+
+# ------------------------------------------------------------------ parsing
+
+
+def _convert(tp, value, where: str):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(args[0], value, where)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return from_dict(tp, value, where)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        try:
+            return tp(value)
+        except ValueError:
+            raise ConfigError(
+                f"{where}={value!r} is not valid; accepted: {[e.value for e in tp]}"
+            ) from None
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r} must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}={value!r} must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{where}={value!r} must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}={value!r} must be a string")
+        return value
+    return value
+
+
+def from_dict(cls, data: dict[str, Any], where: str = ""):
+    """Builds dataclass ``cls`` from nested dicts; unknown keys list the valid ones."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        section = where or "config"
+        raise ConfigError(f"{section}: unknown keys {unknown}; valid keys: {sorted(fields)}")
+    kwargs = {}
+    for k, v in data.items():
+        kwargs[k] = _convert(hints[k], v, f"{where}.{k}" if where else k)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where or 'config'}: {e}") from None
+
+
+def to_dict(obj) -> dict[str, Any]:
+    """Plain YAML/JSON-able dict of a config (enums as their values)."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            v = to_dict(v)
+        elif isinstance(v, enum.Enum):
+            v = v.value
+        out[f.name] = v
+    return out
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Applies ``a.b.c=value`` (value parsed as YAML) to nested dict ``data`` in place."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected key=value, e.g. rollout.group_size=8")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {assignment!r}: malformed key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {assignment!r}: value is not valid YAML ({e})") from None
+    node = data
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {assignment!r}: {p!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(path: str | os.PathLike | None, overrides=()) -> TrainerConfig:
+    """Defaults <- YAML file (if any) <- ``overrides`` (``key=value`` strings)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = os.fspath(path)
+        try:
+            with open(p) as f:
+                loaded = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"{p}: no such config file") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = f":{mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{p}{line}: malformed YAML ({e})") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+        data = loaded or {}
+    for o in overrides:
+        apply_override(data, o)
+    return from_dict(TrainerConfig, data)
+
+
+__all__ = [
+    "AlgoSection",
+    "Algorithm",
+    "ConfigError",
+    "ModelSection",
+    "OptimSection",
+    "RolloutSection",
+    "SFTSection",
+    "Schedule",
+    "TaskSection",
+    "TrainerConfig",
+    "apply_override",
+    "from_dict",
+    "load_config",
+    "to_dict",
+]

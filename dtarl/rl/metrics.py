@@ -1,0 +1,201 @@
+"""Per-step metrics: pure summary functions, and a sink to console (rich), JSONL and TensorBoard.
+
+TensorBoard is optional: ``tensorboardX`` or ``torch.utils.tensorboard`` is used
+when importable (with the ``tensorboard`` package), else the sink says so once
+and writes JSONL only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def length_stats(lengths: Sequence[int], prefix: str = "response_len") -> dict[str, float]:
+    """mean / p90 / max of response lengths."""
+    a = np.asarray(lengths, np.float64)
+    if a.size == 0:
+        return {f"{prefix}_mean": 0.0, f"{prefix}_p90": 0.0, f"{prefix}_max": 0.0}
+    return {
+        f"{prefix}_mean": float(a.mean()),
+        f"{prefix}_p90": float(np.percentile(a, 90)),
+        f"{prefix}_max": float(a.max()),
+    }
+
+
+def ratio_stats(
+    logprobs: Sequence[np.ndarray],
+    old_logprobs: Sequence[np.ndarray],
+    masks: Sequence[np.ndarray],
+    advantages: np.ndarray,
+    *,
+    eps_low: float,
+    eps_high: float,
+) -> dict[str, float]:
+    """Importance ratio r_t = exp(logp_t - logp_old_t) over trained tokens, and clip fraction.
+
+    A token is clipped when the clip is active in the surrogate:
+    A >= 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low.
+    """
+    rs, clipped, total = [], 0.0, 0.0
+    for lp, old, m, a in zip(logprobs, old_logprobs, masks, advantages, strict=True):
+        sel = np.asarray(m) > 0
+        if not sel.any():
+            continue
+        r = np.exp(np.asarray(lp, np.float64)[sel] - np.asarray(old, np.float64)[sel])
+        rs.append(r)
+        hit = r > 1 + eps_high if a >= 0 else r < 1 - eps_low
+        clipped += float(np.sum(hit))
+        total += float(sel.sum())
+    if not rs:
+        return dict(ratio_mean=1.0, ratio_max=1.0, ratio_min=1.0, clip_fraction=0.0)
+    r = np.concatenate(rs)
+    return dict(
+        ratio_mean=float(r.mean()),
+        ratio_max=float(r.max()),
+        ratio_min=float(r.min()),
+        clip_fraction=clipped / max(total, 1.0),
+    )
+
+
+def _tensorboard_writer(log_dir: str):
+    try:
+        from tensorboardX import SummaryWriter  # type: ignore
+
+        return SummaryWriter(log_dir)
+    except ImportError:
+        pass
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # type: ignore
+
+        return SummaryWriter(log_dir)
+    except ImportError:
+        return None
+
+
+_CONSOLE_KEYS = (
+    ("reward_mean", "reward", "{:.3f}"),
+    ("success_rate", "success", "{:.2f}"),
+    ("eval_success_rate", "eval", "{:.2f}"),
+    ("loss", "loss", "{:.4f}"),
+    ("response_len_mean", "len", "{:.1f}"),
+    ("kl", "kl", "{:.4f}"),
+    ("clip_fraction", "clip", "{:.3f}"),
+    ("grad_norm", "gnorm", "{:.3f}"),
+    ("rollout_tokens_per_s", "roll tok/s", "{:.0f}"),
+    ("train_tokens_per_s", "train tok/s", "{:.0f}"),
+    ("tree_token_ratio", "tree x", "{:.2f}"),
+)
+
+
+def format_line(m: dict[str, Any]) -> str:
+    parts = [f"{m.get('phase', '?'):>3} {m.get('step', 0):>4}"]
+    for key, label, fmt in _CONSOLE_KEYS:
+        v = m.get(key)
+        if isinstance(v, int | float) and math.isfinite(v):
+            parts.append(f"{label} {fmt.format(v)}")
+    if m.get("skipped"):
+        parts.append(f"SKIPPED ({m.get('skip_reason', '')})")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes one record per step to ``out_dir/metrics.jsonl`` (appending, so resumes
+    continue the file), the console (a rich progress bar plus a line per step) and
+    TensorBoard when available."""
+
+    def __init__(
+        self,
+        out_dir: str,
+        *,
+        total_steps: int,
+        console: bool = True,
+        tensorboard: bool = True,
+        log_every: int = 1,
+    ):
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self._file = open(self.path, "a")
+        self.log_every = max(1, log_every)
+        self._tb = _tensorboard_writer(os.path.join(out_dir, "tb")) if tensorboard else None
+        self.tensorboard_note = None
+        if tensorboard and self._tb is None:
+            self.tensorboard_note = (
+                "TensorBoard logging is off: install `tensorboard` (and tensorboardX) to enable it"
+            )
+        self._progress = None
+        self._console = None
+        if console:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+            self._console = Console()
+            self._progress = Progress(
+                "[progress.description]{task.description}",
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=self._console,
+                transient=True,
+            )
+            self._task = self._progress.add_task("training", total=total_steps)
+            self._progress.start()
+            if self.tensorboard_note:
+                self._console.print(self.tensorboard_note)
+
+    def print(self, text: str) -> None:
+        if self._console is not None:
+            self._console.print(text)
+
+    def log(self, metrics: dict[str, Any], *, advance: bool = True) -> None:
+        rec = {k: _jsonable(v) for k, v in metrics.items()}
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        step = int(metrics.get("global_step", metrics.get("step", 0)))
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+        if self._progress is not None:
+            if advance:
+                self._progress.advance(self._task)
+            if step % self.log_every == 0 or metrics.get("skipped"):
+                self._console.print(format_line(metrics))
+
+    def skip_to(self, completed: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=completed)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if not self._file.closed:
+            self._file.close()
+
+
+def _jsonable(v):
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """Reads a metrics.jsonl (a run directory or the file)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+__all__ = ["MetricsLogger", "format_line", "length_stats", "ratio_stats", "read_metrics"]

@@ -1,0 +1,45 @@
+"""Every notebook's jupytext source runs end to end (tiny sizes), and its .ipynb twin is
+in sync with it and has no outputs."""
+
+import glob
+import os
+import runpy
+
+import matplotlib
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SOURCES = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.py")))
+
+
+def test_there_are_notebooks():
+    names = [os.path.basename(p) for p in SOURCES]
+    assert names == ["01_quickstart.py", "02_tree_training.py", "03_polytrace.py"]
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=os.path.basename)
+def test_ipynb_is_generated_and_stripped(path):
+    jupytext = pytest.importorskip("jupytext")
+    ipynb = path[:-3] + ".ipynb"
+    assert os.path.exists(ipynb), f"run: jupytext --to ipynb {path}"
+    nb = jupytext.read(ipynb)
+    src = jupytext.read(path)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    assert code == [c.source for c in src.cells if c.cell_type == "code"], (
+        f"{ipynb} is out of date; run: jupytext --to ipynb {path}"
+    )
+    for c in nb.cells:
+        if c.cell_type == "code":
+            assert not c.get("outputs") and c.get("execution_count") is None
+    assert any("Open in Colab" in c.source for c in nb.cells if c.cell_type == "markdown")
+    assert any('"google.colab" in sys.modules' in c for c in code)
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=os.path.basename)
+def test_notebook_runs(path, monkeypatch, tmp_path):
+    matplotlib.use("Agg")
+    monkeypatch.setenv("DTARL_NOTEBOOK_FAST", "1")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    runpy.run_path(path, run_name="__main__")

@@ -1,0 +1,97 @@
+"""Config parsing (every shipped YAML, overrides, errors) and atomic checkpoints."""
+
+import errno
+import glob
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dtarl.rl.checkpoint import CheckpointError, CheckpointManager
+from dtarl.rl.config import Algorithm, ConfigError, TrainerConfig, load_config, to_dict
+from dtarl.rl.tasks import TaskKind
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
+def test_every_shipped_yaml_parses(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, TrainerConfig)
+    assert load_config(None, [f"{k}={v}" for k, v in []]) is not None
+    with open(path) as f:
+        assert f.readline().startswith("# dtarl train configs/")  # header names the command
+
+
+def test_overrides_and_types():
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "quickstart.yaml"),
+        ["rollout.group_size=4", "algo.algorithm=dapo", "task.kind=countdown", "steps=3"],
+    )
+    assert cfg.rollout.group_size == 4 and cfg.steps == 3
+    assert cfg.algo.algorithm is Algorithm.DAPO and cfg.algo.eps_high == 0.28
+    assert cfg.algo.use_dynamic_sampling
+    assert cfg.task.kind is TaskKind.COUNTDOWN
+    assert to_dict(cfg)["algo"]["algorithm"] == "dapo"
+    assert TrainerConfig.quickstart().model.preset == "tiny"
+
+
+def test_unknown_keys_list_valid_keys():
+    with pytest.raises(ConfigError, match="rollout: unknown keys \\['groupsize'\\]; valid keys"):
+        load_config(None, ["rollout.groupsize=4"])
+    with pytest.raises(ConfigError, match="unknown keys \\['stepz'\\]"):
+        load_config(None, ["stepz=4"])
+    with pytest.raises(ConfigError, match="algo.algorithm='sac' is not valid; accepted"):
+        load_config(None, ["algo.algorithm=sac"])
+    with pytest.raises(ConfigError, match="rollout.group_size=0 must be > 0"):
+        load_config(None, ["rollout.group_size=0"])
+    with pytest.raises(ConfigError, match="must be an integer"):
+        load_config(None, ["steps=abc"])
+    with pytest.raises(ConfigError, match="model.overrides: unknown keys"):
+        load_config(None, ["model.overrides={hiden_size: 8}"])
+
+
+def _tree(x):
+    return {"w": jnp.full((3,), x, jnp.float32), "count": jnp.asarray(int(x), jnp.int32)}
+
+
+def test_checkpoint_roundtrip_and_keep(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep=2)
+    for s in (1, 2, 3):
+        mgr.save(s, _tree(s), {"data_cursor": s * 10})
+    assert mgr.steps() == [2, 3]
+    tree, meta = mgr.restore(3, _tree(0))
+    np.testing.assert_array_equal(tree["w"], [3, 3, 3])
+    assert int(tree["count"]) == 3 and meta["data_cursor"] == 30 and meta["step"] == 3
+    with pytest.raises(CheckpointError, match="does not match"):
+        mgr.restore(3, {"w": jnp.zeros((4,))})
+
+
+def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    mgr = CheckpointManager(tmp_path, keep=3)
+    mgr.save(1, _tree(1), {"data_cursor": 1})
+    real_write = mgr._write
+
+    def full_disk(tmp, tree, meta):
+        real_write(tmp, tree, meta)  # the payload lands ...
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            f.write('{"trunc')  # ... then the metadata write dies half way
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(mgr, "_write", full_disk)
+    with pytest.raises(CheckpointError, match="still valid"):
+        mgr.save(2, _tree(2), {"data_cursor": 2})
+    assert mgr.latest_step() == 1
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001"]  # no partial leftovers
+    tree, meta = CheckpointManager(tmp_path).restore(1, _tree(0))
+    np.testing.assert_array_equal(tree["w"], [1, 1, 1])
+
+    def interrupted(tmp, tree, meta):
+        os.makedirs(os.path.join(tmp, "state"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mgr, "_write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(2, _tree(2), {})
+    assert mgr.latest_step() == 1

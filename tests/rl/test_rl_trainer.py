@@ -1,0 +1,210 @@
+"""The RL loop at tiny sizes: a 3-step run, bit-exact resume, skipped NaN updates,
+reward errors, multi-turn rollouts, the CLI, and a HF checkpoint with PPO + KL."""
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from dtarl.model.tokenizer import ByteTokenizer
+from dtarl.rl.cli import main as cli_main
+from dtarl.rl.config import load_config
+from dtarl.rl.metrics import read_metrics
+from dtarl.rl.rewards import RewardError, RewardErrorPolicy
+from dtarl.rl.tasks import CalculatorTask
+from dtarl.rl.trainer import Trainer, build_model, rollout
+from dtarl.rollout.sampler import FinishReason, SampleResult
+from dtarl.tree import build_tree
+
+TINY = [
+    "model.overrides={num_layers: 1}",
+    "task.max_operand=5",
+    "sft.steps=1",
+    "sft.batch_size=4",
+    "steps=2",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=3",
+    "eval_problems=0",
+    "console=false",
+    "tensorboard=false",
+    "checkpoint_every=1",
+    "keep_checkpoints=5",
+]
+
+
+def tiny_config(out_dir, *extra):
+    return load_config(None, [*TINY, f"out_dir={out_dir}", *extra])
+
+
+def leaves(params):
+    return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An uninterrupted 3-step run (A) and one resumed from A's step-2 checkpoint (B)."""
+    a_dir = tmp_path_factory.mktemp("a")
+    b_dir = tmp_path_factory.mktemp("b")
+    a = Trainer(tiny_config(a_dir))
+    res_a = a.run()
+    # "Kill after step 2": B starts from nothing but the checkpoint written after step 2.
+    step2 = "checkpoints/step_00000002"
+    shutil.copytree(a_dir / step2, b_dir / step2)
+    b = Trainer(tiny_config(b_dir))
+    res_b = b.run()
+    return a, res_a, b, res_b
+
+
+def test_run_writes_metrics_and_checkpoints(runs):
+    a, res_a, _, _ = runs
+    assert res_a.steps_done == 3 and a.ckpt.steps() == [1, 2, 3]
+    recs = read_metrics(a.cfg.out_dir)
+    assert [r["phase"] for r in recs] == ["sft", "rl", "rl"]
+    rl = recs[-1]
+    for key in (
+        "reward_mean",
+        "reward_std",
+        "response_len_mean",
+        "response_len_p90",
+        "response_len_max",
+        "rollout_tokens_per_s",
+        "train_tokens_per_s",
+        "tree_token_ratio",
+        "clip_fraction",
+        "ratio_mean",
+        "kl",
+        "grad_norm",
+        "loss",
+    ):
+        assert np.isfinite(rl[key]), key
+    assert rl["tree_token_ratio"] > 1.0  # G samples share their prompt
+    assert rl["skipped"] == 0
+
+
+def test_resume_reproduces_the_uninterrupted_run(runs):
+    a, res_a, b, res_b = runs
+    assert res_b.steps_done == 3
+    for x, y in zip(leaves(res_a.params), leaves(res_b.params), strict=True):
+        np.testing.assert_array_equal(x, y)
+    for x, y in zip(leaves(a.opt_state), leaves(b.opt_state), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert a.data_cursor == b.data_cursor
+
+
+class NaNEngine:
+    """Wraps an engine and poisons its gradients."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = "nan"
+
+    def value_and_grad(self, params, batch, loss):
+        val, grads, aux = self.inner.value_and_grad(params, batch, loss)
+        return val * np.nan, jax.tree.map(lambda g: g * np.nan, grads), aux
+
+
+def test_nan_update_is_skipped_and_reported(runs):
+    _, _, b, _ = runs
+    before = leaves(b.params)
+    engine = b.engine
+    b.engine = NaNEngine(engine)
+    try:
+        m = b.rl_step(5)
+    finally:
+        b.engine = engine
+    assert m["skipped"] == 1 and "non-finite" in m["skip_reason"]
+    for x, y in zip(before, leaves(b.params), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_raising_reward_function(runs):
+    _, _, b, _ = runs
+
+    def broken(problem, completion):
+        raise ZeroDivisionError("bad verifier")
+
+    fn, policy = b.reward_fn, b.cfg
+    b.reward_fn = broken
+    try:
+        with pytest.raises(RewardError, match="sample 0 .*ZeroDivisionError: bad verifier"):
+            b.rl_step(6)
+        b.cfg = b.cfg.replace(reward_on_error=RewardErrorPolicy.ZERO)
+        m = b.rl_step(6)
+    finally:
+        b.reward_fn, b.cfg = fn, policy
+    assert m["reward_errors"] == 4 and m["reward_mean"] == 0.0
+
+
+class ScriptedSampler:
+    """A sampler double: turn 0 calls the calculator, turn 1 answers."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def generate(self, weights, prompts, *, num_samples, seed):
+        counts = [num_samples] * len(prompts) if np.ndim(num_samples) == 0 else num_samples
+        toks, finish = [], []
+        for p, c in zip(prompts, counts, strict=True):
+            text = self.tok.decode(list(p))
+            out = "6]" if not text.endswith(";") else "12"
+            ids = np.asarray(self.tok.encode("[2*3]" if out == "6]" else out), np.int32)
+            if out == "12":
+                ids = np.append(ids, self.tok.eos_id)
+            toks += [ids] * c
+            finish += [FinishReason.STOP] * c
+        return SampleResult(
+            tokens=tuple(toks),
+            logprobs=tuple(np.full(len(t), -0.5, np.float32) for t in toks),
+            raw_logprobs=tuple(np.full(len(t), -0.5, np.float32) for t in toks),
+            finish=np.asarray(finish),
+            prompt_index=np.repeat(np.arange(len(prompts)), counts),
+            stats=dict(generated_tokens=sum(len(t) for t in toks), seconds=1.0),
+        )
+
+
+def test_multi_turn_rollout_masks_tool_output_and_shares_turns():
+    tok = ByteTokenizer()
+    task = CalculatorTask(max_operand=3)
+    problems = task.generate(np.random.default_rng(0), 2)
+    trajs, stats = rollout(
+        ScriptedSampler(tok), None, tok, task, problems, group_size=3, key=jax.random.PRNGKey(0)
+    )
+    assert len(trajs) == 6 and stats["rollout_tokens"] > 0
+    t = trajs[0]
+    assert t.num_turns == 2 and t.completion == "[2*3]=6;12"
+    text = tok.decode(t.tokens.tolist(), skip_special=False)
+    masked = "".join(c for c, m in zip(text, t.loss_mask, strict=True) if m)
+    # the calls, the answer and eos are trained on; the prompt and tool output "=6;" are not
+    assert masked == "[2*3]12\x02"
+    np.testing.assert_array_equal(t.old_logprobs[t.loss_mask == 0], 0.0)
+    tree = build_tree([x.tokens for x in trajs])
+    assert tree.stats.depth >= 1 and tree.stats.ideal_token_ratio > 2
+
+
+def test_cli_print_config_and_errors(capsys):
+    assert cli_main(["configs/quickstart.yaml", "--print-config", "--set", "steps=2"]) == 0
+    assert '"steps": 2' in capsys.readouterr().out
+    assert cli_main(["configs/quickstart.yaml", "--set", "rollout.bogus=1"]) == 2
+    assert "valid keys" in capsys.readouterr().err
+
+
+def test_hf_checkpoint_with_ppo_and_kl(tmp_path):
+    from dtarl.testing.hf import make_tiny_hf_checkpoint
+
+    ckpt = make_tiny_hf_checkpoint(tmp_path / "hf", "qwen3")
+    cfg = tiny_config(
+        tmp_path / "run",
+        f"model.hf_path={ckpt}",
+        "model.overrides={}",
+        "sft.steps=0",
+        "steps=1",
+        "algo.algorithm=ppo",
+        "algo.kl_coef=0.05",
+    )
+    model, tok = build_model(cfg)
+    assert isinstance(tok, ByteTokenizer) and model.cfg.vocab_size == 256
+    res = Trainer(cfg).run()
+    rec = res.history[-1]
+    assert rec["skipped"] == 0 and np.isfinite(rec["value_loss"]) and np.isfinite(rec["kl"])
