@@ -1,0 +1,258 @@
+"""FLOP counts of a batch under each engine, and the calibrated per-engine cost model.
+
+Forward FLOPs of the token at path position t (0-based) attending t + 1 keys:
+``cfg.flops_per_token(t + 1)`` (linear in the context), so a run of n tokens at
+positions [a, a + n) costs ``n * flops_per_token(a + (n + 1) / 2)`` exactly.
+A backward pass costs 2x its forward (``BACKWARD_FACTOR``), so fwd+bwd = 3x.
+
+    dense_flops = 3 * sum_i  F(0, n_i)                  every sequence in full
+    tree_flops  = 3 * sum_x  F(start_x, length_x)       every tree node once
+    ideal_ratio = dense_flops / tree_flops              the best any tree engine can do
+
+What each engine computes (``engine_flops``), with F(a, n) the forward above:
+
+* dense: ``dense_flops``; steps = microbatches.
+* dfs: ``tree_flops`` + one extra forward of every stacked (internal) node
+  (pushed, then recomputed under the VJP at pop); steps = chunks pushed + popped.
+* prefix_reuse: per group 3 F(prefix) (4 F with ``PrefixActivations.REMAT``) +
+  3 F(suffix row) for every leaf below the group (deeper shared nodes are
+  recomputed per leaf); steps = groups * (2 + microbatches per group).
+
+Cost model (``CostModel``): predicted seconds of engine e on a batch =
+``seconds_per_flop[e] * flops_e + seconds_per_step[e] * steps_e``; the per-step
+term is the engine's overhead (launches, small-batch inefficiency, padding). Both
+are fitted per engine by ``fit_cost_model`` from a short calibration run
+(``dtarl.engines.auto.AutoEngine.calibrate``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from dtarl.engines.batch import RolloutBatch
+from dtarl.model.config import ModelConfig
+from dtarl.tree.trie import PrefixTree, build_tree
+
+BACKWARD_FACTOR = 2.0
+ENGINES = ("dense", "prefix_reuse", "dfs")
+
+
+def run_flops(cfg: ModelConfig, start: float, n: float) -> float:
+    """Forward FLOPs of n tokens at path positions [start, start + n) (causal context)."""
+    if n <= 0:
+        return 0.0
+    return float(n) * cfg.flops_per_token(start + (n + 1) / 2.0)
+
+
+def _tree(x: RolloutBatch | PrefixTree | Sequence) -> PrefixTree:
+    if isinstance(x, PrefixTree):
+        return x
+    if isinstance(x, RolloutBatch):
+        return build_tree(x.tokens)
+    return build_tree(x)
+
+
+def dense_flops(cfg: ModelConfig, batch: RolloutBatch | PrefixTree | Sequence) -> float:
+    """Forward + backward FLOPs of training every sequence separately."""
+    if isinstance(batch, PrefixTree):
+        lengths = _sequence_lengths(batch)
+    elif isinstance(batch, RolloutBatch):
+        lengths = batch.lengths
+    else:
+        lengths = [len(s) for s in batch]
+    return (1.0 + BACKWARD_FACTOR) * sum(run_flops(cfg, 0, int(n)) for n in lengths)
+
+
+def tree_flops(cfg: ModelConfig, batch: RolloutBatch | PrefixTree | Sequence) -> float:
+    """Forward + backward FLOPs of training every prefix-tree node exactly once."""
+    tree = _tree(batch)
+    fwd = sum(
+        run_flops(cfg, int(tree.start[x]), int(tree.length[x])) for x in range(1, tree.num_nodes)
+    )
+    return (1.0 + BACKWARD_FACTOR) * fwd
+
+
+def ideal_ratio(cfg: ModelConfig, batch: RolloutBatch | PrefixTree | Sequence) -> float:
+    """``dense_flops / tree_flops``: the speed-up of perfect prefix reuse."""
+    tree = _tree(batch)
+    return dense_flops(cfg, tree) / tree_flops(cfg, tree)
+
+
+def _sequence_lengths(tree: PrefixTree) -> np.ndarray:
+    return np.asarray(
+        [int(tree.start[x] + tree.length[x]) for x in tree.seq_node.tolist()], np.int64
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineWork:
+    """What one engine computes for one batch: FLOPs and sequential device steps."""
+
+    engine: str
+    flops: float
+    steps: int
+
+
+def engine_work(
+    cfg: ModelConfig,
+    batch: RolloutBatch | PrefixTree | Sequence,
+    *,
+    microbatch: int = 8,
+    suffix_microbatch: int | None = None,
+    chunk_len: int = 64,
+    prefix_remat: bool = False,
+) -> dict[str, EngineWork]:
+    """FLOPs and steps of dense, prefix_reuse and dfs on this batch (module docstring)."""
+    tree = _tree(batch)
+    bwd = 1.0 + BACKWARD_FACTOR
+    n = tree.stats.num_sequences
+    out = {
+        "dense": EngineWork(
+            engine="dense", flops=dense_flops(cfg, tree), steps=math.ceil(n / microbatch)
+        )
+    }
+    # dfs: internal nodes are pushed (forward) and recomputed at pop (forward + backward).
+    extra = steps = 0
+    for x in range(1, tree.num_nodes):
+        seg = int(tree.length[x]) if tree.start[x] > 0 else int(tree.length[x]) - 1
+        chunks = max(math.ceil(seg / chunk_len), 1)
+        if tree.children[x]:
+            extra += run_flops(cfg, int(tree.start[x]), int(tree.length[x]))
+            steps += 2 * chunks
+        else:
+            steps += chunks
+    out["dfs"] = EngineWork(engine="dfs", flops=tree_flops(cfg, tree) + extra, steps=steps)
+    # prefix_reuse: top-level groups, one dense row per leaf below each.
+    flops = 0.0
+    steps = 0
+    pre = (bwd + 1.0) if prefix_remat else bwd
+    for x in tree.children[0]:
+        b = int(tree.length[x])
+        flops += pre * run_flops(cfg, 0, b)
+        leaves = _leaves_below(tree, x)
+        for y in leaves:
+            flops += bwd * run_flops(cfg, b, int(tree.start[y] + tree.length[y]) - b)
+        steps += 2 + math.ceil(len(leaves) / (suffix_microbatch or microbatch))
+    out["prefix_reuse"] = EngineWork(engine="prefix_reuse", flops=flops, steps=steps)
+    return out
+
+
+def _leaves_below(tree: PrefixTree, x: int) -> list[int]:
+    leaves, stack = [], list(tree.children[x])
+    while stack:
+        z = stack.pop()
+        if tree.children[z]:
+            stack.extend(tree.children[z])
+        else:
+            leaves.append(z)
+    return leaves
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineCoef:
+    """Predicted seconds = seconds_per_flop * flops + seconds_per_step * steps."""
+
+    seconds_per_flop: float
+    seconds_per_step: float
+
+    def __post_init__(self):
+        if not (self.seconds_per_flop >= 0 and self.seconds_per_step >= 0):
+            raise ValueError(
+                f"EngineCoef: seconds_per_flop={self.seconds_per_flop} and "
+                f"seconds_per_step={self.seconds_per_step} must be >= 0"
+            )
+
+    def predict(self, work: EngineWork) -> float:
+        return self.seconds_per_flop * work.flops + self.seconds_per_step * work.steps
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Per-engine coefficients. ``default()`` is uncalibrated: one FLOP rate for all
+    engines and a per-step overhead that makes small sequential steps cost."""
+
+    coefs: Mapping[str, EngineCoef]
+
+    def __post_init__(self):
+        missing = [e for e in ENGINES if e not in self.coefs]
+        if missing:
+            raise ValueError(f"CostModel.coefs is missing engines {missing}; need {ENGINES}")
+
+    @classmethod
+    def default(cls) -> CostModel:
+        per_flop = 1.0 / 50e9
+        return cls(
+            coefs={
+                "dense": EngineCoef(seconds_per_flop=per_flop, seconds_per_step=2e-4),
+                "prefix_reuse": EngineCoef(seconds_per_flop=per_flop, seconds_per_step=2e-4),
+                "dfs": EngineCoef(seconds_per_flop=per_flop, seconds_per_step=2e-4),
+            }
+        )
+
+    def predict(self, work: Mapping[str, EngineWork]) -> dict[str, float]:
+        return {e: self.coefs[e].predict(w) for e, w in work.items()}
+
+    def choose(self, work: Mapping[str, EngineWork]) -> tuple[str, dict[str, float]]:
+        """The engine with the smallest predicted time (ties: dense, prefix_reuse, dfs)."""
+        pred = self.predict(work)
+        best = min(ENGINES, key=lambda e: (pred[e], ENGINES.index(e)))
+        return best, pred
+
+
+def _nnls2(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares for a handful of columns (exhaustive active sets)."""
+    k = a.shape[1]
+    best, best_err = np.zeros(k), float(np.sum(y * y))
+    for r in range(1, k + 1):
+        for cols in itertools.combinations(range(k), r):
+            sol, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+            if np.all(sol >= 0):
+                x = np.zeros(k)
+                x[list(cols)] = sol
+                err = float(np.sum((a @ x - y) ** 2))
+                if err < best_err:
+                    best, best_err = x, err
+    return best
+
+
+def fit_cost_model(
+    samples: Sequence[tuple[str, EngineWork, float]], base: CostModel | None = None
+) -> CostModel:
+    """Fits each engine's (seconds_per_flop, seconds_per_step) to measured seconds.
+
+    ``samples``: (engine, work, seconds) triples. Relative errors are minimised
+    (each row is divided by its measured time). Engines without samples keep the
+    ``base`` coefficients (default: ``CostModel.default()``).
+    """
+    base = base or CostModel.default()
+    coefs = dict(base.coefs)
+    for e in ENGINES:
+        rows = [(w.flops, w.steps, s) for k, w, s in samples if k == e and s > 0]
+        if not rows:
+            continue
+        arr = np.asarray(rows, np.float64)
+        scale = np.maximum(arr[:, :2].max(axis=0), 1e-30)
+        a = arr[:, :2] / scale / arr[:, 2:3]
+        x = _nnls2(a, np.ones(len(rows))) / scale
+        coefs[e] = EngineCoef(seconds_per_flop=float(x[0]), seconds_per_step=float(x[1]))
+    return CostModel(coefs=coefs)
+
+
+__all__ = [
+    "BACKWARD_FACTOR",
+    "CostModel",
+    "ENGINES",
+    "EngineCoef",
+    "EngineWork",
+    "dense_flops",
+    "engine_work",
+    "fit_cost_model",
+    "ideal_ratio",
+    "run_flops",
+    "tree_flops",
+]

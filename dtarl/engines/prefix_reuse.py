@@ -1,0 +1,646 @@
+"""Schedule-level shared-prefix reuse (papers/001): prefix once, suffixes batched.
+
+For every *group* of sequences sharing a prefix, one ``jit``-compiled program runs
+
+    1. prefix forward, once:      (logp_P, K_P, V_P) = f(theta, prefix tokens)
+    2. suffix microbatches:       rows of B suffixes read (K_P, V_P) through
+                                  ``prefix_len`` and evaluate every sequence's
+                                  loss on its full path [prefix logp | suffix logp];
+                                  accumulate (fp32) dtheta, dK_P, dV_P and dlogp_P
+    3. prefix backward, once:     dtheta += vjp_f(dlogp_P, dK_P, dV_P)
+
+which is the chain rule of the dense loss reordered (exact in real arithmetic):
+the prefix's outputs that the suffixes read are only its K/V and its logprobs,
+so their accumulated cotangents are all the prefix backward needs. Losses that
+are non-separable across the prefix/suffix boundary (sequence-level
+normalisation, ratios, KL) stay exact because the loss of a sequence is always
+evaluated on its whole path.
+
+Groups are the top-level nodes of the batch's prefix tree (the children of the
+virtual root): for GRPO, one group per prompt, its node = the prompt. The fork
+trick of ``dtarl.tree.plan`` applies: the prefix node X covering path positions
+[0, b) runs inputs [0, b-1) (its K/V are the first b-1 rows) and each suffix row
+starts with X's last token at position b-1, so the fork logit that predicts a
+child's first token is evaluated by the child that needs it.
+
+Deeper trees: prefix reuse is applied at the top level only; **below the top
+fork every leaf is one dense suffix row** (a node shared by several leaves below
+the top level is recomputed once per leaf; sequences ending at internal nodes
+ride on the row of a leaf under them). Exact for every tree, efficient for
+depth-2 trees (prompt + G responses); on deep multi-turn trees the DFS engine
+computes every node once and the cost model (``dtarl.engines.auto``) picks it.
+
+Prefix activations other than K/V (``PrefixActivations``):
+
+* ``REMAT``: kept nowhere; the prefix forward is re-run under ``jax.vjp`` in
+  step 3 (4 prefix passes instead of 3, the smallest suffix-phase memory);
+* ``KEEP``: the prefix's VJP residuals stay in device memory across step 2;
+* ``OFFLOAD`` (default): as KEEP, but the residuals of the weight matmuls live
+  in host memory (``jax.checkpoint`` with an offload policy to the
+  ``pinned_host`` memory kind) and the rest is rematerialised; a plain KEEP on
+  backends without a ``pinned_host`` memory kind.
+
+Shapes are bucketed (groups, prefix length, rows per group, row length, loss
+slots, path length, sequences, flat token data) and only grow, so a new batch
+does not recompile unless it needs a larger bucket (``reserve`` pre-sizes them).
+
+Letters: G groups, P prefix inputs, M microbatches per group, B rows per
+microbatch, C suffix row length, K loss slots per row, K0 loss slots per
+prefix, S path buffer, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dtarl.engines import base
+from dtarl.engines.batch import RolloutBatch
+from dtarl.model.decoder import Decoder, KVCache, token_logprobs
+from dtarl.tree.plan import bucket
+from dtarl.tree.trie import PrefixTree, build_tree
+
+
+class PrefixActivations(enum.Enum):
+    """What happens to the prefix's activations (other than K/V) during the suffixes."""
+
+    REMAT = "remat"
+    KEEP = "keep"
+    OFFLOAD = "offload"
+
+
+def fine_bucket(n: int, minimum: int = 1) -> int:
+    """The smallest m * 2**k >= max(n, minimum) with m in {4, 5, 6, 7} (exact below 8).
+
+    Quarter-octave steps: at most 25% padding, four shapes per doubling.
+    """
+    n = max(int(n), int(minimum), 1)
+    if n <= 8:
+        return bucket(n)
+    step = 1 << max((n - 1).bit_length() - 3, 0)
+    return -(-n // step) * step
+
+
+def offload_supported() -> bool:
+    """Whether the default device has a ``pinned_host`` memory kind to offload to."""
+    try:
+        kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    except Exception:  # pragma: no cover - backends without memory-kind support
+        return False
+    return "pinned_host" in kinds
+
+
+class _Groups(NamedTuple):
+    inputs: jax.Array  # [G, P] int32: prefix tokens [0, b-1)
+    targets: jax.Array  # [G, P] int32: prefix tokens [1, b)
+    n_in: jax.Array  # [G] int32: b - 1, the valid prefix inputs (= suffix start)
+    slots: jax.Array  # [G, K0] int32: sequences ending at the prefix node (-1 empty)
+
+
+class _Rows(NamedTuple):
+    inputs: jax.Array  # [G, M, B, C] int32: path tokens [b-1, n-1)
+    targets: jax.Array  # [G, M, B, C] int32: path tokens [b, n)
+    n_valid: jax.Array  # [G, M, B] int32
+    slots: jax.Array  # [G, M, B, K] int32: sequences evaluated on this row (-1 empty)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class GroupPlan:
+    """The host-side schedule of one batch (before padding)."""
+
+    prefix_nodes: tuple[int, ...]  # per group, the tree node of its prefix
+    prefix_end: np.ndarray  # [G] b: the prefix covers path positions [0, b)
+    row_leaf: tuple[tuple[int, ...], ...]  # per group, the leaf node of each suffix row
+    row_slots: tuple[tuple[tuple[int, ...], ...], ...]  # per group, per row, sequences
+    prefix_slots: tuple[tuple[int, ...], ...]  # per group, sequences ending at the prefix
+    seq_group: np.ndarray  # [N] group of sequence i
+    seq_row: np.ndarray  # [N] row within its group (-1: ends at the prefix)
+
+
+def group_plan(tree: PrefixTree) -> GroupPlan:
+    """Groups = the root's children; one suffix row per leaf below each group's node.
+
+    A sequence ending at an internal node Z below the prefix is evaluated on the
+    row of the first leaf under Z (its logprobs are a prefix of that row's path).
+    """
+    n = tree.stats.num_sequences
+    seq_group = np.zeros(n, np.int64)
+    seq_row = np.full(n, -1, np.int64)
+    nodes, ends, leaves_all, slots_all, pslots = [], [], [], [], []
+    for g, x in enumerate(tree.children[0]):
+        nodes.append(x)
+        ends.append(int(tree.start[x] + tree.length[x]))
+        for i in tree.ends_at[x]:
+            seq_group[i] = g
+        pslots.append(tuple(tree.ends_at[x]))
+        leaves: list[int] = []
+        row_of_leaf: dict[int, int] = {}
+        slots: list[list[int]] = []
+        # Preorder walk of the subtree below x; first_leaf(z) is the first leaf reached.
+        stack = list(reversed(tree.children[x]))
+        while stack:
+            z = stack.pop()
+            y = z
+            while tree.children[y]:
+                y = tree.children[y][0]
+            if y not in row_of_leaf:
+                row_of_leaf[y] = len(leaves)
+                leaves.append(y)
+                slots.append([])
+            r = row_of_leaf[y]
+            for i in tree.ends_at[z]:
+                slots[r].append(i)
+                seq_group[i] = g
+                seq_row[i] = r
+            stack.extend(reversed(tree.children[z]))
+        leaves_all.append(tuple(leaves))
+        slots_all.append(tuple(tuple(s) for s in slots))
+    return GroupPlan(
+        prefix_nodes=tuple(nodes),
+        prefix_end=np.asarray(ends, np.int64),
+        row_leaf=tuple(leaves_all),
+        row_slots=tuple(slots_all),
+        prefix_slots=tuple(pslots),
+        seq_group=seq_group,
+        seq_row=seq_row,
+    )
+
+
+@dataclasses.dataclass(eq=False)
+class PrefixReuseEngine:
+    """Prefix forward once, suffixes as batched microbatches, prefix backward once.
+
+    Args:
+      model: the decoder.
+      microbatch: suffix rows per microbatch (B); a group's rows run in
+        ceil(rows / B) microbatches, so a whole group need not fit at once.
+      prefix_activations: see ``PrefixActivations`` (default OFFLOAD).
+    """
+
+    model: Decoder
+    microbatch: int = 8
+    prefix_activations: PrefixActivations = PrefixActivations.OFFLOAD
+    name: str = "prefix_reuse"
+
+    def __post_init__(self):
+        if self.microbatch < 1:
+            raise ValueError(f"microbatch={self.microbatch} must be >= 1")
+        self.prefix_activations = PrefixActivations(self.prefix_activations)
+        self.graphdef, _ = base.split_model(self.model)
+        self.cfg = self.model.cfg
+        self.jit = base.JitCache(self)
+        self._min = dict(groups=1, prefix=1, rows=1, row_len=1, slots=1, pslots=1, path=1)
+        self._min.update(seqs=1, flat=1)
+
+    @property
+    def trace_count(self) -> int:
+        return self.jit.trace_count
+
+    @property
+    def offloads(self) -> bool:
+        """True when prefix residuals really go to host memory on this backend."""
+        return self.prefix_activations is PrefixActivations.OFFLOAD and offload_supported()
+
+    def reserve(
+        self,
+        *,
+        groups: int = 1,
+        prefix: int = 1,
+        rows: int = 1,
+        row_len: int = 1,
+        slots: int = 1,
+        path: int = 1,
+        sequences: int = 1,
+        tokens: int = 1,
+    ) -> PrefixReuseEngine:
+        """Pre-sizes the shape buckets so batches up to these sizes never recompile.
+
+        ``groups``: top-level groups; ``prefix``: longest prefix (tokens);
+        ``rows``: suffix rows (leaves) per group; ``row_len``: longest suffix;
+        ``slots``: sequences per row or prefix; ``path``: longest sequence;
+        ``tokens``: total tokens. Buckets only grow.
+        """
+        for key, value, fn in (
+            ("groups", groups, bucket),
+            ("prefix", prefix, fine_bucket),
+            ("rows", rows, bucket),
+            ("row_len", row_len, fine_bucket),
+            ("slots", slots, bucket),
+            ("pslots", slots, bucket),
+            ("path", path, bucket),
+            ("seqs", sequences, bucket),
+            ("flat", tokens, bucket),
+        ):
+            self._min[key] = max(self._min[key], fn(value))
+        return self
+
+    # ------------------------------------------------------------ device side
+
+    def _prefix_forward(self, params, inputs_P, targets_P):
+        """(logp [P], K, V [L, 1, P, K, D]) of one prefix; logp[t] is token t+1's."""
+        model = nnx.merge(self.graphdef, params)
+        p = inputs_P.shape[0]
+        hidden, kv = model(inputs_P[None], jnp.arange(p)[None], return_hidden=True)
+        logp, _ = token_logprobs(
+            model.lm_head_weight(), hidden, targets_P[None], chunk=self.cfg.logits_chunk
+        )
+        return logp[0], kv.k, kv.v
+
+    def _suffix_loss(
+        self, loss, params, k32, v32, path_S, n_in, inputs, targets, n_valid, slots, seq
+    ):
+        """Sum of the losses evaluated on one microbatch of suffix rows.
+
+        k32/v32: the group's prefix K/V [L, 1, P, K, D] in fp32 (broadcast to the
+        rows here, so their cotangent is summed over the rows in fp32);
+        path_S: the prefix logprobs on the path (entry t = token t, 0 from b on).
+        """
+        model = nnx.merge(self.graphdef, params)
+        cd = jnp.dtype(self.cfg.compute_dtype)
+        b, c = inputs.shape
+        shape = (k32.shape[0], b) + k32.shape[2:]
+        kv = KVCache(
+            jnp.broadcast_to(k32, shape).astype(cd), jnp.broadcast_to(v32, shape).astype(cd)
+        )
+        pos = jnp.broadcast_to(n_in + jnp.arange(c, dtype=jnp.int32), (b, c))
+        hidden, _ = model(inputs, pos, kv, jnp.full((b,), n_in, jnp.int32), return_hidden=True)
+        logp_BxC, _ = token_logprobs(
+            model.lm_head_weight(), hidden, targets, chunk=self.cfg.logits_chunk
+        )
+        logp_BxC = jnp.where(jnp.arange(c)[None] < n_valid[:, None], logp_BxC, 0.0)
+        s = path_S.shape[0]
+        buf = jnp.concatenate([path_S, jnp.zeros(c, jnp.float32)])
+
+        def row_path(lp_C):
+            return jax.lax.dynamic_update_slice_in_dim(buf, lp_C, n_in + 1, axis=0)[:s]
+
+        paths_BxS = jax.vmap(row_path)(logp_BxC)
+        per_slot = jax.vmap(
+            jax.vmap(lambda lp, sid: base.sequence_loss(loss, lp, seq, sid), in_axes=(None, 0))
+        )
+        return jnp.sum(per_slot(paths_BxS, slots)), logp_BxC
+
+    def _suffix_phase(self, loss, params, grads, k32, v32, path_S, n_in, rows, seq):
+        """Phase B: every suffix microbatch of one group, accumulating in fp32
+        (loss, dtheta, dK, dV, dpath). ``rows`` fields are [M, B, ...]."""
+        vg = jax.value_and_grad(
+            lambda p, k, v, pth, *r: self._suffix_loss(loss, p, k, v, pth, n_in, *r, seq),
+            argnums=(0, 1, 2, 3),
+            has_aux=True,
+        )
+
+        def body(acc, r):
+            total, gr, dk, dv, dpath = acc
+            (val, logp), (gp, gk, gv, gpath) = vg(params, k32, v32, path_S, *r)
+            gr = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), gr, gp)
+            return (total + val, gr, dk + gk, dv + gv, dpath + gpath), logp
+
+        init = (
+            jnp.zeros((), jnp.float32),
+            grads,
+            jnp.zeros_like(k32),
+            jnp.zeros_like(v32),
+            jnp.zeros_like(path_S),
+        )
+        return jax.lax.scan(body, init, tuple(rows))
+
+    def device_fn(self, loss, static):
+        s = static[-1]
+        return lambda params, groups, rows, seq: self._run(loss, s, params, groups, rows, seq)
+
+    def _run(self, loss, s: int, params, groups: _Groups, rows: _Rows, seq: base.SeqData):
+        mode = self.prefix_activations
+        offload = self.offloads
+        policy = None
+        if offload:
+            policy = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+
+        def group(carry, g):
+            total, grads = carry
+            g_in, g_tg, n_in, g_slots, r_in, r_tg, r_nv, r_slots = g
+            p = g_in.shape[0]
+
+            def fwd(prm):
+                return self._prefix_forward(prm, g_in, g_tg)
+
+            if mode is PrefixActivations.REMAT:
+                logp_P, k, v = fwd(params)
+            else:
+                f = jax.checkpoint(fwd, policy=policy) if offload else fwd
+                (logp_P, k, v), vjp = jax.vjp(f, params)
+            valid_P = jnp.arange(p) < n_in
+            logp_P = jnp.where(valid_P, logp_P, 0.0)
+            path_S = jnp.concatenate([jnp.zeros(1), logp_P, jnp.zeros(max(0, s - p - 1))])[:s]
+            # Sequences that end at the prefix node: their loss needs the prefix only.
+            val0, dpath0 = jax.value_and_grad(
+                lambda pth: jnp.sum(
+                    jax.vmap(lambda sid: base.sequence_loss(loss, pth, seq, sid))(g_slots)
+                )
+            )(path_S)
+            (val, grads, dk, dv, dpath), logp_rows = self._suffix_phase(
+                loss,
+                params,
+                grads,
+                k.astype(jnp.float32),
+                v.astype(jnp.float32),
+                path_S,
+                n_in,
+                _Rows(r_in, r_tg, r_nv, r_slots),
+                seq,
+            )
+            dpath = dpath + dpath0
+            g_logp = jnp.where(valid_P, jnp.concatenate([dpath, jnp.zeros(p + 1)])[1 : p + 1], 0.0)
+            if mode is PrefixActivations.REMAT:
+                _, vjp = jax.vjp(fwd, params)
+            (dparams,) = vjp((g_logp, dk.astype(k.dtype), dv.astype(v.dtype)))
+            grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, dparams)
+            return (total + val0 + val, grads), (logp_P, logp_rows)
+
+        init = (jnp.zeros((), jnp.float32), base.zeros_like_f32(params))
+        xs = (*groups, *rows)
+        (total, grads), out = jax.lax.scan(group, init, xs)
+        return total, grads, out
+
+    # -------------------------------------------------------------- host side
+
+    def prepare(self, batch: RolloutBatch, loss, *, weights=None) -> base.Prepared:
+        base.check_batch(batch, loss, self.cfg.vocab_size)
+        w = base.sequence_weights(batch, loss, weights)
+        tree = build_tree(batch.tokens)
+        plan = group_plan(tree)
+        ng = len(plan.prefix_nodes)
+        b_end = plan.prefix_end
+        row_lens = [
+            [int(tree.start[y] + tree.length[y]) - int(b_end[g]) for y in leaves]
+            for g, leaves in enumerate(plan.row_leaf)
+        ]
+        m = self._min
+        m["groups"] = g_pad = bucket(ng, m["groups"])
+        m["prefix"] = p_pad = fine_bucket(int(b_end.max()) - 1, m["prefix"])
+        m["rows"] = r_pad = bucket(max(len(r) for r in plan.row_leaf), m["rows"])
+        m["row_len"] = c_pad = fine_bucket(max(max(r, default=1) for r in row_lens), m["row_len"])
+        most = max((len(s) for rs in plan.row_slots for s in rs), default=1)
+        m["slots"] = k_pad = bucket(most, m["slots"])
+        m["pslots"] = k0_pad = bucket(max(len(s) for s in plan.prefix_slots), m["pslots"])
+        m["path"] = s_pad = bucket(int(tree.stats.longest_path), m["path"])
+        n = batch.num_sequences
+        m["seqs"] = n_pad = bucket(n, m["seqs"])
+        m["flat"] = f_pad = bucket(batch.num_tokens, m["flat"])
+        mb = min(self.microbatch, r_pad)
+        n_mb = -(-r_pad // mb)
+
+        g_in = np.zeros((g_pad, p_pad), np.int32)
+        g_tg = np.zeros((g_pad, p_pad), np.int32)
+        n_in = np.zeros(g_pad, np.int32)
+        g_slots = np.full((g_pad, k0_pad), -1, np.int32)
+        r_in = np.zeros((g_pad, n_mb * mb, c_pad), np.int32)
+        r_tg = np.zeros((g_pad, n_mb * mb, c_pad), np.int32)
+        r_nv = np.zeros((g_pad, n_mb * mb), np.int32)
+        r_slots = np.full((g_pad, n_mb * mb, k_pad), -1, np.int32)
+        computed = 0
+        for g, x in enumerate(plan.prefix_nodes):
+            b = int(b_end[g])
+            toks = tree.node_tokens(x)  # a top-level node starts at position 0
+            g_in[g, : b - 1] = toks[: b - 1]
+            g_tg[g, : b - 1] = toks[1:b]
+            n_in[g] = b - 1
+            g_slots[g, : len(plan.prefix_slots[g])] = plan.prefix_slots[g]
+            computed += b - 1
+            for r, y in enumerate(plan.row_leaf[g]):
+                path = tree.path_tokens(y)
+                c = path.shape[0] - b
+                r_in[g, r, :c] = path[b - 1 : -1]
+                r_tg[g, r, :c] = path[b:]
+                r_nv[g, r] = c
+                r_slots[g, r, : len(plan.row_slots[g][r])] = plan.row_slots[g][r]
+                computed += c
+        groups = _Groups(inputs=g_in, targets=g_tg, n_in=n_in, slots=g_slots)
+        rows = _Rows(
+            inputs=r_in.reshape(g_pad, n_mb, mb, c_pad),
+            targets=r_tg.reshape(g_pad, n_mb, mb, c_pad),
+            n_valid=r_nv.reshape(g_pad, n_mb, mb),
+            slots=r_slots.reshape(g_pad, n_mb, mb, k_pad),
+        )
+        seq = base.flat_sequence_data(batch, w, n_pad=n_pad, f_pad=f_pad, pad=s_pad)
+        prefix_tokens = int(n_in.sum())
+        stats = dict(
+            num_tokens=tree.stats.num_tokens,
+            tree_tokens=tree.stats.tree_tokens,
+            computed_tokens=computed,
+            prefix_tokens=prefix_tokens,
+            suffix_tokens=computed - prefix_tokens,
+            padded_tokens=g_pad * (p_pad + n_mb * mb * c_pad),
+            num_groups=ng,
+            suffix_rows=sum(len(r) for r in plan.row_leaf),
+            microbatch=mb,
+            microbatches_per_group=n_mb,
+            prefix_activations=self.prefix_activations.value,
+            offloaded=self.offloads,
+        )
+        static = (g_pad, p_pad, n_mb, mb, c_pad, k_pad, k0_pad, n_pad, f_pad, s_pad)
+        host = (plan, b_end, batch.lengths)
+        return base.Prepared(static=static, args=(groups, rows, seq), host=host, stats=stats)
+
+    def finish(self, prepared: base.Prepared, out) -> tuple[np.ndarray, ...]:
+        plan, b_end, lengths = prepared.host
+        logp_GxP, logp_rows = (np.asarray(x) for x in out)
+        g_pad, n_mb, mb, c = logp_rows.shape
+        logp_rows = logp_rows.reshape(g_pad, n_mb * mb, c)
+        res = []
+        zero = np.zeros(1, np.float32)
+        for i, ln in enumerate(lengths):
+            g, r = int(plan.seq_group[i]), int(plan.seq_row[i])
+            b = int(b_end[g])
+            if r < 0:
+                res.append(np.concatenate([zero, logp_GxP[g, : b - 1]]))
+            else:
+                res.append(np.concatenate([zero, logp_GxP[g, : b - 1], logp_rows[g, r, : ln - b]]))
+        return tuple(x.astype(np.float32) for x in res)
+
+    def value_and_grad(self, params, batch: RolloutBatch, loss, *, weights=None):
+        return base.run_value_and_grad(self, params, batch, loss, weights)
+
+    # ----------------------------------------------------------------- memory
+
+    def compiled_memory(self, params, batch: RolloutBatch, loss, *, weights=None):
+        """XLA's memory analysis of the whole compiled program for this batch's buckets."""
+        prepared = self.prepare(batch, loss, weights=weights)
+        lowered = self.jit.lower(loss, prepared.static, params, prepared.args)
+        return lowered.compile().memory_analysis()
+
+    def suffix_phase_memory(self, params, batch: RolloutBatch, loss, *, weights=None):
+        """XLA's memory analysis of phase B alone (one group's suffix microbatches),
+        compiled with the group's prefix K/V, path logprobs and the gradient
+        accumulator as inputs: the paper's "Phase-B peak"."""
+        prepared = self.prepare(batch, loss, weights=weights)
+        groups, rows, seq = prepared.args
+        cfg = self.cfg
+        p = groups.inputs.shape[1]
+        kv = jax.ShapeDtypeStruct(
+            (cfg.num_layers, 1, p, cfg.num_kv_heads, cfg.head_dim), jnp.float32
+        )
+        s = prepared.static[-1]
+
+        def phase(prm, grads, k32, v32, path_S, n_in, rows_g, seq_):
+            return self._suffix_phase(loss, prm, grads, k32, v32, path_S, n_in, rows_g, seq_)
+
+        rows0 = jax.tree.map(lambda a: a[0], rows)
+        grads = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), params)
+        lowered = jax.jit(phase).lower(
+            params, grads, kv, kv, jax.ShapeDtypeStruct((s,), jnp.float32), np.int32(p), rows0, seq
+        )
+        return lowered.compile().memory_analysis()
+
+
+def peak_bytes(mem) -> int:
+    """Peak device bytes of a compiled program: arguments + outputs + temporaries - aliased."""
+    return int(
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        + mem.temp_size_in_bytes
+        - mem.alias_size_in_bytes
+    )
+
+
+def memory_report(
+    model: Decoder, params, batch: RolloutBatch, loss, *, microbatch: int = 8, whole: bool = True
+):
+    """Compiled peak memory (XLA memory analysis, bytes) of dense vs prefix_reuse on
+    one batch, with the same microbatch size (dense sequences = suffix rows).
+
+    Keys: ``dense`` (whole dense program), ``prefix_reuse`` (whole program, REMAT
+    prefix), ``suffix_phase`` (phase B alone), each with ``peak`` and ``temp``,
+    and ``suffix_vs_dense`` = 1 - suffix peak / dense peak (the paper's
+    "Phase-B peak HBM reduction"). ``whole=False`` skips compiling the whole
+    prefix_reuse program.
+    """
+    from dtarl.engines.dense import DenseEngine
+
+    dense = DenseEngine(model, microbatch=microbatch)
+    pr = PrefixReuseEngine(model, microbatch=microbatch, prefix_activations=PrefixActivations.REMAT)
+    programs = dict(
+        dense=lambda: dense.compiled_memory(params, batch, loss),
+        suffix_phase=lambda: pr.suffix_phase_memory(params, batch, loss),
+    )
+    if whole:
+        programs["prefix_reuse"] = lambda: pr.compiled_memory(params, batch, loss)
+    out = {}
+    for key, compile_ in programs.items():
+        mem = compile_()
+        out[key] = dict(peak=peak_bytes(mem), temp=int(mem.temp_size_in_bytes))
+    out["suffix_vs_dense"] = 1.0 - out["suffix_phase"]["peak"] / out["dense"]["peak"]
+    if whole:
+        out["whole_vs_dense"] = 1.0 - out["prefix_reuse"]["peak"] / out["dense"]["peak"]
+    return out
+
+
+def capacity_frontier(
+    model: Decoder,
+    params,
+    loss,
+    *,
+    budget_bytes: int,
+    group_size: int = 8,
+    prompt_ratio: int = 4,
+    microbatch: int | None = None,
+    engines: tuple[str, ...] = ("dense", "prefix_reuse"),
+    max_response: int = 4096,
+    resolution: int = 8,
+) -> list[dict]:
+    """The largest trainable batch under a memory budget, per engine.
+
+    One GRPO group of ``group_size`` sequences, prompt = ``prompt_ratio`` x response
+    length; dense and prefix_reuse use the same ``microbatch`` (default: the whole
+    group). For each engine, the response length R is grown (doubling, then
+    bisection to ``resolution`` tokens) while the compiled program's peak
+    (``peak_bytes``) stays within ``budget_bytes``. Only compiles, never runs.
+
+    Returns one row per engine: engine, prompt_len, response_len, total_tokens
+    (= group_size * (prompt + response)), peak_bytes, and ``gain`` (total tokens
+    relative to the first engine's).
+    """
+    from dtarl.engines.dense import DenseEngine
+    from dtarl.testing import grpo_groups
+
+    mb = microbatch or group_size
+
+    def peak(kind: str, r: int) -> int:
+        batch = grpo_groups(
+            num_groups=1, group_size=group_size, prompt_len=prompt_ratio * r, response_len=r
+        )
+        if kind == "dense":
+            engine = DenseEngine(model, microbatch=mb)
+        elif kind == "prefix_reuse":
+            engine = PrefixReuseEngine(
+                model, microbatch=mb, prefix_activations=PrefixActivations.REMAT
+            )
+        else:
+            raise ValueError(f"capacity_frontier: engine {kind!r}; accepted: dense, prefix_reuse")
+        return peak_bytes(engine.compiled_memory(params, batch, loss))
+
+    rows = []
+    for kind in engines:
+        lo, lo_peak, hi = 0, 0, None
+        r = resolution
+        while r <= max_response:  # doubling
+            p = peak(kind, r)
+            if p > budget_bytes:
+                hi = r
+                break
+            lo, lo_peak = r, p
+            r *= 2
+        if hi is not None:
+            while hi - lo > resolution:  # bisection
+                mid = (lo + hi) // 2
+                p = peak(kind, mid)
+                if p > budget_bytes:
+                    hi = mid
+                else:
+                    lo, lo_peak = mid, p
+        rows.append(
+            dict(
+                engine=kind,
+                prompt_len=prompt_ratio * lo,
+                response_len=lo,
+                total_tokens=group_size * (prompt_ratio + 1) * lo,
+                peak_bytes=lo_peak,
+            )
+        )
+    first = rows[0]["total_tokens"] if rows else 0
+    for row in rows:
+        row["gain"] = row["total_tokens"] / first if first else float("nan")
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """A plain-text table of a list of same-keyed dicts (for the bench command)."""
+    if not rows:
+        return ""
+    keys = list(rows[0])
+
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    cells = [keys] + [[fmt(r[k]) for k in keys] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(keys))]
+    return "\n".join("  ".join(c[i].rjust(widths[i]) for i in range(len(keys))) for c in cells)
+
+
+__all__ = [
+    "GroupPlan",
+    "capacity_frontier",
+    "format_table",
+    "memory_report",
+    "PrefixActivations",
+    "PrefixReuseEngine",
+    "fine_bucket",
+    "group_plan",
+    "offload_supported",
+    "peak_bytes",
+]

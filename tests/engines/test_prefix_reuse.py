@@ -1,0 +1,234 @@
+"""prefix_reuse engine: the equivalence contract, microbatch and activation-mode
+invariance, an optimizer run against dense, no retrace, and phase-B memory.
+
+Reuses the independent jax.grad reference and the random tree strategy of
+test_equivalence.py (the DFS engine's matrix).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_equivalence import (
+    LOSSES,
+    RTOL,
+    _model,
+    reference,
+    rel_errors,
+    tree_batches,
+    with_logprob_data,
+)
+
+from dtarl.engines import (
+    EngineKind,
+    PrefixActivations,
+    PrefixReuseEngine,
+    RolloutBatch,
+    make_engine,
+)
+from dtarl.engines.prefix_reuse import fine_bucket, group_plan, memory_report
+from dtarl.model import ModelFamily
+from dtarl.rl.losses import MaskedNLLLoss
+from dtarl.testing import grpo_groups
+from dtarl.tree import build_tree
+
+RESERVE = dict(
+    groups=2, prefix=40, rows=16, row_len=40, slots=4, path=64, sequences=32, tokens=1024
+)
+
+
+@functools.cache
+def pr_engine(family=ModelFamily.QWEN3, microbatch=4, mode=PrefixActivations.OFFLOAD):
+    """Pre-sized: one compilation per loss for the whole module."""
+    model, _ = _model(family)
+    engine = PrefixReuseEngine(model, microbatch=microbatch, prefix_activations=mode)
+    return engine.reserve(**RESERVE)
+
+
+def check_pr(batch, loss, family=ModelFamily.QWEN3, **kw):
+    model, params = _model(family)
+    engine = pr_engine(family, **kw)
+    want_loss, want_grads, want_logp = reference(model, params, batch, loss)
+    got_loss, got_grads, aux = engine.value_and_grad(params, batch, loss)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=RTOL, atol=1e-7)
+    for got, want in zip(aux.logprobs, want_logp, strict=True):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
+    worst = max(rel_errors(got_grads, want_grads))
+    assert worst <= RTOL, f"prefix_reuse: worst per-tensor relative grad error {worst:.2e}"
+    return got_grads, aux
+
+
+@settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(batch=tree_batches(), loss_name=st.sampled_from(sorted(LOSSES)))
+def test_prefix_reuse_matches_dense_grad_random_trees(batch, loss_name):
+    loss = LOSSES[loss_name]
+    if loss_name != "nll":
+        batch = with_logprob_data(batch)
+    check_pr(batch, loss)
+
+
+@pytest.mark.parametrize(
+    "family,loss_name",
+    [(ModelFamily.QWEN3, name) for name in sorted(LOSSES)],
+)
+def test_prefix_reuse_grpo_groups(family, loss_name):
+    batch = grpo_groups(num_groups=2, group_size=3, prompt_len=11, response_len=(1, 13), seed=3)
+    _, aux = check_pr(with_logprob_data(batch), LOSSES[loss_name], family)
+    assert aux.stats["num_groups"] == 2 and aux.stats["suffix_rows"] == 6
+    # Prompt once (minus its last token, which starts every suffix row), responses once each.
+    assert aux.stats["prefix_tokens"] == 2 * 10
+    assert aux.stats["computed_tokens"] == batch.num_tokens - 6 * 11 + 2 * 10
+
+
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        pytest.param([[7, 8, 9, 10, 11]], id="single-sequence"),
+        pytest.param([[7, 8], [7, 9], [7, 10]], id="one-token-prompt-one-token-responses"),
+        pytest.param([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]], id="all-duplicates"),
+        pytest.param([[1, 2], [1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4, 5]], id="nested-prefixes"),
+        pytest.param([[3, 4, 5], [9, 8, 7, 6]], id="no-shared-prefix"),
+        pytest.param([list(range(3, 40)), list(range(3, 30)) + [99] * 15], id="long-suffix"),
+        pytest.param(
+            [[5, 6, 7, 8, 9], [5, 6, 7, 1, 2, 3], [5, 6, 7, 1, 2, 4], [5, 6, 7, 1], [5, 6, 2]],
+            id="deep-below-the-top-fork",
+        ),
+    ],
+)
+def test_prefix_reuse_hand_made_trees(seqs):
+    rs = np.random.RandomState(0)
+    batch = RolloutBatch.create(tokens=seqs, advantages=rs.randn(len(seqs)))
+    check_pr(batch, MaskedNLLLoss())
+    check_pr(with_logprob_data(batch), LOSSES["grpo_kl"])
+
+
+def test_group_plan_rows_and_slots():
+    seqs = [
+        [5, 6, 7, 8, 9],
+        [5, 6, 7, 1, 2, 3],
+        [5, 6, 7, 1, 2, 4],
+        [5, 6, 7, 1],
+        [5, 6, 7],
+        [4, 4],
+    ]
+    tree = build_tree([np.asarray(s) for s in seqs])
+    plan = group_plan(tree)
+    assert len(plan.prefix_nodes) == 2  # [4, 4] and [5, 6, 7]
+    g = int(plan.seq_group[0])
+    assert plan.prefix_end[g] == 3 and plan.prefix_slots[g] == (4,)
+    assert len(plan.row_leaf[g]) == 3  # one row per leaf below the fork
+    # [5, 6, 7, 1] ends at an internal node: it rides on the first leaf below it.
+    assert plan.seq_row[3] == plan.seq_row[1]
+    assert plan.seq_row[4] == -1 and plan.seq_row[5] == -1
+
+
+def test_fine_bucket():
+    assert [fine_bucket(n) for n in (0, 1, 3, 8, 9, 11, 17, 255, 257, 300)] == [
+        1, 1, 4, 8, 10, 12, 20, 256, 320, 320,
+    ]  # fmt: skip
+    assert fine_bucket(5, 40) == 40
+
+
+def test_microbatch_sizes_and_prefix_modes_agree():
+    """Suffix microbatch 1, G/2, G (with REMAT, KEEP, OFFLOAD prefix activations)
+    all equal the reference and each other."""
+    g = 4
+    batch = grpo_groups(num_groups=2, group_size=g, prompt_len=13, response_len=(3, 11), seed=11)
+    loss = LOSSES["nll"]
+    grads = {}
+    for mb, mode in ((1, PrefixActivations.REMAT), (g // 2, PrefixActivations.KEEP), (g, None)):
+        kw = dict(microbatch=mb) if mode is None else dict(microbatch=mb, mode=mode)
+        grads[mb], aux = check_pr(batch, loss, **kw)
+        assert aux.stats["microbatch"] == mb
+        assert aux.stats["microbatches_per_group"] == -(-RESERVE["rows"] // mb)
+    # Not bitwise: fp32 sums over rows and microbatches run in different orders
+    # (measured ~1e-6); the contract's fp32 tolerance.
+    for mb in (1, g // 2):
+        assert max(rel_errors(grads[mb], grads[g])) <= RTOL
+
+
+def test_adamw_run_tracks_dense():
+    """10 AdamW steps with prefix_reuse track a dense run (jax.grad of the dense
+    per-sequence loss, the reference) within fp32 tolerance."""
+    model, params = _model(ModelFamily.QWEN3)
+    loss = LOSSES["nll"]
+    opt = optax.adamw(1e-3, weight_decay=0.01)
+    batches = [
+        grpo_groups(num_groups=2, group_size=3, prompt_len=10, response_len=(2, 9), seed=step)
+        for step in range(10)
+    ]
+
+    def grads_dense(p, batch):
+        return reference(model, p, batch, loss)[1]
+
+    def grads_pr(p, batch):
+        return pr_engine().value_and_grad(p, batch, loss)[1]
+
+    @jax.jit
+    def apply(g, state, p):
+        updates, state = opt.update(g, state, p)
+        return optax.apply_updates(p, updates), state
+
+    runs = {}
+    for kind, grad_fn in (("dense", grads_dense), ("prefix_reuse", grads_pr)):
+        p = jax.tree.map(jnp.array, params)
+        state = opt.init(p)
+        for batch in batches:
+            p, state = apply(grad_fn(p, batch), state, p)
+        runs[kind] = p
+    assert max(rel_errors(runs["dense"], params)) > 1e-3  # the run really trains
+    # A composite result (10 Adam steps amplify 1e-6 gradient differences where
+    # gradients are small): the composite fp32 tolerance of STYLE.md, 1e-4.
+    assert max(rel_errors(runs["prefix_reuse"], runs["dense"])) <= 1e-4
+
+
+def test_no_retrace_within_bucket():
+    _, params = _model(ModelFamily.QWEN3)
+    engine = pr_engine()
+    loss = LOSSES["nll"]
+    engine.value_and_grad(
+        params,
+        grpo_groups(num_groups=2, group_size=4, prompt_len=12, response_len=(4, 10), seed=0),
+        loss,
+    )
+    before = engine.trace_count
+    for seed in range(1, 4):
+        batch = grpo_groups(
+            num_groups=1 + seed % 2,
+            group_size=2 + seed,
+            prompt_len=9 + 5 * seed,
+            response_len=(1, 20),
+            seed=seed,
+        )
+        _, _, aux = engine.value_and_grad(params, batch, loss)
+    assert engine.trace_count == before
+    assert aux.stats["trace_count"] == before
+
+
+def test_make_engine_kinds():
+    model, _ = _model(ModelFamily.QWEN3)
+    assert isinstance(make_engine("prefix_reuse", model, microbatch=2), PrefixReuseEngine)
+    assert make_engine(EngineKind.AUTO, model).name == "auto"
+    with pytest.raises(ValueError, match="prefix_reuse"):
+        make_engine("nope", model)
+    with pytest.raises(ValueError, match="microbatch=0"):
+        PrefixReuseEngine(model, microbatch=0)
+
+
+def test_suffix_phase_memory_below_dense():
+    """Phase B holds the prefix K/V and one microbatch of suffix activations; dense
+    holds activations of whole sequences. Long prompt, short responses."""
+    model, params = _model(ModelFamily.QWEN3)
+    batch = grpo_groups(num_groups=1, group_size=4, prompt_len=120, response_len=8, seed=0)
+    rep = memory_report(model, params, batch, MaskedNLLLoss(), microbatch=4, whole=False)
+    assert rep["suffix_phase"]["peak"] < rep["dense"]["peak"]
+    assert rep["suffix_phase"]["temp"] < 0.5 * rep["dense"]["temp"], rep
