@@ -24,32 +24,11 @@ import numpy as np
 from flax import nnx
 
 from dtarl.engines import EngineKind, RolloutBatch, make_engine
+from dtarl.engines.cost import ideal_ratio
 from dtarl.model import ModelConfig, init_model
 from dtarl.rl.losses import ClippedSurrogateLoss
 from dtarl.testing import grpo_groups
 from dtarl.tree import DFSOrder, build_tree
-
-
-def _context_flops(cfg: ModelConfig, start: np.ndarray, stop: np.ndarray) -> float:
-    """Forward FLOPs of tokens at positions [start, stop) (vectorised, closed form).
-
-    flops_per_token(p) = a + b * p, so the sum over p in [s, e) is
-    a * (e - s) + b * (e - s) * (s + e - 1) / 2.
-    """
-    a = cfg.flops_per_token(0.0)
-    b = cfg.flops_per_token(1.0) - a
-    n = (stop - start).astype(np.float64)
-    return float(np.sum(a * n + b * n * (start + stop - 1) / 2.0))
-
-
-def ideal_ratio(cfg: ModelConfig, batch: RolloutBatch) -> tuple[float, float, float]:
-    """(dense FLOPs, tree FLOPs, ratio); backward = 2x forward, so 3x both."""
-    lengths = batch.lengths
-    dense = 3 * _context_flops(cfg, np.zeros_like(lengths), lengths)
-    tree = build_tree(batch.tokens)
-    starts = tree.start[1:]
-    tree_f = 3 * _context_flops(cfg, starts, starts + tree.length[1:])
-    return dense, tree_f, dense / tree_f
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -155,9 +134,9 @@ def _engine_specs(names: Sequence[str] | None) -> dict[str, tuple]:
 
 def _kwargs_for(kind: EngineKind, extra: dict, chunk_len: int, microbatch: int) -> dict:
     kw = dict(extra)
-    if kind is EngineKind.DFS:
+    if kind in (EngineKind.DFS, EngineKind.AUTO):
         kw.setdefault("chunk_len", chunk_len)
-    elif kind in (EngineKind.DENSE, EngineKind.DENSE_REMAT):
+    if kind is not EngineKind.DFS:
         kw.setdefault("microbatch", microbatch)
     return kw
 
@@ -207,8 +186,8 @@ def run(
     results["model"]["attention_backend"] = cfg.attention_backend.value
     for wl in all_w:
         batch = wl.make()
-        dense_f, tree_f, ideal = ideal_ratio(cfg, batch)
         tree = build_tree(batch.tokens)
+        ideal = ideal_ratio(cfg, tree)
         row = {
             "workload": wl.name,
             "note": wl.note,
@@ -260,7 +239,7 @@ def run(
 def _format_rows(row: dict) -> str:
     head = (
         f"{'engine':<14}{'step s':>9}{'tok/s':>10}{'x dense':>9}{'x remat':>9}"
-        f"{'ideal':>7}{'meas/ideal':>11}{'peak MiB':>10}{'compile s':>10}"
+        f"{'ideal':>7}{'meas/ideal':>11}{'peak MiB':>10}{'compile s':>10}  steps(packed)"
     )
     lines = [head]
     for name, e in row["engines"].items():
@@ -273,9 +252,15 @@ def _format_rows(row: dict) -> str:
             f"{name:<14}{e['step_seconds']:>9.3f}{e['tokens_per_second']:>10.0f}"
             f"{f(e['speedup_vs_dense'], '>9.2f')}{f(e['speedup_vs_dense_remat'], '>9.2f')}"
             f"{row['ideal_ratio']:>7.2f}{f(e['measured_over_ideal'], '>11.2f')}"
-            f"{f(peak, '>10.1f')}{e['compile_seconds']:>10.1f}"
+            f"{f(peak, '>10.1f')}{e['compile_seconds']:>10.1f}  {_steps(e['stats'])}"
         )
     return "\n".join(lines)
+
+
+def _steps(stats: dict) -> str:
+    if "num_steps" not in stats:
+        return "-"
+    return f"{stats['num_steps']}({stats.get('packed_steps', 0)})"
 
 
 def register(subparsers) -> None:

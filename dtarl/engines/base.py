@@ -125,6 +125,7 @@ class SeqData(NamedTuple):
     mask: jax.Array  # [F] f32
     old: jax.Array  # [F] f32 (NaN = absent)
     ref: jax.Array  # [F] f32 (NaN = absent)
+    tok_adv: jax.Array  # [F] f32 (NaN = use the sequence's advantage)
 
 
 def check_batch(batch: RolloutBatch, loss, vocab_size: int) -> None:
@@ -179,6 +180,7 @@ def flat_sequence_data(
         mask=flat(batch.loss_mask, 0.0),
         old=flat(batch.old_logprobs, np.nan),
         ref=flat(batch.ref_logprobs, np.nan),
+        tok_adv=flat(batch.token_advantages, np.nan),
     )
 
 
@@ -197,7 +199,12 @@ def sequence_loss(loss, logp_S, seq: SeqData, sid) -> jax.Array:
         return jnp.where(valid, jax.lax.dynamic_slice_in_dim(flat, seq.off[i], s), 0.0)
 
     tok = TokenData(
-        mask=window(seq.mask), old_logprobs=window(seq.old), ref_logprobs=window(seq.ref)
+        mask=window(seq.mask),
+        old_logprobs=window(seq.old),
+        ref_logprobs=window(seq.ref),
+        advantages=jnp.where(
+            valid, jax.lax.dynamic_slice_in_dim(seq.tok_adv, seq.off[i], s), jnp.nan
+        ),
     )
     sd = SequenceData(advantage=seq.advantage[i], weight=jnp.where(real, seq.weight[i], 0.0))
     return loss(jnp.where(valid, logp_S, 0.0), tok, sd)

@@ -62,6 +62,8 @@ class RolloutBatch:
       old_logprobs: optional N float32 arrays [n_i]: logprob of token t under the
         sampling policy (entry 0 ignored).
       ref_logprobs: optional N float32 arrays [n_i] under a frozen reference policy.
+      token_advantages: optional N float32 arrays [n_i]: a per-token advantage
+        (PPO with GAE). Where given it replaces the sequence's ``advantages``.
       group_ids: [N] int32 group (prompt) ids; defaults to one group per sequence.
       rewards: optional [N] float32, carried for metrics only.
     """
@@ -71,6 +73,7 @@ class RolloutBatch:
     advantages: np.ndarray
     old_logprobs: tuple[np.ndarray, ...] | None = None
     ref_logprobs: tuple[np.ndarray, ...] | None = None
+    token_advantages: tuple[np.ndarray, ...] | None = None
     group_ids: np.ndarray | None = None
     rewards: np.ndarray | None = None
 
@@ -83,6 +86,7 @@ class RolloutBatch:
         advantages=None,
         old_logprobs: Sequence | None = None,
         ref_logprobs: Sequence | None = None,
+        token_advantages: Sequence | None = None,
         group_ids=None,
         rewards=None,
         prompt_lens: Sequence[int] | None = None,
@@ -139,10 +143,23 @@ class RolloutBatch:
             raise BatchError(f"advantages[{bad}] = {adv[bad]} is not finite")
         old = _as_ragged("old_logprobs", old_logprobs, n, np.float32, lengths)
         ref = _as_ragged("ref_logprobs", ref_logprobs, n, np.float32, lengths)
-        for name, arrs in (("old_logprobs", old), ("ref_logprobs", ref)):
+        tadv = _as_ragged("token_advantages", token_advantages, n, np.float32, lengths)
+        # Entry 0 is documented as ignored: make it inert (no 0 * inf in a loss).
+        old, ref, tadv = (
+            None
+            if arrs is None
+            else tuple(np.concatenate([[0.0], a[1:]]).astype(np.float32) for a in arrs)
+            for arrs in (old, ref, tadv)
+        )
+        for name, arrs in (
+            ("old_logprobs", old),
+            ("ref_logprobs", ref),
+            ("token_advantages", tadv),
+        ):
             for i, a in enumerate(arrs or ()):
                 if not np.all(np.isfinite(a[1:])):
-                    raise BatchError(f"{name}[{i}]: contains NaN or inf")
+                    bad = 1 + int(np.flatnonzero(~np.isfinite(a[1:]))[0])
+                    raise BatchError(f"{name}[{i}][{bad}] = {a[bad]} is not finite")
         if group_ids is None:
             gids = np.arange(n, dtype=np.int32)
         else:
@@ -160,6 +177,7 @@ class RolloutBatch:
             advantages=adv,
             old_logprobs=old,
             ref_logprobs=ref,
+            token_advantages=tadv,
             group_ids=gids,
             rewards=rw,
         )
@@ -211,6 +229,7 @@ class RolloutBatch:
             advantages=self.advantages[idx],
             old_logprobs=pick(self.old_logprobs),
             ref_logprobs=pick(self.ref_logprobs),
+            token_advantages=pick(self.token_advantages),
             group_ids=self.group_ids[idx],
             rewards=None if self.rewards is None else self.rewards[idx],
         )

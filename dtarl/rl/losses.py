@@ -35,6 +35,12 @@ class TokenData(NamedTuple):
     mask: jax.Array
     old_logprobs: jax.Array
     ref_logprobs: jax.Array
+    advantages: jax.Array  # per-token advantage; NaN = use SequenceData.advantage
+
+
+def token_advantage(tok: TokenData, seq: SequenceData) -> jax.Array:
+    """A_t: the per-token advantage where given, else the sequence's A_i."""
+    return jnp.where(jnp.isnan(tok.advantages), seq.advantage, tok.advantages)
 
 
 class SequenceData(NamedTuple):
@@ -46,7 +52,7 @@ class SequenceData(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MaskedNLLLoss:
-    """Masked negative log-likelihood (SFT):  l_t = -A_i * logp_t.
+    """Masked negative log-likelihood (SFT):  l_t = -A_t * logp_t.
 
     With advantages of 1 this is plain cross-entropy on the masked tokens.
     """
@@ -57,7 +63,7 @@ class MaskedNLLLoss:
     needs_ref_logprobs = False
 
     def __call__(self, logp_S, tok: TokenData, seq: SequenceData) -> jax.Array:
-        per_token = -seq.advantage * logp_S
+        per_token = -token_advantage(tok, seq) * logp_S
         return seq.weight * jnp.sum(tok.mask * per_token)
 
 
@@ -66,12 +72,13 @@ class ClippedSurrogateLoss:
     """PPO-style clipped surrogate, optionally with a k3 KL penalty to a reference.
 
         r_t   = exp(logp_t - logp_old_t)
-        l_t   = -min(r_t A_i, clip(r_t, 1 - eps_low, 1 + eps_high) A_i) + beta * kl_t
+        l_t   = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) + beta * kl_t
         kl_t  = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                (k3 estimator)
 
     Presets: ``grpo()`` (symmetric clip, per-sequence mean), ``dapo()``
     (clip-higher eps_high = 0.28, token-level normalisation), ``dr_grpo()``
-    (constant normaliser), ``ppo()`` (token-level, symmetric clip).
+    (constant normaliser), ``ppo()`` (token-level, symmetric clip). A_t is the
+    batch's per-token advantage where given (PPO/GAE), else the sequence's A_i.
     Without old logprobs the rollout is taken as on-policy: logp_old =
     stop_gradient(logp), so r_t = 1 with gradient A_i * grad(logp_t).
     """
@@ -120,7 +127,7 @@ class ClippedSurrogateLoss:
             jnp.isnan(tok.old_logprobs), jax.lax.stop_gradient(logp_S), tok.old_logprobs
         )
         ratio = jnp.exp(logp_S - old)
-        adv = seq.advantage
+        adv = token_advantage(tok, seq)
         clipped = jnp.clip(ratio, 1.0 - self.eps_low, 1.0 + self.eps_high)
         per_token = -jnp.minimum(ratio * adv, clipped * adv)
         if self.kl_coef > 0:

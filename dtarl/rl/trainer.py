@@ -246,9 +246,8 @@ def make_loss(cfg: TrainerConfig, max_response: int):
             norm_constant=float(max_response),
         )
     if a.algorithm is Algorithm.PPO:
-        from dtarl.rl.value import TokenAdvantageLoss
-
-        return TokenAdvantageLoss(eps_low=a.clip_eps, eps_high=a.eps_high)
+        # GAE advantages ride in the batch's token_advantages; KL is in the reward.
+        return ClippedSurrogateLoss(eps_low=a.clip_eps, eps_high=a.eps_high, norm=LossNorm.TOKEN)
     norm = LossNorm.TOKEN if a.algorithm is Algorithm.DAPO else LossNorm.SEQUENCE
     return ClippedSurrogateLoss(
         eps_low=a.clip_eps, eps_high=a.eps_high, kl_coef=a.kl_coef, norm=norm
@@ -626,16 +625,16 @@ class Trainer:
                 lam=cfg.algo.lam,
             )
             m.update(vstats)
-            ref_channel = token_adv  # per-token advantages (see dtarl.rl.value)
         else:
             advs = group_advantages(cfg, rewards, gids)
-            ref_channel = ref
+            token_adv = None
         batch = RolloutBatch.create(
             tokens=toks,
             loss_mask=masks,
             advantages=advs,
             old_logprobs=olds,
-            ref_logprobs=ref_channel,
+            ref_logprobs=ref,
+            token_advantages=token_adv,
             group_ids=gids,
             rewards=rewards,
         )

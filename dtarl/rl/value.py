@@ -12,17 +12,12 @@ without a reference). Advantages are whitened over the batch's actions.
 Value loss (clipped, as PPO2):
     L_V = 1/2 mean_t max((V_t - R_t)^2, (V_old_t + clip(V_t - V_old_t, -c, c) - R_t)^2)
 
-``TokenAdvantageLoss`` is the PPO clipped surrogate with a per-token advantage.
-The engines' per-token channels are (mask, old_logprobs, ref_logprobs), so the
-advantage travels in the ``ref_logprobs`` channel of the ``RolloutBatch``
-(NaN = 0). The KL term lives in the reward instead of the loss.
-TODO(lead): a first-class per-token advantage field in ``RolloutBatch`` /
-``TokenData`` would retire this channel reuse.
+The policy loss is ``ClippedSurrogateLoss.ppo()`` with the GAE advantages in the
+batch's ``token_advantages``; the KL term lives in the reward instead of the loss.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -31,32 +26,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dtarl.engines.batch import LossNorm
 from dtarl.rl import advantages as adv_fns
-from dtarl.rl.losses import SequenceData, TokenData
 from dtarl.tree.plan import bucket
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TokenAdvantageLoss:
-    """l_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t), A_t from ``ref_logprobs``."""
-
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    norm: LossNorm = LossNorm.TOKEN
-    norm_constant: float | None = None
-    needs_old_logprobs = False
-    needs_ref_logprobs = True  # the per-token advantages
-
-    def __call__(self, logp_S, tok: TokenData, seq: SequenceData) -> jax.Array:
-        adv = jnp.nan_to_num(tok.ref_logprobs)
-        old = jnp.where(
-            jnp.isnan(tok.old_logprobs), jax.lax.stop_gradient(logp_S), tok.old_logprobs
-        )
-        ratio = jnp.exp(logp_S - old)
-        clipped = jnp.clip(ratio, 1.0 - self.eps_low, 1.0 + self.eps_high)
-        per_token = -jnp.minimum(ratio * adv, clipped * adv)
-        return seq.weight * jnp.sum(tok.mask * per_token)
 
 
 class ValueModel:
@@ -170,4 +141,4 @@ class ValueModel:
         self.opt_state = state["opt_state"]
 
 
-__all__ = ["TokenAdvantageLoss", "ValueModel"]
+__all__ = ["ValueModel"]

@@ -56,7 +56,7 @@ def _reference_fn(model, loss):
     which cannot change its logprobs (causal attention) and is masked out of the loss."""
     graphdef, _ = nnx.split(model, nnx.Param)
 
-    def one(params, toks, mask, old, ref, adv, w, n):
+    def one(params, toks, mask, old, ref, tadv, adv, w, n):
         m = nnx.merge(graphdef, params)
         logits, _ = m(toks[None], jnp.arange(REF_LEN)[None])
         lp = jax.nn.log_softmax(logits[0, :-1], axis=-1)
@@ -64,7 +64,7 @@ def _reference_fn(model, loss):
         lp = jnp.concatenate([jnp.zeros(1), lp])
         valid = jnp.arange(REF_LEN) < n
         lp = jnp.where(valid, lp, 0.0)
-        tok = TokenData(mask, jnp.where(valid, old, 0.0), jnp.where(valid, ref, 0.0))
+        tok = TokenData(mask, jnp.where(valid, old, 0.0), jnp.where(valid, ref, 0.0), tadv)
         return loss(lp, tok, SequenceData(adv, w)), lp
 
     return jax.jit(jax.value_and_grad(one, has_aux=True))
@@ -85,12 +85,14 @@ def reference(model, params, batch: RolloutBatch, loss):
         nan = np.full(n, np.nan, np.float32)
         old = nan if batch.old_logprobs is None else batch.old_logprobs[i]
         ref = nan if batch.ref_logprobs is None else batch.ref_logprobs[i]
+        tadv = nan if batch.token_advantages is None else batch.token_advantages[i]
         (val, lp), g = fn(
             params,
             np.concatenate([toks, np.zeros(REF_LEN - n, np.int32)]),
             pad(batch.loss_mask[i]),
             pad(old),
             pad(ref),
+            np.concatenate([tadv, np.full(REF_LEN - n, np.nan, np.float32)]),
             batch.advantages[i],
             w[i],
             n,
@@ -243,3 +245,21 @@ def test_bf16_within_stated_bound():
         assert max(rel_errors(g, g_ref)) < 5e-2
         for a, b in zip(aux.logprobs, lp_ref, strict=True):
             np.testing.assert_allclose(a, b, atol=5e-2)
+
+
+def test_per_token_advantages_ppo():
+    """PPO/GAE: per-token advantages replace the sequence advantage, in every engine."""
+    batch = grpo_groups(num_groups=2, group_size=3, prompt_len=7, response_len=(2, 9), seed=11)
+    rs = np.random.RandomState(2)
+    base = with_logprob_data(batch)
+    batch = RolloutBatch.create(
+        tokens=base.tokens,
+        loss_mask=base.loss_mask,
+        advantages=np.zeros(base.num_sequences),
+        old_logprobs=base.old_logprobs,
+        ref_logprobs=base.ref_logprobs,
+        token_advantages=[rs.randn(len(t)) for t in base.tokens],
+    )
+    loss = ClippedSurrogateLoss.ppo(kl_coef=0.05)
+    check("dfs", ModelFamily.QWEN3, batch, loss)
+    check("dense", ModelFamily.QWEN3, batch, loss)
