@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_partition.register(bench_sub)
 
+    from dtarl.parallel import launch
+
+    launch.register(sub)
+
     from dtarl.traces import cli as trace_cli
 
     trace_cli.register(sub)  # adds `trace` with report / sample / replay / simulate

@@ -10,11 +10,12 @@ With ``--measure`` it also runs every rank's sub-batch through the DFS engine
 on the tiny model on this machine's CPU, with the trace lengths scaled down by
 ``--measure-scale`` (tokens from the tiny model's 256-token vocabulary), and
 reports the measured step time = max over ranks of the engine time next to the
-simulated makespan (tree tokens) of the same scaled batch. One engine per
-(workload, K) serves every method, so all ranks share its shape buckets (one
-compilation); a rank padded to a longer plan runs no-op steps, which slightly
-favours the methods with the largest rank (the measured gain is conservative).
-Each rank is timed ``--measure-repeats`` times after a warm-up; min is kept.
+simulated makespan (tree tokens) of the same scaled batch. Each rank is
+prepared with fresh (tight) shape buckets, as if it ran alone, so the padding
+of the power-of-two / quarter-octave buckets (up to 25% extra plan steps) is
+part of what is measured; ranks with equal buckets share one compilation, and
+compilation is never timed. Each rank is timed ``--measure-repeats`` times,
+round-robin over the ranks (so load bursts hit all of them), and the min is kept.
 
 Workloads (PolyTrace, see ``polytrace/README.md``):
   math    verl DAPO math, Qwen2.5-32B: 96 prompts x 8 responses per step.
@@ -185,10 +186,10 @@ class MeasureConfig:
     chunk_len: the DFS engine's chunk length.
     """
 
-    scale: float = 1 / 32
+    scale: float = 1 / 64
     steps: int = 1
-    repeats: int = 2
-    chunk_len: int = 64
+    repeats: int = 3
+    chunk_len: int = 32
 
     def __post_init__(self):
         if not 0 < self.scale <= 1:
@@ -212,7 +213,11 @@ def scale_step(sb: StepBatch, scale: float) -> StepBatch:
 
 
 class _Measurer:
-    """Times each rank's sub-batch through one DFS engine on the tiny model (CPU)."""
+    """Times each rank's sub-batch through a DFS engine on the tiny model (CPU).
+
+    Every rank is prepared with fresh (tight) shape buckets, as if it ran alone;
+    compiled programs are shared between ranks whose buckets coincide.
+    """
 
     def __init__(self, cfg: MeasureConfig):
         import jax
@@ -225,50 +230,48 @@ class _Measurer:
         self.cfg = cfg
         self.model_cfg = ModelConfig.tiny()
         # Abstract init + host values: no per-op compilation for the weights.
-        self.model = nnx.eval_shape(lambda: init_model(self.model_cfg, seed=0))
-        _, abstract = nnx.split(self.model, nnx.Param)
+        model = nnx.eval_shape(lambda: init_model(self.model_cfg, seed=0))
+        _, abstract = nnx.split(model, nnx.Param)
         rs = np.random.RandomState(0)
         self.params = jax.device_put(
             jax.tree.map(lambda a: (0.05 * rs.standard_normal(a.shape)).astype(a.dtype), abstract)
         )
         self.loss = MaskedNLLLoss()
-        self.engine_cls = DFSEngine
-        self.engine = None
+        self.engine = DFSEngine(model, chunk_len=cfg.chunk_len)
+        self._fresh = dict(self.engine._min)
+        self._warm: set = set()
 
-    def new_engine(self) -> None:
-        """A fresh engine (fresh buckets) for the next group of measurements."""
-        self.engine = self.engine_cls(self.model, chunk_len=self.cfg.chunk_len)
-
-    def prepare(self, seqs: list[np.ndarray], ranks: Sequence[np.ndarray]):
-        from dtarl.engines.batch import RolloutBatch
-
-        out = []
-        for ix in ranks:
-            if ix.shape[0] == 0:
-                out.append(None)
-                continue
-            batch = RolloutBatch.create(tokens=[seqs[i] for i in ix.tolist()])
-            out.append(self.engine.prepare(batch, self.loss))
-        return out
-
-    def time_ranks(self, prepared) -> list[float]:
+    def rank_seconds(self, seqs: list[np.ndarray], ranks: Sequence[np.ndarray]) -> list[float]:
+        """min over ``repeats`` (round-robin over ranks) of each rank's engine seconds."""
         import jax
 
-        times = []
-        for prep in prepared:
-            if prep is None:
-                times.append(0.0)
+        from dtarl.engines.batch import RolloutBatch
+
+        runs = []
+        for ix in ranks:
+            if ix.shape[0] == 0:
+                runs.append(None)
                 continue
+            self.engine._min = dict(self._fresh)  # tight buckets: this rank alone
+            prep = self.engine.prepare(
+                RolloutBatch.create(tokens=[seqs[i] for i in ix.tolist()]), self.loss
+            )
             fn = self.engine.jit.get(self.loss, prep.static)
             args = jax.device_put(prep.args)
-            jax.block_until_ready(fn(self.params, *args))  # warm-up (compiles once)
-            best = float("inf")
-            for _ in range(self.cfg.repeats):
-                t0 = time.perf_counter()
+            key = (prep.static, tuple(np.shape(a) for a in jax.tree.leaves(prep.args)))
+            if key not in self._warm:  # compile outside the timed runs
                 jax.block_until_ready(fn(self.params, *args))
-                best = min(best, time.perf_counter() - t0)
-            times.append(best)
-        return times
+                self._warm.add(key)
+            runs.append((fn, args))
+        best = [float("inf") if r is not None else 0.0 for r in runs]
+        for _ in range(self.cfg.repeats):
+            for j, r in enumerate(runs):
+                if r is None:
+                    continue
+                t0 = time.perf_counter()
+                jax.block_until_ready(r[0](self.params, *r[1]))
+                best[j] = min(best[j], time.perf_counter() - t0)
+        return best
 
 
 def _measure(
@@ -287,44 +290,34 @@ def _measure(
             small = scale_step(sb, cfg.scale)
             seqs, gids = build_sequences(small, seed, vocab=m.model_cfg.vocab_size)
             n_groups = len(small.prompt_lens)
+            cache: dict[tuple, list[float]] = {}
             for k in ks:
-                jobs = []
                 for kg in keep_groups_modes:
                     if k > (n_groups if kg else len(seqs)):
                         continue
                     for method in PartitionMethod:
                         p = partition(seqs, k, method=method, group_ids=gids, keep_groups=kg)
-                        jobs.append((kg, method, p))
-                if not jobs:
-                    continue
-                # One engine per (workload, K): pass 1 grows its buckets to the largest
-                # rank of every method, pass 2 prepares them all at that one shape.
-                m.new_engine()
-                for _, _, p in jobs:
-                    m.prepare(seqs, p.indices)
-                cache: dict[tuple, list[float]] = {}
-                for kg, method, p in jobs:
-                    key = tuple(tuple(ix.tolist()) for ix in p.indices)
-                    if key not in cache:
-                        cache[key] = m.time_ranks(m.prepare(seqs, p.indices))
-                    times = cache[key]
-                    rows.append(
-                        {
-                            "workload": wl,
-                            "step": sb.step,
-                            "k": k,
-                            "keep_groups": kg,
-                            "method": method.value,
-                            "scale": cfg.scale,
-                            "rank_seconds": times,
-                            "measured_max_s": max(times),
-                            "measured_mean_s": float(np.mean(times)),
-                            "sim_makespan": p.makespan,
-                            "rank_tree_tokens": p.tree_tokens.tolist(),
-                            "n_sequences": len(seqs),
-                            "scaled_tree_tokens": p.global_tree_tokens,
-                        }
-                    )
+                        key = tuple(tuple(ix.tolist()) for ix in p.indices)
+                        if key not in cache:
+                            cache[key] = m.rank_seconds(seqs, p.indices)
+                        times = cache[key]
+                        rows.append(
+                            {
+                                "workload": wl,
+                                "step": sb.step,
+                                "k": k,
+                                "keep_groups": kg,
+                                "method": method.value,
+                                "scale": cfg.scale,
+                                "rank_seconds": times,
+                                "measured_max_s": max(times),
+                                "measured_mean_s": float(np.mean(times)),
+                                "sim_makespan": p.makespan,
+                                "rank_tree_tokens": p.tree_tokens.tolist(),
+                                "n_sequences": len(seqs),
+                                "scaled_tree_tokens": p.global_tree_tokens,
+                            }
+                        )
     return rows
 
 

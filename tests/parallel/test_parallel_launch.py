@@ -1,0 +1,217 @@
+"""Multi-process runs: 2 processes x 2 fake CPU devices equal one process; failures are fast.
+
+The two-process test launches a worker script through ``dtarl.parallel.launch``
+(gloo collectives on a free localhost port); each process writes its result to
+a file in ``tmp_path`` and the test compares them with the single-process run.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from dtarl.parallel import launch as launch_lib
+from dtarl.parallel.launch import DistributedConfig, DistributedInitError, LaunchError
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Shared by the worker processes and this test: same model, params and batch.
+PROBLEM = """
+import jax
+import numpy as np
+from flax import nnx
+
+from dtarl.engines import DFSEngine
+from dtarl.model import ModelConfig, init_model
+from dtarl.rl.losses import ClippedSurrogateLoss
+from dtarl.testing import grpo_groups
+
+LOSS = ClippedSurrogateLoss.dapo()
+
+
+def problem():
+    cfg = ModelConfig.tiny(num_layers=1, hidden_size=32, intermediate_size=64, head_dim=8)
+    model = nnx.eval_shape(lambda: init_model(cfg, seed=0))
+    _, abstract = nnx.split(model, nnx.Param)
+    rs = np.random.RandomState(0)
+    params = jax.tree.map(
+        lambda a: (rs.standard_normal(a.shape) / np.sqrt(a.shape[0])).astype(a.dtype), abstract
+    )
+    batch = grpo_groups(num_groups=4, group_size=4, prompt_len=6, response_len=(3, 9), seed=0)
+    return DFSEngine(model, chunk_len=8), params, batch
+
+
+def flat(tree):
+    return {
+        "/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
+        for path, v in jax.tree.leaves_with_path(tree)
+    }
+"""
+
+WORKER = """
+import os
+import sys
+
+import jax
+import numpy as np
+
+from dtarl.parallel import make_mesh
+from dtarl.parallel.sharded import ShardedEngine, to_host
+
+exec(open(sys.argv[2]).read())
+assert jax.process_count() == 2 and jax.device_count() == 4, (
+    jax.process_count(), jax.device_count())
+engine, params, batch = problem()
+sharded = ShardedEngine(engine, make_mesh(2, 2))  # dp spans the processes, tp within one
+total, grads, aux = sharded.value_and_grad(params, batch, LOSS)
+total, grads = to_host((total, grads))  # one gather for both
+out = dict(flat(grads), __loss__=np.asarray(total))
+out.update({f"__logp{i}__": lp for i, lp in enumerate(aux.logprobs)})
+np.savez(os.path.join(sys.argv[1], f"rank{jax.process_index()}.npz"), **out)
+print("rank", jax.process_index(), "loss", float(out["__loss__"]))
+"""
+
+DIES = """
+import sys
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+if jax.process_index() == 1:
+    sys.exit(3)  # dies right after joining
+# Rank 0 waits for a collective that rank 1 never enters.
+multihost_utils.process_allgather(np.ones(4))
+print("unreachable: the collective returned")
+"""
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_two_processes_equal_one(tmp_path, capsys):
+    (tmp_path / "problem.py").write_text(PROBLEM)
+    (tmp_path / "worker.py").write_text(WORKER)
+    res = launch_lib.launch(
+        [str(tmp_path / "worker.py"), str(tmp_path), str(tmp_path / "problem.py")],
+        2,
+        devices_per_proc=2,
+        init_timeout=60,
+        timeout=240,
+    )
+    out = capsys.readouterr()
+    assert res.returncode == 0, out.out[-3000:] + out.err[-3000:]
+    assert "[rank 0] rank 0 loss" in out.out and "[rank 1] rank 1 loss" in out.out
+
+    ns: dict = {}
+    exec(PROBLEM, ns)
+    engine, params, batch = ns["problem"]()
+    total, grads, aux = engine.value_and_grad(params, batch, ns["LOSS"])
+    ref = ns["flat"](jax.tree.map(np.asarray, grads))
+    for rank in (0, 1):
+        got = dict(np.load(tmp_path / f"rank{rank}.npz"))
+        np.testing.assert_allclose(got.pop("__loss__"), float(total), rtol=1e-6)
+        for i, lp in enumerate(aux.logprobs):
+            np.testing.assert_allclose(got.pop(f"__logp{i}__"), lp, atol=1e-5, rtol=0)
+        assert sorted(got) == sorted(ref)
+        for name, g in ref.items():
+            err = np.linalg.norm(got[name] - g) / max(np.linalg.norm(g), 1e-30)
+            assert err <= 1e-5, (rank, name, err)
+
+
+def test_dead_rank_fails_fast(tmp_path):
+    """Rank 1 exits at once; the launcher stops rank 0 and names rank 1, well within 60 s."""
+    (tmp_path / "dies.py").write_text(DIES)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dtarl.parallel.launch", "--nproc", "2", "--devices-per-proc", "1"]
+        + ["--init-timeout", "30", "--", str(tmp_path / "dies.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "rank 1" in proc.stderr and "exited with code 3" in proc.stderr, proc.stderr[-3000:]
+    assert "unreachable" not in proc.stdout
+    assert elapsed < 60
+
+
+def test_never_joined_peer_aborts_within_init_timeout():
+    """Without the launcher, JAX's init timeout bounds the wait for a peer that never starts."""
+    code = (
+        "from dtarl.parallel.launch import DistributedConfig, free_port, initialize\n"
+        "initialize(DistributedConfig(coordinator_address=f'127.0.0.1:{free_port()}',"
+        " num_processes=2, process_id=0, init_timeout=2))\n"
+        "print('joined')\n"
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env()
+    )
+    assert proc.returncode != 0 and "joined" not in proc.stdout
+    assert "process 0 of 2 joining the coordinator" in proc.stderr
+    assert "DEADLINE_EXCEEDED" in proc.stderr
+    assert time.monotonic() - t0 < 45
+
+
+# ------------------------------------------------------------------------ config / argv
+
+
+def test_config_from_env():
+    cfg = DistributedConfig.from_env(
+        {
+            "DTARL_COORDINATOR_ADDRESS": "10.0.0.1:1234",
+            "DTARL_NUM_PROCESSES": "4",
+            "DTARL_PROCESS_ID": "3",
+            "DTARL_LOCAL_DEVICE_IDS": "0,1",
+            "DTARL_INIT_TIMEOUT": "5",
+        }
+    )
+    assert cfg.coordinator_address == "10.0.0.1:1234"
+    assert (cfg.num_processes, cfg.process_id, cfg.local_device_ids) == (4, 3, (0, 1))
+    assert cfg.init_timeout == 5 and cfg.configured
+    assert not DistributedConfig.from_env({}).configured
+    assert launch_lib.initialize(DistributedConfig()) is None  # nothing configured: no-op
+    with pytest.raises(DistributedInitError, match="DTARL_NUM_PROCESSES='x'"):
+        DistributedConfig.from_env({"DTARL_NUM_PROCESSES": "x"})
+    with pytest.raises(DistributedInitError, match=r"process_id=2: must be in \[0, 1\]"):
+        DistributedConfig(num_processes=2, process_id=2)
+    with pytest.raises(DistributedInitError, match="host:port"):
+        DistributedConfig(coordinator_address="localhost")
+
+
+def test_rank_env_sets_devices_and_coordinator():
+    base = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo=1"}
+    env = launch_lib.rank_env(1, 2, "127.0.0.1:5", devices_per_proc=2, base=base)
+    assert env["DTARL_PROCESS_ID"] == "1" and env["DTARL_NUM_PROCESSES"] == "2"
+    assert env["XLA_FLAGS"].split() == ["--foo=1", "--xla_force_host_platform_device_count=2"]
+    gpu = launch_lib.rank_env(1, 2, "h:5", devices_per_proc=4, platform="gpu", base={})
+    assert gpu["DTARL_LOCAL_DEVICE_IDS"] == "4,5,6,7"
+
+
+def test_launch_bad_arguments():
+    with pytest.raises(LaunchError, match="nproc=0"):
+        launch_lib.launch(["x.py"], 0)
+    with pytest.raises(LaunchError, match="no target"):
+        launch_lib.launch([], 2)
+    with pytest.raises(LaunchError, match="devices_per_proc=0"):
+        launch_lib.launch(["x.py"], 2, devices_per_proc=0)
+
+
+def test_register_adds_launch_subcommand():
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="dtarl")
+    launch_lib.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["launch", "--nproc", "2", "--", "-m", "pkg.mod", "--flag"])
+    assert args.nproc == 2 and args.target[-3:] == ["-m", "pkg.mod", "--flag"]
+    assert callable(args.func)
