@@ -19,6 +19,14 @@ from dtarl.model import (
 FAMILIES = list(ModelFamily)
 
 
+@nnx.jit(static_argnames=("return_hidden",))
+def run(model, tokens, positions, kv=None, prefix_len=None, segment_ids=None, return_hidden=False):
+    """One compiled call (eager mode would compile every op separately)."""
+    return model(
+        tokens, positions, kv, prefix_len, return_hidden=return_hidden, segment_ids_BxT=segment_ids
+    )
+
+
 def _tokens(b, t, seed=0):
     return jnp.asarray(np.random.RandomState(seed).randint(0, 256, (b, t)))
 
@@ -31,9 +39,9 @@ def _pos(b, start, t):
 def test_prefix_kv_forward_equals_full_forward(family):
     model = init_model(ModelConfig.tiny(family), seed=0)
     toks = _tokens(2, 13)
-    full, kv_full = model(toks, _pos(2, 0, 13))
-    head, kv = model(toks[:, :8], _pos(2, 0, 8))
-    tail, kv_tail = model(toks[:, 8:], _pos(2, 8, 5), kv)
+    full, kv_full = run(model, toks, _pos(2, 0, 13))
+    head, kv = run(model, toks[:, :8], _pos(2, 0, 8))
+    tail, kv_tail = run(model, toks[:, 8:], _pos(2, 8, 5), kv)
     np.testing.assert_allclose(jnp.concatenate([head, tail], 1), full, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(kv_tail.k, kv_full.k[:, :, 8:], atol=1e-5)
     # A padded prefix buffer with garbage past prefix_len gives the same result.
@@ -41,7 +49,7 @@ def test_prefix_kv_forward_equals_full_forward(family):
     junk = KVCache(
         jnp.pad(kv.k, pad, constant_values=7.0), jnp.pad(kv.v, pad, constant_values=-3.0)
     )
-    tail2, _ = model(toks[:, 8:], _pos(2, 8, 5), junk, jnp.array([8, 8]))
+    tail2, _ = run(model, toks[:, 8:], _pos(2, 8, 5), junk, jnp.array([8, 8]))
     np.testing.assert_allclose(tail2, tail, atol=1e-5, rtol=1e-5)
 
 
@@ -49,10 +57,10 @@ def test_prefix_kv_forward_equals_full_forward(family):
 def test_incremental_decoding_equals_full_forward(family):
     model = init_model(ModelConfig.tiny(family), seed=1)
     toks = _tokens(1, 10, seed=2)
-    full, _ = model(toks, _pos(1, 0, 10))
+    full, _ = run(model, toks, _pos(1, 0, 10))
     cache = KVCache.zeros(model.cfg, 1, 16)
     for t in range(10):
-        logits, kv = model(toks[:, t : t + 1], _pos(1, t, 1), cache, jnp.array([t]))
+        logits, kv = run(model, toks[:, t : t + 1], _pos(1, t, 1), cache, jnp.array([t]))
         np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
         cache = KVCache(
             jax.lax.dynamic_update_slice_in_dim(cache.k, kv.k, t, axis=2),
@@ -71,7 +79,7 @@ def test_jit_equals_eager_and_hidden_logprobs():
 
     np.testing.assert_allclose(jax.jit(f)(params, toks), f(params, toks), atol=1e-5, rtol=1e-5)
     logits = f(params, toks)
-    hidden, _ = model(toks, _pos(2, 0, 9), return_hidden=True)
+    hidden, _ = run(model, toks, _pos(2, 0, 9), return_hidden=True)
     want = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), toks[:, 1:, None], -1)[..., 0]
     # Chunked over positions (3 at a time): never the full [T, V] logits.
     got, ent = token_logprobs(
@@ -85,12 +93,12 @@ def test_jit_equals_eager_and_hidden_logprobs():
 def test_segment_packing_equals_separate_continuations():
     model = init_model(ModelConfig.tiny(), seed=0)
     pre, a, b = _tokens(1, 6, 1), _tokens(1, 4, 2), _tokens(1, 3, 3)
-    _, kv = model(pre, _pos(1, 0, 6))
-    la, _ = model(a, _pos(1, 6, 4), kv)
-    lb, _ = model(b, _pos(1, 6, 3), kv)
+    _, kv = run(model, pre, _pos(1, 0, 6))
+    la, _ = run(model, a, _pos(1, 6, 4), kv)
+    lb, _ = run(model, b, _pos(1, 6, 3), kv)
     pos = jnp.concatenate([jnp.arange(6, 10), jnp.arange(6, 9)])[None]
     seg = jnp.array([[0, 0, 0, 0, 1, 1, 1]])
-    lp, _ = model(jnp.concatenate([a, b], 1), pos, kv, segment_ids_BxT=seg)
+    lp, _ = run(model, jnp.concatenate([a, b], 1), pos, kv, segment_ids=seg)
     np.testing.assert_allclose(lp[:, :4], la, atol=1e-5)
     np.testing.assert_allclose(lp[:, 4:], lb, atol=1e-5)
 
@@ -100,16 +108,17 @@ def test_pallas_backend_matches_xla():
     xla = init_model(cfg, seed=3)
     pal = init_model(cfg.replace(attention_backend=AttentionBackend.PALLAS), seed=3)
     toks = _tokens(2, 12, 4)
-    _, kv = xla(toks[:, :7], _pos(2, 0, 7))
-    want, _ = xla(toks[:, 7:], _pos(2, 7, 5), kv)
-    got, _ = pal(toks[:, 7:], _pos(2, 7, 5), kv)
+    _, kv = run(xla, toks[:, :7], _pos(2, 0, 7))
+    want, _ = run(xla, toks[:, 7:], _pos(2, 7, 5), kv)
+    got, _ = run(pal, toks[:, 7:], _pos(2, 7, 5), kv)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
 
     def loss(model, kv):
         return jnp.sum(model(toks[:, 7:], _pos(2, 7, 5), kv)[0] ** 2) * 1e-3
 
-    gx = nnx.grad(loss, argnums=(0, 1))(xla, kv)
-    gp = nnx.grad(loss, argnums=(0, 1))(pal, kv)
+    grad = nnx.jit(nnx.grad(loss, argnums=(0, 1)))
+    gx = grad(xla, kv)
+    gp = grad(pal, kv)
     for a, b in zip(jax.tree.leaves(gp), jax.tree.leaves(gx), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(jnp.abs(b).max())), rtol=1e-4)
 
