@@ -20,7 +20,7 @@ from flax import nnx
 from dtarl.engines import base
 from dtarl.engines.batch import RolloutBatch
 from dtarl.model.decoder import Decoder, token_logprobs
-from dtarl.tree.plan import bucket
+from dtarl.tree.plan import bucket, fine_bucket
 
 
 @dataclasses.dataclass(eq=False)
@@ -44,7 +44,8 @@ class DenseEngine:
 
     def reserve(self, *, length: int = 8, sequences: int = 1, tokens: int = 1) -> DenseEngine:
         """Pre-sizes the shape buckets so smaller batches never recompile."""
-        for key, value in (("length", length), ("seqs", sequences), ("flat", tokens)):
+        self._min["length"] = max(self._min["length"], fine_bucket(length))
+        for key, value in (("seqs", sequences), ("flat", tokens)):
             self._min[key] = max(self._min[key], bucket(value))
         return self
 
@@ -91,7 +92,8 @@ class DenseEngine:
         w = base.sequence_weights(batch, loss, weights)
         n = batch.num_sequences
         lengths = batch.lengths
-        self._min["length"] = t_pad = bucket(int(lengths.max()), self._min["length"])
+        # Quarter-octave length buckets: attention is quadratic in the padding.
+        self._min["length"] = t_pad = fine_bucket(int(lengths.max()), self._min["length"])
         self._min["seqs"] = n_rows = bucket(n, self._min["seqs"])
         mb = min(self.microbatch, n_rows)
         n_rows = -(-n_rows // mb) * mb
