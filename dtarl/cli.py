@@ -2,11 +2,14 @@
 
 Each subcommand module exposes ``register(subparsers)`` and sets ``func`` on its
 parser; ``func(args)`` returns the exit code. Only working subcommands are listed.
+Bad input exits with status 2 and one line naming what is wrong (set
+``DTARL_DEBUG=1`` for the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -48,7 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         # A group without its subcommand: show that group's help.
         parser.parse_args((argv or sys.argv[1:]) + ["--help"])
         return 2
-    return int(func(args) or 0)
+    try:
+        return int(func(args) or 0)
+    except ValueError as e:
+        # dtarl's input errors (ConfigError, BatchError, CheckpointError, ...) are
+        # ValueErrors whose message names the field: print it, not a traceback.
+        if os.environ.get("DTARL_DEBUG"):
+            raise
+        print(f"dtarl: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
