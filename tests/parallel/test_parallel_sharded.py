@@ -48,10 +48,8 @@ def _problem():
 
 
 def _prefix_reuse_engine(model):
-    try:
-        from dtarl.engines.prefix_reuse import PrefixReuseEngine
-    except Exception as e:  # written concurrently; absent or broken -> skip
-        pytest.skip(f"prefix_reuse engine unavailable: {type(e).__name__}: {e}")
+    from dtarl.engines.prefix_reuse import PrefixReuseEngine
+
     return PrefixReuseEngine(model)
 
 
