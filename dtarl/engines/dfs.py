@@ -18,6 +18,12 @@ adds the parameter cotangent to ``grads`` and the prefix cotangent to the stack
 accumulator. Live memory is O(longest path); every tree token is run forward
 once (leaves) or twice (stacked nodes) and backward once.
 
+A POP may hold several short sibling leaves as separate segments (packed by the
+plan; the model's segment mask keeps them apart). Their sequences' losses are
+then evaluated on the path logprobs with that segment's chunk entries scattered
+in. Each step attends only to the first ``prefix_sizes[pbucket]`` stack rows: one
+``lax.switch`` branch per (op, prefix bucket), all compiled into the same program.
+
 Letters: L layers, S path buffer, C chunk, K kv heads, D head dim, T steps.
 """
 
