@@ -103,6 +103,40 @@ def polytrace_workloads(
     return found
 
 
+def calibration_batches(quick: bool = False) -> list[RolloutBatch]:
+    """The short timed run that fits auto's cost model: synthetic batches of other
+    shapes than the workloads (GRPO groups of several sizes and prompt/response
+    ratios, unrelated sequences, a branching multi-turn tree)."""
+    s = 0.25 if quick else 1.0
+
+    def n(x):
+        return max(2, int(x * s))
+
+    rs = np.random.RandomState(101)
+    out = [
+        grpo_groups(
+            num_groups=2, group_size=4, prompt_len=n(256), response_len=(n(48), n(64)), seed=101
+        ),
+        grpo_groups(
+            num_groups=2, group_size=12, prompt_len=n(384), response_len=(n(24), n(48)), seed=102
+        ),
+        grpo_groups(
+            num_groups=1, group_size=8, prompt_len=n(32), response_len=(n(192), n(256)), seed=103
+        ),
+        RolloutBatch.create(
+            tokens=[rs.randint(3, 256, n(256)) for _ in range(6)],
+            prompt_lens=[1] * 6,
+            advantages=rs.randn(6),
+        ),
+    ]
+    if not quick:
+        seqs = [list(rs.randint(3, 256, 64))]
+        for _ in range(3):
+            seqs = [q + list(rs.randint(3, 256, 32)) for q in seqs for _ in range(3)]
+        out.append(RolloutBatch.create(tokens=seqs, advantages=rs.randn(len(seqs))))
+    return out
+
+
 def _first_run(folder: str) -> str | None:
     """The first directory below ``folder`` that holds *.jsonl step files."""
     for dirpath, _, files in sorted(os.walk(folder)):
@@ -184,6 +218,34 @@ def run(
         all_w = [w for w in all_w if w.name in workloads]
     results = {"model": dataclasses.asdict(cfg) | {"family": cfg.family.value}, "workloads": []}
     results["model"]["attention_backend"] = cfg.attention_backend.value
+    cost_model = None
+    if any(kind is EngineKind.AUTO for kind, _ in specs.values()):
+        # auto's cost model is fitted once, on other batches than the workloads.
+        t0 = time.perf_counter()
+        calib = make_engine(EngineKind.AUTO, model, chunk_len=chunk_len, microbatch=microbatch)
+        batches = calibration_batches(quick)
+        cost_model = calib.calibrate(params, batches, loss, repeats=max(repeats, 2))
+        coefs = {
+            e: {
+                "seconds_per_gflop": c.seconds_per_flop * 1e9,
+                "seconds_per_step": c.seconds_per_step,
+            }
+            for e, c in cost_model.coefs.items()
+        }
+        results["auto_calibration"] = {
+            "batches": len(batches),
+            "seconds": time.perf_counter() - t0,
+            "coefficients": coefs,
+        }
+        log(
+            f"auto: cost model calibrated on {len(batches)} batches in "
+            f"{time.perf_counter() - t0:.0f} s: "
+            + "; ".join(
+                f"{e} {c['seconds_per_gflop'] * 1e3:.2f} ms/GFLOP"
+                f" + {c['seconds_per_step'] * 1e3:.2f} ms/step"
+                for e, c in coefs.items()
+            )
+        )
     for wl in all_w:
         batch = wl.make()
         tree = build_tree(batch.tokens)
@@ -203,7 +265,10 @@ def run(
             f"{tree.stats.tree_tokens} tree tokens, ideal x{ideal:.2f}"
         )
         for name, (kind, extra) in specs.items():
-            engine = make_engine(kind, model, **_kwargs_for(kind, extra, chunk_len, microbatch))
+            kw = _kwargs_for(kind, extra, chunk_len, microbatch)
+            if kind is EngineKind.AUTO:
+                kw["cost_model"] = cost_model
+            engine = make_engine(kind, model, **kw)
             t0 = time.perf_counter()
             engine.value_and_grad(params, batch, loss)  # compile + warm up
             compile_s = time.perf_counter() - t0
@@ -239,7 +304,7 @@ def run(
 def _format_rows(row: dict) -> str:
     head = (
         f"{'engine':<14}{'step s':>9}{'tok/s':>10}{'x dense':>9}{'x remat':>9}"
-        f"{'ideal':>7}{'meas/ideal':>11}{'peak MiB':>10}{'compile s':>10}  steps(packed)"
+        f"{'ideal':>7}{'meas/ideal':>11}{'peak MiB':>10}{'compile s':>10}  steps(packed, rows)"
     )
     lines = [head]
     for name, e in row["engines"].items():
@@ -258,9 +323,11 @@ def _format_rows(row: dict) -> str:
 
 
 def _steps(stats: dict) -> str:
+    chosen = f"-> {stats['chosen_engine']} " if "chosen_engine" in stats else ""
     if "num_steps" not in stats:
-        return "-"
-    return f"{stats['num_steps']}({stats.get('packed_steps', 0)})"
+        return chosen + "-"
+    packed, rows = stats.get("packed_steps", 0), stats.get("row_steps", 0)
+    return f"{chosen}{stats['num_steps']}({packed}, rows {rows})"
 
 
 def register(subparsers) -> None:

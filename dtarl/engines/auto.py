@@ -1,11 +1,16 @@
 """``engine="auto"``: pick dense, prefix_reuse or dfs per batch with a cost model.
 
-The choice is made on the host from the batch's prefix tree: each engine's
-FLOPs and sequential steps (``dtarl.engines.cost.engine_work``) go through a
-``CostModel`` (per-engine seconds per FLOP and per step, fitted by
+The choice is made on the host: every candidate engine prepares the batch (host
+work only: tree, plan, padding to its shape buckets) and reports what its device
+program will compute, padding included (``work_flops``, ``work_steps`` in its
+stats); a ``CostModel`` (per-engine seconds per FLOP and per step, fitted by
 ``AutoEngine.calibrate`` from a short timed run; uncalibrated it is
-``CostModel.default()``). The chosen engine does the work; ``AutoEngine`` has the
-same API and delegates, and its stats say which engine ran and why.
+``CostModel.default()``) turns that into predicted seconds. The chosen engine runs
+its already-prepared batch; ``AutoEngine`` has the same API and delegates, and its
+stats say which engine ran and why. Counting the padded work rather than the
+batch's ideal FLOPs is what makes the prediction track the real programs (dense
+pads every sequence to a length bucket, dfs pads steps to full chunks and
+attends over prefix buckets, prefix_reuse pads suffix rows).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dtarl.engines.dense import DenseEngine
 from dtarl.engines.dfs import DFSEngine
 from dtarl.engines.prefix_reuse import PrefixActivations, PrefixReuseEngine
 from dtarl.model.decoder import Decoder
+from dtarl.rl.losses import MaskedNLLLoss
 from dtarl.tree.trie import build_tree
 
 
@@ -121,9 +127,37 @@ class AutoEngine:
             prefix_remat=pr.prefix_activations is PrefixActivations.REMAT,
         )
 
-    def choose(self, batch: RolloutBatch) -> tuple[str, str, dict[str, float]]:
+    def prepared_work(
+        self, batch: RolloutBatch, loss=None, *, weights=None
+    ) -> tuple[dict[str, EngineWork], dict[str, base.Prepared]]:
+        """Each candidate prepares the batch; its padded work and its ``Prepared``."""
+        loss = loss if loss is not None else MaskedNLLLoss()
+        prepared = {
+            k: self.engines[k].prepare(batch, loss, weights=weights) for k in self.candidates
+        }
+        fallback = None
+        work = {}
+        for k, prep in prepared.items():
+            if "work_flops" in prep.stats:
+                work[k] = EngineWork(
+                    engine=k,
+                    flops=float(prep.stats["work_flops"]),
+                    steps=int(prep.stats["work_steps"]),
+                )
+            else:  # an engine that does not report its padded work: the tree estimate
+                fallback = fallback or self.work(batch)
+                work[k] = fallback[k]
+        return work, prepared
+
+    def choose(
+        self, batch: RolloutBatch, loss=None, *, weights=None
+    ) -> tuple[str, str, dict[str, float]]:
         """(engine, reason, predicted seconds per engine) for this batch."""
-        work = {k: w for k, w in self.work(batch).items() if k in self.candidates}
+        kind, reason, pred, _ = self._choose(batch, loss, weights)
+        return kind, reason, pred
+
+    def _choose(self, batch, loss, weights):
+        work, prepared = self.prepared_work(batch, loss, weights=weights)
         pred = {e: self.cost_model.coefs[e].predict(w) for e, w in work.items()}
         best = min(pred, key=lambda e: (pred[e], ENGINES.index(e)))
         dense = work.get("dense")
@@ -140,13 +174,13 @@ class AutoEngine:
             f"{ratio or 'no dense baseline'}; steps "
             + ", ".join(f"{e}={w.steps}" for e, w in work.items())
         )
-        return best, reason, pred
+        return best, reason, pred, prepared
 
     # --------------------------------------------------------- engine contract
 
     def prepare(self, batch: RolloutBatch, loss, *, weights=None) -> base.Prepared:
-        kind, reason, pred = self.choose(batch)
-        inner = self.engines[kind].prepare(batch, loss, weights=weights)
+        kind, reason, pred, prepared = self._choose(batch, loss, weights)
+        inner = prepared[kind]
         stats = dict(
             inner.stats,
             chosen_engine=kind,
@@ -177,10 +211,10 @@ class AutoEngine:
         compilation is excluded) and refits ``self.cost_model``; returns it."""
         samples = []
         for batch in batches:
-            work = self.work(batch)
+            work, prepared_by_kind = self.prepared_work(batch, loss)
             for kind in self.candidates:
                 engine = self.engines[kind]
-                prepared = engine.prepare(batch, loss)
+                prepared = prepared_by_kind[kind]
                 fn = engine.jit.get(loss, prepared.static)
                 jax.block_until_ready(fn(params, *prepared.args))
                 best = float("inf")

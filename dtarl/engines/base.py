@@ -184,11 +184,14 @@ def flat_sequence_data(
     )
 
 
-def sequence_loss(loss, logp_S, seq: SeqData, sid) -> jax.Array:
+def sequence_loss(loss, logp_S, seq: SeqData, sid, ent_S=None) -> jax.Array:
     """The loss of sequence ``sid`` (or 0 when sid < 0) from its path logprobs [S].
 
-    Positions past the sequence's end are sanitised to 0 so that garbage in a
-    shared path buffer can never reach the loss (not even as 0 * inf).
+    ``ent_S`` (optional, [S], aligned with ``logp_S``: entry t = entropy of the
+    distribution that predicted token t, entry 0 = 0) becomes ``TokenData.entropy``;
+    engines pass it when ``loss.needs_entropy``. Positions past the sequence's end
+    are sanitised to 0 in both so that garbage in a shared path buffer can never
+    reach the loss (not even as 0 * inf).
     """
     s = logp_S.shape[0]
     real = sid >= 0
@@ -205,6 +208,7 @@ def sequence_loss(loss, logp_S, seq: SeqData, sid) -> jax.Array:
         advantages=jnp.where(
             valid, jax.lax.dynamic_slice_in_dim(seq.tok_adv, seq.off[i], s), jnp.nan
         ),
+        entropy=None if ent_S is None else jnp.where(valid, ent_S, 0.0),
     )
     sd = SequenceData(advantage=seq.advantage[i], weight=jnp.where(real, seq.weight[i], 0.0))
     return loss(jnp.where(valid, logp_S, 0.0), tok, sd)

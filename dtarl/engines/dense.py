@@ -1,7 +1,8 @@
 """The dense baseline: every sequence run separately as a padded batch.
 
-    L(theta) = sum_i loss(logp_i(theta), ...)   with logp_i from one full forward of
-    sequence i; grads = jax.grad(L).
+    L(theta) = sum_i loss(logp_i(theta), [H_i(theta),] ...)   with logp_i (and the
+    per-token entropies H_i, only when ``loss.needs_entropy``) from one full
+    forward of sequence i; grads = jax.grad(L).
 
 Sequences are padded to a bucketed length and processed in microbatches of
 ``microbatch`` sequences inside one ``lax.scan`` (gradients summed in fp32), with
@@ -19,6 +20,7 @@ from flax import nnx
 
 from dtarl.engines import base
 from dtarl.engines.batch import RolloutBatch
+from dtarl.engines.cost import run_flops
 from dtarl.model.decoder import Decoder, token_logprobs
 from dtarl.tree.plan import bucket, fine_bucket
 
@@ -53,19 +55,27 @@ class DenseEngine:
 
     def device_fn(self, loss, static):
         num_mb, mb, t = static
+        # Entropy only when the loss uses it: otherwise the program is unchanged.
+        with_entropy = bool(getattr(loss, "needs_entropy", False))
 
         def microbatch_loss(params, tokens_BxT, rows_B, seq):
             model = nnx.merge(self.graphdef, params)
             b = tokens_BxT.shape[0]
             pos = jnp.broadcast_to(jnp.arange(t), (b, t))
             hidden, _ = model(tokens_BxT, pos, return_hidden=True, remat=self.remat)
-            lp_pred, _ = token_logprobs(
+            lp_pred, ent_pred = token_logprobs(
                 model.lm_head_weight(),
                 hidden[:, :-1],
                 tokens_BxT[:, 1:],
                 chunk=self.cfg.logits_chunk,
+                entropy=with_entropy,
             )
-            logp_BxT = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), lp_pred], axis=1)
+            zero_Bx1 = jnp.zeros((b, 1), jnp.float32)
+            logp_BxT = jnp.concatenate([zero_Bx1, lp_pred], axis=1)
+            if with_entropy:
+                ent_BxT = jnp.concatenate([zero_Bx1, ent_pred], axis=1)
+                per_seq = jax.vmap(lambda lp, ent, sid: base.sequence_loss(loss, lp, seq, sid, ent))
+                return jnp.sum(per_seq(logp_BxT, ent_BxT, rows_B)), logp_BxT
             per_seq = jax.vmap(lambda lp, sid: base.sequence_loss(loss, lp, seq, sid))
             return jnp.sum(per_seq(logp_BxT, rows_B)), logp_BxT
 
@@ -104,10 +114,14 @@ class DenseEngine:
             tokens[i, : tk.shape[0]] = tk
         rows = np.arange(n_rows, dtype=np.int32)
         rows[n:] = -1
+        passes = 4.0 if self.remat else 3.0  # forward + backward (+ recomputed forward)
         stats = dict(
             num_tokens=int(lengths.sum()),
             computed_tokens=int(n_rows * t_pad),
             padded_length=t_pad,
+            # What the program computes, padding included (auto's cost model).
+            work_flops=passes * n_rows * run_flops(self.cfg, 0, t_pad),
+            work_steps=n_rows // mb,
         )
         return base.Prepared(
             static=(n_rows // mb, mb, t_pad), args=(tokens, rows, seq), host=lengths, stats=stats

@@ -8,6 +8,8 @@ compiler turns it into a bucketed push/pop plan (``dtarl.tree.plan``), and one
     dstack_k/v  [L, 1, S+C, K, D]  accumulated cotangent of that K/V (fp32)
     logp        [S+C+1]            logprob of every path position's token
     dlogp       [S+C+1]            accumulated cotangent of those logprobs (fp32)
+    ent, dent   [S+C+1]            the same for the predictive entropy, when the
+                                   loss asks for it (``loss.needs_entropy``)
     grads       params-shaped      parameter gradient accumulator (fp32)
 
 PUSH runs a chunk forward against the stack and appends its K/V and logprobs.
@@ -19,7 +21,9 @@ accumulator. Live memory is O(longest path); every tree token is run forward
 once (leaves) or twice (stacked nodes) and backward once.
 
 A POP may hold several short sibling leaves as separate segments (packed by the
-plan; the model's segment mask keeps them apart). Their sequences' losses are
+plan; the model's segment mask keeps them apart), and a POP_ROWS step pops up to
+``leaf_rows`` chunks of sibling leaves as a batch of rows over one shared stack
+prefix (the model attends every row to the single stack copy). Their sequences' losses are
 then evaluated on the path logprobs with that segment's chunk entries scattered
 in. Each step attends only to the first ``prefix_sizes[pbucket]`` stack rows: one
 ``lax.switch`` branch per (op, prefix bucket), all compiled into the same program.
@@ -67,6 +71,8 @@ class _Carry(NamedTuple):
     dstack_v: jax.Array
     logp: jax.Array
     dlogp: jax.Array
+    ent: jax.Array
+    dent: jax.Array
     grads: nnx.State
     tree_logp: jax.Array
     seq_loss: jax.Array
@@ -98,6 +104,7 @@ class DFSEngine:
     chunk_len: int = 128
     order: DFSOrder = DFSOrder.GREEDY
     pack_leaves: bool = True
+    leaf_rows: int = 4
     prefix_levels: int = 3
     name: str = "dfs"
 
@@ -106,6 +113,8 @@ class DFSEngine:
             raise ValueError(f"chunk_len={self.chunk_len} must be >= 1")
         if self.prefix_levels < 1:
             raise ValueError(f"prefix_levels={self.prefix_levels} must be >= 1")
+        if self.leaf_rows < 1:
+            raise ValueError(f"leaf_rows={self.leaf_rows} must be >= 1")
         self.graphdef, _ = base.split_model(self.model)
         self.cfg = self.model.cfg
         self.jit = base.JitCache(self)
@@ -119,34 +128,43 @@ class DFSEngine:
 
     # ------------------------------------------------------------ device side
 
-    def _chunk_forward(self, params, stack_k, stack_v, st: _Step):
+    def _chunk_forward(self, params, stack_k, stack_v, st: _Step, rows: int = 1, ent=False):
+        """Forward of a step's ``rows`` rows (flat [rows * C] entries) over the
+        stack prefix (batch 1, shared by the rows); logprobs and entropies (zeros
+        unless ``ent``) flat [rows * C], and the rows' K/V."""
         model = nnx.merge(self.graphdef, params)
+        shape = (rows, st.inputs.shape[0] // rows)
         hidden, kv_new = model(
-            st.inputs[None],
-            st.positions[None],
+            st.inputs.reshape(shape),
+            st.positions.reshape(shape),
             KVCache(stack_k, stack_v),
-            st.start[None],
+            jnp.broadcast_to(st.start, (rows,)),
             return_hidden=True,
-            segment_ids_BxT=None if self._single_segment else st.seg[None],
+            segment_ids_BxT=None if self._single_segment else st.seg.reshape(shape),
         )
-        logp, _ = token_logprobs(
-            model.lm_head_weight(), hidden, st.targets[None], chunk=self.cfg.logits_chunk
+        logp, entropy = token_logprobs(
+            model.lm_head_weight(),
+            hidden,
+            st.targets.reshape(shape),
+            chunk=self.cfg.logits_chunk,
+            entropy=ent,
         )
-        return logp[0], kv_new.k, kv_new.v
+        return logp.reshape(-1), entropy.reshape(-1), kv_new.k, kv_new.v
 
     @property
     def trace_count(self) -> int:
         return self.jit.trace_count
 
     def device_fn(self, loss, static):
-        s, tree_size, sizes = static
+        s, tree_size, sizes, rows = static
         return lambda params, steps, seq: self._run_plan(
-            loss, s, tree_size, sizes, params, steps, seq
+            loss, s, tree_size, sizes, rows, params, steps, seq
         )
 
-    def _run_plan(self, loss, s, tree_size, sizes, params, steps: _Step, seq: base.SeqData):
+    def _run_plan(self, loss, s, tree_size, sizes, rows, params, steps: _Step, seq: base.SeqData):
         cfg = self.cfg
-        c = steps.inputs.shape[1]
+        c = steps.inputs.shape[1] // rows
+        with_ent = bool(getattr(loss, "needs_entropy", False))
         buf = s + c
         cd = jnp.dtype(cfg.compute_dtype)
         kv_shape = (cfg.num_layers, 1, buf, cfg.num_kv_heads, cfg.head_dim)
@@ -157,6 +175,8 @@ class DFSEngine:
             dstack_v=jnp.zeros(kv_shape, jnp.float32),
             logp=jnp.zeros(buf + 1, jnp.float32),
             dlogp=jnp.zeros(buf + 1, jnp.float32),
+            ent=jnp.zeros(buf + 1 if with_ent else 1, jnp.float32),
+            dent=jnp.zeros(buf + 1 if with_ent else 1, jnp.float32),
             grads=base.zeros_like_f32(params),
             tree_logp=jnp.zeros(tree_size, jnp.float32),
             seq_loss=jnp.zeros(seq.off.shape[0], jnp.float32),
@@ -169,64 +189,102 @@ class DFSEngine:
         def noop(cr: _Carry, st: _Step) -> _Carry:
             return cr
 
+        def row0(st: _Step) -> _Step:
+            """A PUSH/POP step's first C entries (the rest are POP_ROWS padding)."""
+            per_entry = ("positions", "inputs", "targets", "seg", "tree_idx")
+            return st._replace(**{f: getattr(st, f)[:c] for f in per_entry})
+
         def push(p: int, cr: _Carry, st: _Step) -> _Carry:
+            st = row0(st)
             # A single contiguous segment at st.start; reads the first p stack rows.
             valid = st.seg >= 0
-            logp, k, v = self._chunk_forward(params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p], st)
-            return cr._replace(
+            logp, ent, k, v = self._chunk_forward(
+                params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p], st, ent=with_ent
+            )
+            cr = cr._replace(
                 stack_k=put(cr.stack_k, k.astype(cd), st.start, 2),
                 stack_v=put(cr.stack_v, v.astype(cd), st.start, 2),
                 logp=put(cr.logp, jnp.where(valid, logp, 0.0), st.start + 1, 0),
             )
+            if with_ent:
+                cr = cr._replace(ent=put(cr.ent, jnp.where(valid, ent, 0.0), st.start + 1, 0))
+            return cr
 
-        def visit(chunk_logp, st: _Step, path_logp):
-            """Losses of the sequences visited here; d loss / d (chunk logp, path logp)."""
+        def visit(chunk, st: _Step, path):
+            """Losses of the sequences visited here, and d loss / d chunk, d loss / d path.
+
+            ``chunk`` and ``path`` are (logp, entropy) pairs (entropy None unless the
+            loss needs it); the gradients come back in the same structure.
+            """
             valid = st.seg >= 0
             tpos = jnp.where(valid, st.positions + 1, oob)
 
             def one(sid, sseg):
                 mine = valid & (st.seg == sseg)
                 idx = jnp.where(mine, tpos, oob)
-                lp = path_logp[:s].at[idx].set(chunk_logp, mode="drop")
                 covered = jnp.zeros(s, jnp.float32).at[idx].set(1.0, mode="drop")
-                val, d = jax.value_and_grad(lambda x: base.sequence_loss(loss, x, seq, sid))(lp)
-                d_chunk = jnp.where(mine, d.at[tpos].get(mode="fill", fill_value=0.0), 0.0)
-                return val, d_chunk, d * (1.0 - covered)
+                xs = jax.tree.map(
+                    lambda path_x, chunk_x: path_x[:s].at[idx].set(chunk_x, mode="drop"),
+                    path,
+                    chunk,
+                )
+                val, d = jax.value_and_grad(
+                    lambda x: base.sequence_loss(loss, x[0], seq, sid, x[1])
+                )(xs)
+                d_chunk = jax.tree.map(
+                    lambda g: jnp.where(mine, g.at[tpos].get(mode="fill", fill_value=0.0), 0.0), d
+                )
+                return val, d_chunk, jax.tree.map(lambda g: g * (1.0 - covered), d)
 
             vals, d_chunk, d_path = jax.vmap(one)(st.slots, st.slot_seg)
-            return vals, jnp.sum(d_chunk, axis=0), jnp.sum(d_path, axis=0)
+            total = functools.partial(jnp.sum, axis=0)
+            return vals, jax.tree.map(total, d_chunk), jax.tree.map(total, d_path)
+
+        def path_of(cr: _Carry):
+            return (cr.logp, cr.ent if with_ent else None)
 
         def pop(p: int, cr: _Carry, st: _Step) -> _Carry:
+            st = row0(st)
             valid = st.seg >= 0
-            fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st)
-            (logp, _, _), vjp = jax.vjp(fwd, params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p])
+            fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, ent=with_ent)
+            (logp, ent, _, _), vjp = jax.vjp(
+                fwd, params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p]
+            )
             logp = jnp.where(valid, logp, 0.0)
-            losses, d_chunk, d_path = visit(logp, st, cr.logp)
-            dlogp = cr.dlogp.at[:s].add(d_path)
+            ent = jnp.where(valid, ent, 0.0) if with_ent else None
+            losses, (d_chunk, d_chunk_ent), (d_path, d_path_ent) = visit(
+                (logp, ent), st, path_of(cr)
+            )
             tpos = jnp.where(valid, st.positions + 1, oob)
             kpos = jnp.where(valid, st.positions, oob)
-            g_logp = d_chunk + jnp.where(
-                valid, dlogp.at[tpos].get(mode="fill", fill_value=0.0), 0.0
-            )
+
+            def descendants(acc):  # what this chunk's descendants left at its positions
+                return jnp.where(valid, acc.at[tpos].get(mode="fill", fill_value=0.0), 0.0)
+
+            dlogp = cr.dlogp.at[:s].add(d_path)
+            g_logp = d_chunk + descendants(dlogp)
+            g_ent, dent = jnp.zeros_like(g_logp), cr.dent
+            if with_ent:
+                dent = dent.at[:s].add(d_path_ent)
+                g_ent = d_chunk_ent + descendants(dent)
+                dent = dent.at[tpos].set(0.0, mode="drop")
             take = lambda a: jnp.where(
                 valid[None, None, :, None, None],
                 a.at[:, :, kpos].get(mode="fill", fill_value=0.0),
                 0.0,
             )
             g_k, g_v = take(cr.dstack_k), take(cr.dstack_v)
-            dparams, dk, dv = vjp((g_logp, g_k.astype(cd), g_v.astype(cd)))
+            dparams, dk, dv = vjp((g_logp, g_ent, g_k.astype(cd), g_v.astype(cd)))
             dstack_k = cr.dstack_k.at[:, :, :p].add(dk.astype(jnp.float32))
             dstack_v = cr.dstack_v.at[:, :, :p].add(dv.astype(jnp.float32))
             real = st.slots >= 0
             tidx = jnp.where(valid, st.tree_idx, tree_size)
-            return _Carry(
-                stack_k=cr.stack_k,
-                stack_v=cr.stack_v,
+            return cr._replace(
                 # This chunk's cotangents are consumed: clear them for its siblings.
                 dstack_k=dstack_k.at[:, :, kpos].set(0.0, mode="drop"),
                 dstack_v=dstack_v.at[:, :, kpos].set(0.0, mode="drop"),
-                logp=cr.logp,
                 dlogp=dlogp.at[tpos].set(0.0, mode="drop"),
+                dent=dent,
                 grads=jax.tree.map(lambda a, g: a + g.astype(jnp.float32), cr.grads, dparams),
                 tree_logp=cr.tree_logp.at[tidx].set(logp, mode="drop"),
                 seq_loss=cr.seq_loss.at[jnp.where(real, st.slots, 0)].add(
@@ -234,14 +292,48 @@ class DFSEngine:
                 ),
             )
 
+        def pop_rows(p: int, cr: _Carry, st: _Step) -> _Carry:
+            # Only leaves: no descendant cotangents wait in dstack/dlogp past
+            # ``start``, and nothing stacked reads these rows' K/V.
+            valid = st.seg >= 0
+            fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, rows, with_ent)
+            (logp, ent, k_new, v_new), vjp = jax.vjp(
+                fwd, params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p]
+            )
+            logp = jnp.where(valid, logp, 0.0)
+            ent = jnp.where(valid, ent, 0.0) if with_ent else None
+            losses, (d_chunk, d_chunk_ent), (d_path, d_path_ent) = visit(
+                (logp, ent), st, path_of(cr)
+            )
+            g_ent = d_chunk_ent if with_ent else jnp.zeros_like(d_chunk)
+            dparams, dk, dv = vjp((d_chunk, g_ent, jnp.zeros_like(k_new), jnp.zeros_like(v_new)))
+            real = st.slots >= 0
+            tidx = jnp.where(valid, st.tree_idx, tree_size)
+            return cr._replace(
+                dstack_k=cr.dstack_k.at[:, :, :p].add(dk.astype(jnp.float32)),
+                dstack_v=cr.dstack_v.at[:, :, :p].add(dv.astype(jnp.float32)),
+                dlogp=cr.dlogp.at[:s].add(d_path),
+                dent=cr.dent.at[:s].add(d_path_ent) if with_ent else cr.dent,
+                grads=jax.tree.map(lambda a, g: a + g.astype(jnp.float32), cr.grads, dparams),
+                tree_logp=cr.tree_logp.at[tidx].set(logp, mode="drop"),
+                seq_loss=cr.seq_loss.at[jnp.where(real, st.slots, 0)].add(
+                    jnp.where(real, losses, 0.0)
+                ),
+            )
+
+        nb = len(sizes)
         branches = [noop]
         branches += [functools.partial(push, p) for p in sizes]
         branches += [functools.partial(pop, p) for p in sizes]
-        nb = len(sizes)
+        if rows > 1:
+            branches += [functools.partial(pop_rows, p) for p in sizes]
+        first = {Op.PUSH: 1, Op.POP: 1 + nb, Op.POP_ROWS: 1 + 2 * nb}
 
         def body(cr, st):
-            index = jnp.where(st.op == Op.NOOP, 0, jnp.where(st.op == Op.PUSH, 1, 1 + nb))
-            return jax.lax.switch(index + st.pbucket * (st.op != Op.NOOP), branches, cr, st), None
+            index = jnp.select(
+                [st.op == op for op in first], [v + st.pbucket for v in first.values()], 0
+            )
+            return jax.lax.switch(index, branches, cr, st), None
 
         out, _ = jax.lax.scan(body, carry, steps)
         return jnp.sum(out.seq_loss), out.grads, out.tree_logp
@@ -276,6 +368,7 @@ class DFSEngine:
             chunk_len=self.chunk_len,
             order=self.order,
             pack_leaves=not self._single_segment,
+            rows=self.leaf_rows,
             prefix_levels=self.prefix_levels,
             min_steps=self._min["steps"],
             min_path=self._min["path"],
@@ -285,6 +378,19 @@ class DFSEngine:
         self._min["path"] = plan.path_len
         self._min["slots"] = plan.slots.shape[1]
         return plan
+
+    def work(self, plan: SegmentPlan) -> dict[str, float]:
+        """What the device program computes for ``plan``, padding included (the
+        auto engine's cost model): ``work_flops`` = forward+backward FLOPs of every
+        step's full width against its prefix bucket, ``work_steps`` = real steps."""
+        c, sizes = plan.chunk_len, plan.prefix_sizes
+        flops = 0.0
+        for t in range(plan.num_steps):
+            op = Op(int(plan.op[t]))
+            width = c * (plan.rows if op is Op.POP_ROWS else 1)
+            fwd = width * self.cfg.flops_per_token(sizes[int(plan.pbucket[t])] + (c + 1) / 2)
+            flops += fwd if op is Op.PUSH else 3.0 * fwd  # pop: recompute + backward
+        return dict(work_flops=flops, work_steps=plan.num_steps)
 
     def prepare(self, batch: RolloutBatch, loss, *, weights=None) -> base.Prepared:
         base.check_batch(batch, loss, self.cfg.vocab_size)
@@ -318,11 +424,13 @@ class DFSEngine:
             peak_path=plan.peak_path,
             num_steps=plan.num_steps,
             packed_steps=plan.packed_steps,
+            row_steps=plan.row_steps,
             padded_steps=int(plan.op.shape[0]),
             path_buffer=plan.path_len + plan.chunk_len,
+            **self.work(plan),
         )
         return base.Prepared(
-            static=(plan.path_len, tree_size, plan.prefix_sizes),
+            static=(plan.path_len, tree_size, plan.prefix_sizes, plan.rows),
             args=(steps, seq),
             host=(tree, n),
             stats=stats,

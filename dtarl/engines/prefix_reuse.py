@@ -30,6 +30,11 @@ ride on the row of a leaf under them). Exact for every tree, efficient for
 depth-2 trees (prompt + G responses); on deep multi-turn trees the DFS engine
 computes every node once and the cost model (``dtarl.engines.auto``) picks it.
 
+Entropy: when the loss ``needs_entropy``, the per-token entropies travel with
+the logprobs everywhere above (prefix outputs, path buffers, their accumulated
+cotangents): a "path" is then the pair (logp_S, ent_S) instead of (logp_S,).
+Otherwise no entropy is computed and the program is unchanged.
+
 Prefix activations other than K/V (``PrefixActivations``):
 
 * ``REMAT``: kept nowhere; the prefix forward is re-run under ``jax.vjp`` in
@@ -62,6 +67,7 @@ from flax import nnx
 
 from dtarl.engines import base
 from dtarl.engines.batch import RolloutBatch
+from dtarl.engines.cost import run_flops
 from dtarl.model.decoder import Decoder, KVCache, token_logprobs
 from dtarl.tree.plan import bucket
 from dtarl.tree.trie import PrefixTree, build_tree
@@ -242,24 +248,34 @@ class PrefixReuseEngine:
 
     # ------------------------------------------------------------ device side
 
-    def _prefix_forward(self, params, inputs_P, targets_P):
-        """(logp [P], K, V [L, 1, P, K, D]) of one prefix; logp[t] is token t+1's."""
+    def _prefix_forward(self, params, inputs_P, targets_P, entropy: bool = False):
+        """(per-token, K, V [L, 1, P, K, D]) of one prefix.
+
+        per-token = (logp [P],) or, with ``entropy``, (logp [P], entropy [P]);
+        entry t is token t+1's (its logprob, the entropy of its predictor).
+        """
         model = nnx.merge(self.graphdef, params)
         p = inputs_P.shape[0]
         hidden, kv = model(inputs_P[None], jnp.arange(p)[None], return_hidden=True)
-        logp, _ = token_logprobs(
-            model.lm_head_weight(), hidden, targets_P[None], chunk=self.cfg.logits_chunk
+        logp, ent = token_logprobs(
+            model.lm_head_weight(),
+            hidden,
+            targets_P[None],
+            chunk=self.cfg.logits_chunk,
+            entropy=entropy,
         )
-        return logp[0], kv.k, kv.v
+        per_tok = (logp[0], ent[0]) if entropy else (logp[0],)
+        return per_tok, kv.k, kv.v
 
     def _suffix_loss(
-        self, loss, params, k32, v32, path_S, n_in, inputs, targets, n_valid, slots, seq
+        self, loss, params, k32, v32, paths_S, n_in, inputs, targets, n_valid, slots, seq
     ):
         """Sum of the losses evaluated on one microbatch of suffix rows.
 
         k32/v32: the group's prefix K/V [L, 1, P, K, D] in fp32 (broadcast to the
         rows here, so their cotangent is summed over the rows in fp32);
-        path_S: the prefix logprobs on the path (entry t = token t, 0 from b on).
+        paths_S: (logp_S,) or (logp_S, ent_S), the prefix's per-token values on the
+        path (entry t = token t, 0 from b on).
         """
         model = nnx.merge(self.graphdef, params)
         cd = jnp.dtype(self.cfg.compute_dtype)
@@ -270,25 +286,36 @@ class PrefixReuseEngine:
         )
         pos = jnp.broadcast_to(n_in + jnp.arange(c, dtype=jnp.int32), (b, c))
         hidden, _ = model(inputs, pos, kv, jnp.full((b,), n_in, jnp.int32), return_hidden=True)
-        logp_BxC, _ = token_logprobs(
-            model.lm_head_weight(), hidden, targets, chunk=self.cfg.logits_chunk
+        with_entropy = len(paths_S) > 1
+        logp_BxC, ent_BxC = token_logprobs(
+            model.lm_head_weight(),
+            hidden,
+            targets,
+            chunk=self.cfg.logits_chunk,
+            entropy=with_entropy,
         )
-        logp_BxC = jnp.where(jnp.arange(c)[None] < n_valid[:, None], logp_BxC, 0.0)
-        s = path_S.shape[0]
-        buf = jnp.concatenate([path_S, jnp.zeros(c, jnp.float32)])
+        valid_BxC = jnp.arange(c)[None] < n_valid[:, None]
+        rows_BxC = (logp_BxC, ent_BxC) if with_entropy else (logp_BxC,)
+        rows_BxC = tuple(jnp.where(valid_BxC, x, 0.0) for x in rows_BxC)
+        s = paths_S[0].shape[0]
 
-        def row_path(lp_C):
-            return jax.lax.dynamic_update_slice_in_dim(buf, lp_C, n_in + 1, axis=0)[:s]
+        def row_path(path_S, x_C):
+            buf = jnp.concatenate([path_S, jnp.zeros(c, jnp.float32)])
+            return jax.lax.dynamic_update_slice_in_dim(buf, x_C, n_in + 1, axis=0)[:s]
 
-        paths_BxS = jax.vmap(row_path)(logp_BxC)
+        paths_BxS = tuple(
+            jax.vmap(row_path, in_axes=(None, 0))(pth, x)
+            for pth, x in zip(paths_S, rows_BxC, strict=True)
+        )
         per_slot = jax.vmap(
-            jax.vmap(lambda lp, sid: base.sequence_loss(loss, lp, seq, sid), in_axes=(None, 0))
+            jax.vmap(lambda pth, sid: _path_loss(loss, pth, seq, sid), in_axes=(None, 0))
         )
-        return jnp.sum(per_slot(paths_BxS, slots)), logp_BxC
+        return jnp.sum(per_slot(paths_BxS, slots)), rows_BxC[0]
 
-    def _suffix_phase(self, loss, params, grads, k32, v32, path_S, n_in, rows, seq):
+    def _suffix_phase(self, loss, params, grads, k32, v32, paths_S, n_in, rows, seq):
         """Phase B: every suffix microbatch of one group, accumulating in fp32
-        (loss, dtheta, dK, dV, dpath). ``rows`` fields are [M, B, ...]."""
+        (loss, dtheta, dK, dV, dpaths). ``rows`` fields are [M, B, ...]; ``paths_S``
+        is (logp_S,) or (logp_S, ent_S) (see ``_suffix_loss``)."""
         vg = jax.value_and_grad(
             lambda p, k, v, pth, *r: self._suffix_loss(loss, p, k, v, pth, n_in, *r, seq),
             argnums=(0, 1, 2, 3),
@@ -297,16 +324,17 @@ class PrefixReuseEngine:
 
         def body(acc, r):
             total, gr, dk, dv, dpath = acc
-            (val, logp), (gp, gk, gv, gpath) = vg(params, k32, v32, path_S, *r)
+            (val, logp), (gp, gk, gv, gpath) = vg(params, k32, v32, paths_S, *r)
             gr = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), gr, gp)
-            return (total + val, gr, dk + gk, dv + gv, dpath + gpath), logp
+            dpath = tuple(a + g for a, g in zip(dpath, gpath, strict=True))
+            return (total + val, gr, dk + gk, dv + gv, dpath), logp
 
         init = (
             jnp.zeros((), jnp.float32),
             grads,
             jnp.zeros_like(k32),
             jnp.zeros_like(v32),
-            jnp.zeros_like(path_S),
+            tuple(jnp.zeros_like(x) for x in paths_S),
         )
         return jax.lax.scan(body, init, tuple(rows))
 
@@ -316,6 +344,8 @@ class PrefixReuseEngine:
 
     def _run(self, loss, s: int, params, groups: _Groups, rows: _Rows, seq: base.SeqData):
         mode = self.prefix_activations
+        # Entropy only when the loss uses it: otherwise the program is unchanged.
+        with_entropy = bool(getattr(loss, "needs_entropy", False))
         offload = self.offloads
         policy = None
         if offload:
@@ -327,40 +357,42 @@ class PrefixReuseEngine:
             p = g_in.shape[0]
 
             def fwd(prm):
-                return self._prefix_forward(prm, g_in, g_tg)
+                return self._prefix_forward(prm, g_in, g_tg, with_entropy)
 
             if mode is PrefixActivations.REMAT:
-                logp_P, k, v = fwd(params)
+                per_P, k, v = fwd(params)
             else:
                 f = jax.checkpoint(fwd, policy=policy) if offload else fwd
-                (logp_P, k, v), vjp = jax.vjp(f, params)
+                (per_P, k, v), vjp = jax.vjp(f, params)
             valid_P = jnp.arange(p) < n_in
-            logp_P = jnp.where(valid_P, logp_P, 0.0)
-            path_S = jnp.concatenate([jnp.zeros(1), logp_P, jnp.zeros(max(0, s - p - 1))])[:s]
+            per_P = tuple(jnp.where(valid_P, x, 0.0) for x in per_P)
+            paths_S = tuple(
+                jnp.concatenate([jnp.zeros(1), x, jnp.zeros(max(0, s - p - 1))])[:s] for x in per_P
+            )
             # Sequences that end at the prefix node: their loss needs the prefix only.
             val0, dpath0 = jax.value_and_grad(
-                lambda pth: jnp.sum(
-                    jax.vmap(lambda sid: base.sequence_loss(loss, pth, seq, sid))(g_slots)
-                )
-            )(path_S)
+                lambda pth: jnp.sum(jax.vmap(lambda sid: _path_loss(loss, pth, seq, sid))(g_slots))
+            )(paths_S)
             (val, grads, dk, dv, dpath), logp_rows = self._suffix_phase(
                 loss,
                 params,
                 grads,
                 k.astype(jnp.float32),
                 v.astype(jnp.float32),
-                path_S,
+                paths_S,
                 n_in,
                 _Rows(r_in, r_tg, r_nv, r_slots),
                 seq,
             )
-            dpath = dpath + dpath0
-            g_logp = jnp.where(valid_P, jnp.concatenate([dpath, jnp.zeros(p + 1)])[1 : p + 1], 0.0)
+            g_per = tuple(
+                jnp.where(valid_P, jnp.concatenate([a + b, jnp.zeros(p + 1)])[1 : p + 1], 0.0)
+                for a, b in zip(dpath, dpath0, strict=True)
+            )
             if mode is PrefixActivations.REMAT:
                 _, vjp = jax.vjp(fwd, params)
-            (dparams,) = vjp((g_logp, dk.astype(k.dtype), dv.astype(v.dtype)))
+            (dparams,) = vjp((g_per, dk.astype(k.dtype), dv.astype(v.dtype)))
             grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, dparams)
-            return (total + val0 + val, grads), (logp_P, logp_rows)
+            return (total + val0 + val, grads), (per_P[0], logp_rows)
 
         init = (jnp.zeros((), jnp.float32), base.zeros_like_f32(params))
         xs = (*groups, *rows)
@@ -442,6 +474,15 @@ class PrefixReuseEngine:
             microbatches_per_group=n_mb,
             prefix_activations=self.prefix_activations.value,
             offloaded=self.offloads,
+            # What the program computes, padding included (auto's cost model):
+            # every padded group's prefix (+1 forward with REMAT) and suffix rows.
+            work_flops=g_pad
+            * (
+                (4.0 if self.prefix_activations is PrefixActivations.REMAT else 3.0)
+                * run_flops(self.cfg, 0, p_pad)
+                + 3.0 * n_mb * mb * run_flops(self.cfg, p_pad, c_pad)
+            ),
+            work_steps=g_pad * (2 + n_mb),
         )
         static = (g_pad, p_pad, n_mb, mb, c_pad, k_pad, k0_pad, n_pad, f_pad, s_pad)
         host = (plan, b_end, batch.lengths)
@@ -487,15 +528,20 @@ class PrefixReuseEngine:
         )
         s = prepared.static[-1]
 
-        def phase(prm, grads, k32, v32, path_S, n_in, rows_g, seq_):
-            return self._suffix_phase(loss, prm, grads, k32, v32, path_S, n_in, rows_g, seq_)
+        def phase(prm, grads, k32, v32, paths_S, n_in, rows_g, seq_):
+            return self._suffix_phase(loss, prm, grads, k32, v32, paths_S, n_in, rows_g, seq_)
 
         rows0 = jax.tree.map(lambda a: a[0], rows)
         grads = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), params)
-        lowered = jax.jit(phase).lower(
-            params, grads, kv, kv, jax.ShapeDtypeStruct((s,), jnp.float32), np.int32(p), rows0, seq
-        )
+        n_paths = 2 if getattr(loss, "needs_entropy", False) else 1
+        paths = (jax.ShapeDtypeStruct((s,), jnp.float32),) * n_paths
+        lowered = jax.jit(phase).lower(params, grads, kv, kv, paths, np.int32(p), rows0, seq)
         return lowered.compile().memory_analysis()
+
+
+def _path_loss(loss, paths_S, seq: base.SeqData, sid) -> jax.Array:
+    """``base.sequence_loss`` on a path (logp_S,) or (logp_S, ent_S)."""
+    return base.sequence_loss(loss, paths_S[0], seq, sid, *paths_S[1:])
 
 
 def peak_bytes(mem) -> int:

@@ -6,7 +6,9 @@ Contract::
         -> (logits_BxTxV fp32 | hidden_BxTxE, kv_new)
 
 ``kv_prefix`` is a differentiable ``KVCache`` with K/V of the P tokens before the
-chunk (post-RoPE keys); only its first ``prefix_len[b]`` rows are valid. The
+chunk (post-RoPE keys); only its first ``prefix_len[b]`` rows are valid. A
+``kv_prefix`` with batch 1 is shared by all B rows (B continuations of one
+prefix, e.g. sibling leaves of a prefix tree) without being copied. The
 chunk's mask is bottom-right aligned: chunk query i sees every valid prefix key
 and chunk keys 0..i. ``kv_new`` holds the chunk's own K/V only ([L, B, T, ...]);
 callers place it into whatever buffer they keep (stack, paged cache, ...).
@@ -96,21 +98,30 @@ def apply_rope(x_BxTxHxD, positions_BxT, inv_freq):
 def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segment_ids_BxT=None):
     """Reference attention of a chunk over [valid prefix, causal chunk].
 
-    k_prefix/v_prefix: [B, P, K, D] (P may be 0); k_new/v_new: [B, T, K, D].
-    With ``segment_ids`` a chunk packs several independent continuations of the
-    same prefix: chunk key c is visible to query i only if both share a segment.
-    Scores and softmax in fp32.
+    k_prefix/v_prefix: [B, P, K, D] or [1, P, K, D] (P may be 0); k_new/v_new:
+    [B, T, K, D]. A prefix with batch 1 is *shared* by all B rows (each row is an
+    independent continuation of it): its scores are computed as one [B*T, P]
+    product against the single copy, never broadcast to B copies, and its
+    cotangent sums over the rows. With ``segment_ids`` a row packs several
+    independent continuations of the same prefix: chunk key c is visible to
+    query i only if both share a segment. Scores and softmax in fp32.
     """
     b, t, h, d = q_BxTxHxD.shape
     kh = k_new.shape[2]
     g = h // kh
     p = k_prefix.shape[1]
-    k_BxSxKxD = jnp.concatenate([k_prefix.astype(k_new.dtype), k_new], axis=1)
-    v_BxSxKxD = jnp.concatenate([v_prefix.astype(v_new.dtype), v_new], axis=1)
+    scale = 1.0 / np.sqrt(d)
     q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kh, g, d)
-    att_BxKxGxTxS = jnp.einsum(
-        "btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=jnp.float32
-    ) * (1.0 / np.sqrt(d))
+    kp, vp = k_prefix.astype(k_new.dtype), v_prefix.astype(v_new.dtype)
+    shared = kp.shape[0] == 1 and b > 1
+    if shared:
+        s_pre = jnp.einsum(
+            "btkgd,pkd->bkgtp", q_BxTxKxGxD, kp[0], preferred_element_type=jnp.float32
+        )
+    else:
+        s_pre = jnp.einsum("btkgd,bpkd->bkgtp", q_BxTxKxGxD, kp, preferred_element_type=jnp.float32)
+    s_new = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_new, preferred_element_type=jnp.float32)
+    att_BxKxGxTxS = jnp.concatenate([s_pre, s_new], axis=-1) * scale
     key_pos = jnp.arange(p + t)
     prefix_ok_BxS = (key_pos[None, :] < prefix_len_B[:, None]) & (key_pos[None, :] < p)
     chunk_ok_TxS = (key_pos[None, :] >= p) & (key_pos[None, :] - p <= jnp.arange(t)[:, None])
@@ -122,9 +133,14 @@ def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segmen
         chunk_ok_BxTxS = chunk_ok_BxTxS & (segment_ids_BxT[:, :, None] == seg_keys_BxS[:, None, :])
     mask_BxTxS = prefix_ok_BxS[:, None, :] | chunk_ok_BxTxS
     att_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], att_BxKxGxTxS, _NEG)
-    probs = jax.nn.softmax(att_BxKxGxTxS, axis=-1).astype(v_BxSxKxD.dtype)
-    out_BxTxKxGxD = jnp.einsum(
-        "bkgts,bskd->btkgd", probs, v_BxSxKxD, preferred_element_type=jnp.float32
+    probs = jax.nn.softmax(att_BxKxGxTxS, axis=-1).astype(v_new.dtype)
+    p_pre, p_new = probs[..., :p], probs[..., p:]
+    if shared:
+        out_pre = jnp.einsum("bkgtp,pkd->btkgd", p_pre, vp[0], preferred_element_type=jnp.float32)
+    else:
+        out_pre = jnp.einsum("bkgtp,bpkd->btkgd", p_pre, vp, preferred_element_type=jnp.float32)
+    out_BxTxKxGxD = out_pre + jnp.einsum(
+        "bkgts,bskd->btkgd", p_new, v_new, preferred_element_type=jnp.float32
     )
     return out_BxTxKxGxD.reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
 
@@ -143,6 +159,9 @@ def attend_pallas(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, seg
 
     b, t = q_BxTxHxD.shape[:2]
     p = k_prefix.shape[1]
+    if k_prefix.shape[0] != b:  # a shared prefix: the kernel wants one K/V per row
+        k_prefix = jnp.broadcast_to(k_prefix, (b,) + k_prefix.shape[1:])
+        v_prefix = jnp.broadcast_to(v_prefix, (b,) + v_prefix.shape[1:])
     pad = jnp.zeros((b, t) + k_new.shape[2:], k_new.dtype)
     k_all = jnp.concatenate([k_prefix.astype(k_new.dtype), pad], axis=1)
     v_all = jnp.concatenate([v_prefix.astype(v_new.dtype), pad], axis=1)
@@ -270,12 +289,13 @@ class Decoder(nnx.Module):
         b, t = tokens_BxT.shape
         if kv_prefix is None:
             kv_prefix = KVCache.zeros(cfg, b, 0, cd)
-        want = (cfg.num_layers, b, cfg.num_kv_heads, cfg.head_dim)
-        got = (kv_prefix.k.shape[0], kv_prefix.k.shape[1]) + kv_prefix.k.shape[3:]
-        if kv_prefix.k.ndim != 5 or got != want or kv_prefix.v.shape != kv_prefix.k.shape:
+        want = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        got = (kv_prefix.k.shape[0],) + kv_prefix.k.shape[3:]
+        ok_batch = kv_prefix.k.ndim == 5 and kv_prefix.k.shape[1] in (1, b)
+        if not ok_batch or got != want or kv_prefix.v.shape != kv_prefix.k.shape:
             raise ValueError(
-                f"kv_prefix.k/v must be [L={want[0]}, B={b}, P, K={want[2]}, D={want[3]}], "
-                f"got k {kv_prefix.k.shape}, v {kv_prefix.v.shape}"
+                f"kv_prefix.k/v must be [L={want[0]}, B={b} (or 1: shared by all rows), P, "
+                f"K={want[1]}, D={want[2]}], got k {kv_prefix.k.shape}, v {kv_prefix.v.shape}"
             )
         p = kv_prefix.k.shape[2]
         if prefix_len_B is None:

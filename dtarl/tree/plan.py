@@ -24,6 +24,22 @@ prefix and nothing reads their K/V, so several of them share one POP step as
 separate segments (``seg``): the attention mask keeps segments apart, and each
 token carries its own position. A GRPO group's G short responses cost one step.
 
+Rows. Sibling leaves that do not fit one chunk together (a GRPO group of
+responses close to C tokens) are popped ``rows`` chunks at a time: a POP_ROWS
+step holds up to ``rows`` rows of C entries (each row one chunk, possibly itself
+packed), all reading the same stack prefix, which the model shares between the
+rows without copying it. Every step's per-entry arrays are ``rows * C`` wide;
+PUSH and POP use the first C entries. Rows only ever hold leaves, so nothing
+has accumulated in the stack cotangents past their start and they leave none.
+
+Runs. A chain of short nodes (multi-turn trees: one node per turn) would cost a
+step per node on the way down and on the way up. Consecutive steps over adjacent
+ranges of the same path are merged while they fit one chunk (``merge_runs``): a
+node's last PUSH with its first child's first PUSH, and a last child's first POP
+with its parent's last POP. This is where the DFS order matters (``DFSOrder``):
+the greedy order puts an internal child first and picks the last child so that
+these runs are long.
+
 Prefix buckets. Each step also names the smallest of a few static prefix lengths
 (``prefix_buckets``) that covers its stack prefix, so attention runs over at most
 about twice the real prefix rather than the whole path buffer.
@@ -31,7 +47,7 @@ about twice the real prefix rather than the whole path buffer.
 Shapes are bucketed (steps, path length, loss slots, sequences, flat token data)
 so that a new batch reuses the compiled program unless it needs a larger bucket.
 
-Letters: C chunk length, S path buffer length, K loss slots per step.
+Letters: C chunk length, R rows, S path buffer length, K loss slots per step.
 """
 
 from __future__ import annotations
@@ -49,6 +65,7 @@ class Op(enum.IntEnum):
     NOOP = 0
     PUSH = 1
     POP = 2
+    POP_ROWS = 3  # a POP of up to ``rows`` rows of sibling leaves over one shared prefix
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -87,14 +104,15 @@ def prefix_bucket_sizes(path_len: int, chunk_len: int, levels: int) -> tuple[int
 class SegmentPlan:
     """Fixed-shape device program for one tree. Arrays are host numpy.
 
-    Per step t (padded to a step bucket with NOOP) and chunk entry i < C:
+    Per step t (padded to a step bucket with NOOP) and entry i < R*C (row i // C):
       op [T]; start [T]: stack prefix length the step reads (= path position of
       its first input); pbucket [T]: index into ``prefix_sizes``;
-      positions [T, C], inputs [T, C], targets [T, C]; seg [T, C]: segment of the
-      entry, -1 for padding; tree_idx [T, C]: where the target's logprob goes in
-      the tree's flat token data, -1 for padding;
+      positions [T, R*C], inputs [T, R*C], targets [T, R*C]; seg [T, R*C]: segment
+      of the entry (unique within the step), -1 for padding; tree_idx [T, R*C]:
+      where the target's logprob goes in the tree's flat token data, -1 for padding;
       slots [T, K]: sequences visited at this step (-1 = empty), slot_seg [T, K].
-    PUSH steps are a single contiguous segment starting at ``start``.
+    PUSH steps are a single contiguous segment starting at ``start``; PUSH and
+    POP steps use row 0 only.
     """
 
     op: np.ndarray
@@ -108,12 +126,14 @@ class SegmentPlan:
     slots: np.ndarray
     slot_seg: np.ndarray
     chunk_len: int
+    rows: int  # R: rows of a POP_ROWS step
     path_len: int  # S: padded path buffer for logprobs / sequence data
     prefix_sizes: tuple[int, ...]
     num_steps: int  # real steps (before padding)
     computed_tokens: int  # tokens run forward+backward (popped)
     pushed_tokens: int  # tokens whose forward also runs at push time
-    packed_steps: int  # pop steps holding more than one leaf
+    packed_steps: int  # pop steps with a row holding more than one leaf
+    row_steps: int  # POP_ROWS steps
     peak_path: int  # longest stacked prefix + chunk
 
     @property
@@ -122,6 +142,7 @@ class SegmentPlan:
         return (
             self.op.shape[0],
             self.chunk_len,
+            self.rows,
             self.path_len,
             self.slots.shape[1],
             self.prefix_sizes,
@@ -132,9 +153,41 @@ class SegmentPlan:
 class _Step:
     op: Op
     start: int
-    # (node, first input position, last input position + 1) per segment
-    segs: list[tuple[int, int, int]]
+    # (node, first input position, last input position + 1, row, segment id)
+    segs: list[tuple[int, int, int, int, int]]
     slots: list[tuple[int, int]]  # (sequence, segment)
+
+
+def _run_range(st: _Step) -> tuple[int, int] | None:
+    """[first, last + 1) path positions of a single-segment PUSH/POP, else None."""
+    if st.op not in (Op.PUSH, Op.POP) or len({j for *_, j in st.segs}) != 1:
+        return None
+    return min(s for _, s, *_ in st.segs), max(e for _, _, e, *_ in st.segs)
+
+
+def _merge_runs(steps: list[_Step], c: int) -> list[_Step]:
+    """Merges consecutive single-segment steps over adjacent path ranges into one
+    step of at most ``c`` entries: a PUSH followed by a PUSH that continues it
+    downwards (a node's last chunk and its first child's first chunk), and a POP
+    followed by a POP of the range right before it (a last child's first chunk and
+    its parent's last chunk). Both are the same path, so the merged step is exact:
+    the dependency that crossed the two steps through the stack (K/V, dK/dV and
+    logprob cotangents) becomes attention inside one chunk. The merged segment
+    keeps every node's visits; each sequence's loss only reads its own positions.
+    """
+    out: list[_Step] = []
+    for st in steps:
+        prev = out[-1] if out else None
+        a, b = (_run_range(prev) if prev else None), _run_range(st)
+        if a is not None and b is not None and prev.op == st.op:
+            if st.op is Op.PUSH and a[1] == b[0] and b[1] - a[0] <= c:
+                out[-1] = _Step(Op.PUSH, a[0], prev.segs + st.segs, [])
+                continue
+            if st.op is Op.POP and b[1] == a[0] and a[1] - b[0] <= c:
+                out[-1] = _Step(Op.POP, b[0], st.segs + prev.segs, prev.slots + st.slots)
+                continue
+        out.append(st)
+    return out
 
 
 def compile_plan(
@@ -143,6 +196,8 @@ def compile_plan(
     chunk_len: int,
     order: DFSOrder = DFSOrder.GREEDY,
     pack_leaves: bool = True,
+    rows: int = 1,
+    merge_runs: bool = True,
     prefix_levels: int = 3,
     min_steps: int = 1,
     min_path: int = 1,
@@ -153,7 +208,9 @@ def compile_plan(
         raise ValueError(f"chunk_len={chunk_len} must be >= 1")
     if prefix_levels < 1:
         raise ValueError(f"prefix_levels={prefix_levels} must be >= 1")
-    c = int(chunk_len)
+    if rows < 1:
+        raise ValueError(f"rows={rows} must be >= 1")
+    c, r = int(chunk_len), int(rows)
     children = child_order(tree, order, chunk_len=c)
     start_pos, length = tree.start, tree.length
 
@@ -176,21 +233,25 @@ def compile_plan(
     steps: list[_Step] = []
     pushed = 0
 
-    def emit_packed(leaves: list[int]) -> None:
-        # First-fit decreasing of whole leaf segments into chunks of C entries.
+    def emit_leaves(leaves: list[int]) -> None:
+        # First-fit decreasing of whole leaf segments into chunks of C entries
+        # (one leaf per chunk without packing), then up to R chunks per step.
         bins: list[tuple[int, list[int]]] = []
         for x in sorted(leaves, key=lambda y: -(seg_range(y)[1] - seg_range(y)[0])):
             size = seg_range(x)[1] - seg_range(x)[0]
             for i, (used, members) in enumerate(bins):
-                if used + size <= c:
+                if pack_leaves and used + size <= c:
                     bins[i] = (used + size, members + [x])
                     break
             else:
                 bins.append((size, [x]))
-        for _, members in bins:
-            segs = [(x, *seg_range(x)) for x in members]
-            slots = [(sid, j) for j, x in enumerate(members) for sid in tree.ends_at[x]]
-            steps.append(_Step(Op.POP, segs[0][1], segs, slots))
+        for first in range(0, len(bins), r):
+            group = [members for _, members in bins[first : first + r]]
+            members = [(row, x) for row, xs in enumerate(group) for x in xs]
+            segs = [(x, *seg_range(x), row, j) for j, (row, x) in enumerate(members)]
+            slots = [(sid, j) for j, (_, x) in enumerate(members) for sid in tree.ends_at[x]]
+            op = Op.POP_ROWS if len(group) > 1 else Op.POP
+            steps.append(_Step(op, segs[0][1], segs, slots))
 
     # Iterative DFS: (leaving?, node).
     stack: list[tuple[bool, int]] = [(False, 0)]
@@ -203,7 +264,7 @@ def compile_plan(
             cks = chunks(x)
             leaf = len(children[x]) == 0
             for s, e in cks[:-1] if leaf else cks:
-                steps.append(_Step(Op.PUSH, s, [(x, s, e)], []))
+                steps.append(_Step(Op.PUSH, s, [(x, s, e, 0, 0)], []))
                 pushed += e - s
             stack.append((True, x))
             kids = children[x]
@@ -213,22 +274,29 @@ def compile_plan(
                 s, e = cks[i]
                 last = i == len(cks) - 1
                 steps.append(
-                    _Step(Op.POP, s, [(x, s, e)], [(q, 0) for q in tree.ends_at[x]] if last else [])
+                    _Step(
+                        Op.POP,
+                        s,
+                        [(x, s, e, 0, 0)],
+                        [(q, 0) for q in tree.ends_at[x]] if last else [],
+                    )
                 )
             continue
         packable = []
         rest = []
         for ch in kids:
             s0, s1 = seg_range(ch)
-            if pack_leaves and not children[ch] and 0 < s1 - s0 <= c:
+            if (pack_leaves or r > 1) and not children[ch] and 0 < s1 - s0 <= c:
                 check_trainable(ch)
                 packable.append(ch)
             else:
                 rest.append(ch)
         if packable:
-            emit_packed(packable)
+            emit_leaves(packable)
         stack.extend((False, ch) for ch in reversed(rest))
 
+    if merge_runs:
+        steps = _merge_runs(steps, c)
     n_steps = len(steps)
     t_pad = fine_bucket(n_steps, min_steps)
     k_pad = bucket(max((len(st.slots) for st in steps), default=1), min_slots)
@@ -237,19 +305,20 @@ def compile_plan(
     op = np.zeros(t_pad, np.int32)
     start = np.zeros(t_pad, np.int32)
     pbucket = np.zeros(t_pad, np.int32)
-    positions = np.zeros((t_pad, c), np.int32)
-    inputs = np.zeros((t_pad, c), np.int32)
-    targets = np.zeros((t_pad, c), np.int32)
-    seg = np.full((t_pad, c), -1, np.int32)
-    tree_idx = np.full((t_pad, c), -1, np.int32)
+    w = r * c
+    positions = np.zeros((t_pad, w), np.int32)
+    inputs = np.zeros((t_pad, w), np.int32)
+    targets = np.zeros((t_pad, w), np.int32)
+    seg = np.full((t_pad, w), -1, np.int32)
+    tree_idx = np.full((t_pad, w), -1, np.int32)
     slots = np.full((t_pad, k_pad), -1, np.int32)
     slot_seg = np.zeros((t_pad, k_pad), np.int32)
-    computed = packed = peak = 0
+    computed = packed = row_steps = peak = 0
     for t, st in enumerate(steps):
         op[t], start[t] = int(st.op), st.start
         pbucket[t] = int(np.searchsorted(sizes, st.start))
-        col = 0
-        for j, (x, s, e) in enumerate(st.segs):
+        used = [0] * r
+        for x, s, e, row, j in st.segs:
             # Tokens at path positions [a-1, b): the parent's last token, then X's own.
             a = int(start_pos[x])
             own = tree.node_tokens(x)
@@ -260,17 +329,20 @@ def compile_plan(
             else:
                 ext, base = own, 0
             n = e - s
+            col = row * c + used[row]
             sl = slice(col, col + n)
             positions[t, sl] = np.arange(s, e)
             inputs[t, sl] = ext[s - base : e - base]
             targets[t, sl] = ext[s - base + 1 : e - base + 1]
             seg[t, sl] = j
             tree_idx[t, sl] = int(tree.offset[x]) + np.arange(s + 1, e + 1) - a
-            col += n
+            used[row] += n
+            assert used[row] <= c
             peak = max(peak, e)
-        if st.op is Op.POP:
-            computed += col
-            packed += len(st.segs) > 1
+        if st.op in (Op.POP, Op.POP_ROWS):
+            computed += sum(used)
+            packed += len({row for *_, row, _ in st.segs}) < len({j for *_, j in st.segs})
+            row_steps += st.op is Op.POP_ROWS
         for k, (sid, j) in enumerate(st.slots):
             slots[t, k], slot_seg[t, k] = sid, j
     return SegmentPlan(
@@ -285,11 +357,13 @@ def compile_plan(
         slots=slots,
         slot_seg=slot_seg,
         chunk_len=c,
+        rows=r,
         path_len=s_pad,
         prefix_sizes=sizes,
         num_steps=n_steps,
         computed_tokens=computed,
         pushed_tokens=pushed,
         packed_steps=packed,
+        row_steps=row_steps,
         peak_path=peak,
     )

@@ -68,7 +68,9 @@ def test_default_choice():
     assert kind == "prefix_reuse" and reason.startswith("prefix_reuse: predicted")
     assert set(pred) == {"dense", "prefix_reuse", "dfs"}
     no_share = RolloutBatch.create(tokens=[[i, 5, 6, 7] for i in range(3, 11)])
-    assert auto.choose(no_share)[0] == "dense"
+    # A fresh engine: buckets only grow, so after the GRPO batch dense would pad
+    # these 4-token sequences to the GRPO length (and the prediction says so).
+    assert AutoEngine(auto.model).choose(no_share)[0] == "dense"
     # Candidates restrict the choice.
     only = AutoEngine(auto.model, candidates=("dense", "dfs"))
     assert only.choose(grpo)[0] in ("dense", "dfs")
@@ -127,3 +129,21 @@ def test_auto_delegates_and_reports():
     before = auto.trace_count
     engines[kind].value_and_grad(params, batch, loss)
     assert auto.trace_count == before
+
+
+def test_prepared_work_counts_padding():
+    """auto predicts from what each program computes, padding included."""
+    auto = AutoEngine(_model(ModelFamily.QWEN3)[0], chunk_len=32)
+    batch = grpo_groups(num_groups=2, group_size=4, prompt_len=40, response_len=(5, 20), seed=9)
+    work, prepared = auto.prepared_work(batch)
+    ideal = engine_work(CFG, batch, chunk_len=32)
+    for kind in ("dense", "prefix_reuse", "dfs"):
+        assert work[kind].flops >= ideal[kind].flops * (1 - 1e-9), kind
+        assert work[kind].steps == prepared[kind].stats["work_steps"]
+    assert work["dfs"].steps == prepared["dfs"].stats["num_steps"]
+    st = prepared["dense"].stats
+    rows = st["computed_tokens"] // st["padded_length"]
+    assert work["dense"].flops == pytest.approx(3 * rows * run_flops(CFG, 0, st["padded_length"]))
+    # The chosen engine's prepared batch is the one that runs (no second prepare).
+    kind, _, pred = auto.choose(batch)
+    assert min(pred, key=pred.get) == kind

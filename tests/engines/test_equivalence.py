@@ -18,7 +18,7 @@ from dtarl.engines import DenseEngine, DFSEngine, RolloutBatch
 from dtarl.model import ModelConfig, ModelFamily, init_model
 from dtarl.rl.losses import ClippedSurrogateLoss, MaskedNLLLoss, SequenceData, TokenData
 from dtarl.testing import grpo_groups
-from dtarl.tree import DFSOrder
+from dtarl.tree import DFSOrder, build_tree, compile_plan
 
 RTOL = 1e-5  # fp32, max over parameter tensors of ||a - b|| / ||b||
 
@@ -37,12 +37,16 @@ def _model(family: ModelFamily, dtype: str = "float32"):
 
 
 @functools.cache
-def _engine(kind: str, family: ModelFamily, chunk: int = 8, order=DFSOrder.GREEDY, levels=1):
+def _engine(
+    kind: str, family: ModelFamily, chunk: int = 8, order=DFSOrder.GREEDY, levels=1, rows=4
+):
     model, _ = _model(family)
     # Pre-sized buckets: one compilation per loss for the whole module. One prefix
     # level keeps compile time down; test_dfs_prefix_buckets covers several.
     if kind == "dfs":
-        engine = DFSEngine(model, chunk_len=chunk, order=order, prefix_levels=levels)
+        engine = DFSEngine(
+            model, chunk_len=chunk, order=order, prefix_levels=levels, leaf_rows=rows
+        )
         return engine.reserve(steps=256, path=64, slots=8, sequences=64, tokens=2048)
     return DenseEngine(model, microbatch=4).reserve(length=64, sequences=64, tokens=2048)
 
@@ -113,9 +117,9 @@ def rel_errors(got, want):
     return jax.tree.leaves(errs)
 
 
-def check(engine_kind, family, batch, loss, chunk=8, order=DFSOrder.GREEDY, levels=1):
+def check(engine_kind, family, batch, loss, chunk=8, order=DFSOrder.GREEDY, levels=1, rows=4):
     model, params = _model(family)
-    engine = _engine(engine_kind, family, chunk, order, levels)
+    engine = _engine(engine_kind, family, chunk, order, levels, rows)
     want_loss, want_grads, want_logp = reference(model, params, batch, loss)
     got_loss, got_grads, aux = engine.value_and_grad(params, batch, loss)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=RTOL, atol=1e-7)
@@ -225,6 +229,33 @@ def test_dfs_prefix_buckets_and_packing():
     batch = with_logprob_data(RolloutBatch.create(tokens=seqs, advantages=rs.randn(len(seqs))))
     aux = check("dfs", ModelFamily.QWEN3, batch, LOSSES["dapo"], chunk=16, levels=3)
     assert aux.stats["packed_steps"] >= 2
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_dfs_leaf_rows(rows):
+    """Sibling leaves popped as rows over one shared stack prefix (POP_ROWS).
+
+    Responses of 5..7 tokens (+1 fork entry) in chunks of 8 cannot share a chunk,
+    so a group of 7 needs about 7 chunks, which rows=2 pops in about 4 steps and
+    rows=4 in about 2 (a partial step pads rows). Four 3-token leaves pack two
+    per chunk, and the two chunks become one 2-row step.
+    """
+    rs = np.random.RandomState(6)
+    stem = list(rs.randint(3, 256, 13))
+    seqs = [stem + list(rs.randint(3, 256, rs.randint(5, 8))) for _ in range(7)]
+    seqs += [stem[:5] + list(rs.randint(3, 256, 3)) for _ in range(4)]  # packable pairs
+    batch = with_logprob_data(RolloutBatch.create(tokens=seqs, advantages=rs.randn(len(seqs))))
+    aux = check("dfs", ModelFamily.QWEN3, batch, LOSSES["grpo_kl"], rows=rows)
+    one_row = compile_plan(build_tree(batch.tokens), chunk_len=8, rows=1)
+    assert aux.stats["packed_steps"] >= 1
+    if rows == 1:
+        assert aux.stats["row_steps"] == 0
+        assert aux.stats["num_steps"] == one_row.num_steps
+    else:
+        assert aux.stats["row_steps"] >= 2
+        two_rows = compile_plan(build_tree(batch.tokens), chunk_len=8, rows=2)
+        assert aux.stats["num_steps"] <= two_rows.num_steps <= one_row.num_steps - 3
+        assert aux.stats["computed_tokens"] == one_row.computed_tokens
 
 
 def test_bf16_within_stated_bound():

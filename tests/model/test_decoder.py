@@ -171,3 +171,27 @@ def test_bad_prefix_shape_is_rejected():
     wrong = KVCache(jnp.zeros((2, 1, 3, 4, 16)), jnp.zeros((2, 1, 3, 4, 16)))
     with pytest.raises(ValueError, match="kv_prefix"):
         model(_tokens(1, 2), _pos(1, 3, 2), wrong)
+
+
+@pytest.mark.parametrize("backend", list(AttentionBackend))
+def test_shared_prefix_equals_broadcast_prefix(backend):
+    """A batch-1 prefix is shared by all rows: same values and gradients as a copy per row
+    (its cotangent is the sum over the rows), also with per-row prefix lengths."""
+    model = init_model(ModelConfig.tiny().replace(attention_backend=backend), seed=2)
+    _, kv = run(model, _tokens(1, 9, 5), _pos(1, 0, 9))
+    toks, pos, plen = _tokens(3, 4, 6), _pos(3, 9, 4), jnp.array([9, 9, 6])
+
+    def loss(model, kv):
+        return jnp.sum(model(toks, pos, kv, plen)[0] ** 2) * 1e-3
+
+    def copies(kv):
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (a.shape[0], 3) + a.shape[2:]), kv)
+
+    grad = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))
+    v_shared, (gm_shared, gkv_shared) = grad(model, kv)
+    v_copies, (gm_copies, gkv_copies) = grad(model, copies(kv))
+    np.testing.assert_allclose(v_shared, v_copies, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(gm_shared), jax.tree.leaves(gm_copies), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6 * max(1.0, float(jnp.abs(b).max())))
+    for a, b in zip(gkv_shared, gkv_copies, strict=True):
+        np.testing.assert_allclose(a[:, 0], b.sum(axis=1), atol=1e-6, rtol=1e-5)
