@@ -11,12 +11,17 @@ a ``path/to/script.py``, or anything else: arguments of the ``dtarl`` command
 starts P copies of ``python -m dtarl.parallel.launch --worker -- TARGET ...``
 with the environment below, prefixes their output with ``[rank r]``, and
 fails fast: as soon as one rank exits non-zero it reports that rank, stops the
-others (SIGTERM, then SIGKILL) and returns that exit code. A rank that never
-joins is caught the same way (its siblings block in ``initialize`` until the
-launcher stops them, or until ``--init-timeout``, whichever is first). Without
-the launcher (under a scheduler) JAX's own bounds apply: ``initialize`` aborts
-a process whose peers do not all join within the init timeout, and a running
-process whose peer stops heart-beating aborts after the heartbeat timeout.
+others (SIGTERM, then SIGKILL) and returns its exit code. A rank whose
+collective broke because another rank died (a lost peer, see ``lost_peer``)
+exits with ``EXIT_PEER_LOST`` (75); the launcher then waits a moment for the
+rank that died and names that one. A rank that never joins is caught the same
+way (its siblings block in ``initialize`` until the launcher stops them, or
+until ``--init-timeout``, whichever is first). Without the launcher (under a
+scheduler) JAX's own bounds apply: ``initialize`` aborts a process whose peers
+do not all join within the init timeout; once running, a collective with a dead
+peer fails at once (gloo; dtarl's sharded engine raises ``PeerLostError``), and
+a process whose peer stops heart-beating is aborted by JAX after the heartbeat
+timeout (sooner when the coordinator, process 0, is the one that died).
 
 Each worker calls ``initialize()`` (below) before importing the target, so the
 target's ``jax.devices()`` already lists every process's devices and it just
@@ -65,6 +70,17 @@ ENV_INIT_TIMEOUT = "DTARL_INIT_TIMEOUT"
 ENV_HEARTBEAT_TIMEOUT = "DTARL_HEARTBEAT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "DTARL_SHUTDOWN_TIMEOUT"
 ENV_CPU_COLLECTIVES = "DTARL_CPU_COLLECTIVES"
+
+# A launched rank that fails because it lost a peer (a collective broke when another
+# process died) exits with this code, so the launcher can name the rank that died
+# first rather than the one whose collective noticed it (EX_TEMPFAIL).
+EXIT_PEER_LOST = 75
+# How a lost peer shows up in the collectives' errors: gloo on CPU raises ValueError,
+# NCCL and JAX's coordination service XlaRuntimeError.
+PEER_LOST_PATTERN = re.compile(
+    r"gloo|nccl|connection|unavailable|deadline_exceeded|heartbeat|peer|socket|broken pipe",
+    re.IGNORECASE,
+)
 
 __all__ = [
     "DistributedConfig",
@@ -252,8 +268,25 @@ def _find_module(name: str) -> bool:
         return False
 
 
+def lost_peer(exc: BaseException) -> bool:
+    """True when ``exc`` (or its cause chain) is a collective that broke on a lost peer."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if type(exc).__name__ == "PeerLostError" or (
+            isinstance(exc, Exception) and PEER_LOST_PATTERN.search(f"{type(exc).__name__} {exc}")
+        ):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _worker(target: Sequence[str]) -> None:
-    """Entry of each launched process: join the runtime, run the target, exit hard on failure."""
+    """Entry of each launched process: join the runtime, run the target, exit hard on failure.
+
+    Exit codes: the target's own, 1 for an uncaught error, ``EXIT_PEER_LOST`` for an
+    error that means another process died (see ``lost_peer``).
+    """
     code = 0
     try:
         initialize()
@@ -262,9 +295,9 @@ def _worker(target: Sequence[str]) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
-    except BaseException:
+    except BaseException as e:
         traceback.print_exc()
-        code = 1
+        code = EXIT_PEER_LOST if lost_peer(e) else 1
     sys.stdout.flush()
     sys.stderr.flush()
     if code:
@@ -374,13 +407,17 @@ def launch(
     heartbeat_timeout: int = 30,
     timeout: float | None = None,
     grace: float = 5.0,
+    cause_wait: float = 2.0,
     stdout=None,
     stderr=None,
 ) -> LaunchResult:
     """Starts ``nproc`` local processes running ``target`` under ``jax.distributed``.
 
     Fails fast: the first rank to exit non-zero is reported and the others are
-    stopped. ``timeout`` (seconds, None = none) bounds the whole run (exit 124).
+    stopped (after ``grace`` seconds SIGKILL). A rank that exits with
+    ``EXIT_PEER_LOST`` only lost a peer; the launcher waits up to ``cause_wait``
+    seconds for the rank that died to be reported instead. ``timeout`` (seconds,
+    None = none) bounds the whole run (exit 124).
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise LaunchError(f"nproc={nproc!r}: must be an int >= 1")
@@ -397,6 +434,14 @@ def launch(
     t0 = time.monotonic()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    exits: list[tuple[float, int, int]] = []  # (when, rank, code), in the order they exit
+    lock = threading.Lock()
+
+    def waiter(p: subprocess.Popen, rank: int) -> None:
+        code = p.wait()
+        with lock:
+            exits.append((time.monotonic(), rank, code))
+
     try:
         for r in range(nproc):
             env = rank_env(
@@ -420,24 +465,41 @@ def launch(
                 th = threading.Thread(target=_pump, args=(stream, r, out), daemon=True)
                 th.start()
                 pumps.append(th)
+            threading.Thread(target=waiter, args=(p, r), daemon=True).start()
         failed, msg, code = None, "", 0
+        first_bad = None
         while True:
-            codes = [p.poll() for p in procs]
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
+            with lock:
+                done = sorted(exits)
+            # The cause is the first rank to exit non-zero other than with
+            # EXIT_PEER_LOST (a collective broken by another rank's death); such a
+            # rank is waited for up to cause_wait seconds before a peer-lost one is
+            # reported instead.
+            bad = [(r, c) for _, r, c in done if c != 0]
+            if bad and first_bad is None:
+                first_bad = time.monotonic()
+            causes = [(r, c) for r, c in bad if c != EXIT_PEER_LOST]
+            waited = bool(bad) and (len(done) == nproc or time.monotonic() - first_bad > cause_wait)
+            if causes or waited:
+                bad = causes + [(r, c) for r, c in bad if c == EXIT_PEER_LOST]
                 failed, c = bad[0]
                 code = c if c > 0 else 128 - c  # killed by signal -c
-                running = [r for r, c2 in enumerate(codes) if c2 is None]
+                ended = {r for _, r, _ in done}
+                running = [r for r in range(nproc) if r not in ended]
+                later = [r for r, _ in bad[1:]]
                 msg = (
-                    f"dtarl launch: rank {failed} (pid {procs[failed].pid}) exited with code {c}; "
-                    f"stopping ranks {running}"
+                    f"dtarl launch: rank {failed} (pid {procs[failed].pid}) exited with code {c}"
+                    + (" (it lost a peer)" if c == EXIT_PEER_LOST else "")
+                    + (f"; ranks {later} failed too" if later else "")
+                    + f"; stopping ranks {running}"
                 )
                 break
-            if all(c == 0 for c in codes):
+            if len(done) == nproc and not bad:
                 msg = f"dtarl launch: all {nproc} ranks finished"
                 break
             if timeout is not None and time.monotonic() - t0 > timeout:
-                running = [r for r, c2 in enumerate(codes) if c2 is None]
+                ended = {r for _, r, _ in done}
+                running = [r for r in range(nproc) if r not in ended]
                 failed, code = (running[0] if running else None), 124
                 msg = f"dtarl launch: timed out after {timeout:.0f} s; ranks {running} running"
                 break

@@ -27,8 +27,19 @@ integer and floating costs alike (see ``_balanced_cuts``).
 Contiguous cuts of a DFS order duplicate at most the shared prefix at each of
 the K-1 cuts: sum_j tree_tokens(T_j) - tree_tokens(T) <= (K-1) max_len.
 
-Baselines: greedy to the least-loaded rank by token count (AReaL / verl),
-greedy by tree cost, and Karmarkar-Karp (largest differencing) on token counts.
+Which DFS order. The lexicographic order is one DFS order of many: the children
+of any tree node may be visited in any order, and everything above holds for
+each. ``BalancedOrder.BEST`` (the default) also tries the order whose top-level
+subtrees (GRPO groups, when the prompts differ) are laid out as a longest-
+processing-time assignment of whole subtrees to K bins, and keeps the lower of
+the two optimal cuts. Without it the lexicographic cut can be worse than plain
+LPT on whole groups when a batch has few, large groups (the order then forces
+two big neighbours onto one rank); with it the balanced makespan is never above
+that LPT (those bins are one of the cuts it considers).
+
+Baselines: greedy to the least-loaded rank by token count (the paper's baseline;
+AReaL / verl dispatch by token count), greedy by tree cost, and Karmarkar-Karp
+(largest differencing) on token counts.
 
 Letters: N = sequences, K = ranks, G = groups (units with ``keep_groups``).
 Host-side numpy only; no JAX.
@@ -46,6 +57,7 @@ from typing import Protocol
 import numpy as np
 
 __all__ = [
+    "BalancedOrder",
     "CostModel",
     "FlopCost",
     "Partition",
@@ -78,6 +90,24 @@ class PartitionMethod(enum.Enum):
     GREEDY_TOKENS = "greedy_tokens"
     GREEDY_TREE = "greedy_tree"
     KARMARKAR_KARP = "karmarkar_karp"
+
+
+class BalancedOrder(enum.Enum):
+    """Which DFS order the balanced method cuts into K contiguous segments.
+
+    LEXICOGRAPHIC: the lexicographic order of the sequences (AREAL-DTA §4).
+    BLOCKS:        the lexicographic order with its top-level blocks permuted. A block is
+                   a sibling subtree under the prefix every sequence shares (one GRPO
+                   group when the prompts differ); blocks are dealt to K bins largest
+                   first, to the least loaded bin (LPT on C(block)), and laid out bin by
+                   bin. Permuting siblings keeps a DFS order, so the duplication bound
+                   holds, and the cut can still split a block where two bins meet.
+    BEST:          both; the one with the lower optimal makespan (ties: lexicographic).
+    """
+
+    LEXICOGRAPHIC = "lexicographic"
+    BLOCKS = "blocks"
+    BEST = "best"
 
 
 # ----------------------------------------------------------------------------- cost models
@@ -202,7 +232,7 @@ def _check_sequences(sequences: Sequence) -> list[np.ndarray]:
             raise ValueError(f"sequences[{i}]: length 0; every sequence needs >= 1 token")
         if a.dtype.kind not in "iub":
             raise ValueError(f"sequences[{i}]: expected integer token ids, got dtype {a.dtype}")
-        seqs.append(a.astype(np.int64, copy=False))
+        seqs.append(a)
     return seqs
 
 
@@ -217,7 +247,7 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
 
 def _sort_key(a: np.ndarray) -> bytes:
     # Big-endian unsigned bytes compare like the int sequence (a proper prefix sorts first).
-    return (a + 2**31).astype(">u4").tobytes()
+    return (a.astype(np.int64) + 2**31).astype(">u4").tobytes()
 
 
 def _dfs_order(seqs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -404,6 +434,70 @@ def _fill_to_k(starts: list[int], n_units: int, k: int) -> list[int]:
     return s
 
 
+def _unit_costs(ln: np.ndarray, lc: np.ndarray, unit_len: np.ndarray, cost: CostModel):
+    """Per unit of an order: full = C(unit alone), inc = cost it appends after the previous unit.
+
+    ``ln`` / ``lc`` are the lengths and consecutive lcps of the sequences in that order.
+    Returns (full_u, inc_u, bounds) with unit u = sequences bounds[u]:bounds[u+1].
+    """
+    inc_seq = cost.append_cost(ln, lc)
+    full_seq = cost.append_cost(ln, np.zeros_like(lc))
+    bounds = np.concatenate([[0], np.cumsum(unit_len)])
+    csum = np.concatenate([np.zeros(1, inc_seq.dtype), np.cumsum(inc_seq)])
+    inc_u = csum[bounds[1:]] - csum[bounds[:-1]]
+    full_u = inc_u - inc_seq[bounds[:-1]] + full_seq[bounds[:-1]]
+    return full_u, inc_u, bounds
+
+
+@dataclasses.dataclass(frozen=True)
+class _CutOrder:
+    """One candidate order of the balanced method and its optimal cut."""
+
+    seq_order: np.ndarray  # [N] sequence indices
+    bounds: np.ndarray  # [U+1] unit u = seq_order[bounds[u]:bounds[u+1]]
+    starts: list[int]  # first unit of each segment
+    makespan: float  # max segment cost (the incremental sum)
+
+
+def _cut(seq_order, lc, unit_len, lengths, cost: CostModel, k: int) -> _CutOrder:
+    full_u, inc_u, bounds = _unit_costs(lengths[seq_order], lc, unit_len, cost)
+    starts = _balanced_cuts(full_u, inc_u, k)
+    base, p = _segment_prefix(full_u, inc_u)
+    span = float(_segment_costs(base, p, starts, full_u.shape[0]).max())
+    return _CutOrder(seq_order=seq_order, bounds=bounds, starts=starts, makespan=span)
+
+
+def _block_order(seqs, seq_order, lc, unit_len, lengths, cost: CostModel, k: int):
+    """The unit order with its top-level blocks dealt to k bins by LPT and laid out bin by bin.
+
+    A block starts at every unit boundary whose lcp equals the batch's common prefix
+    m0 = min(lc[1:]). Returns (seq_order, lc, unit_len) of the permuted order, or None
+    when there are fewer than 2 blocks.
+    """
+    n_units = unit_len.shape[0]
+    if n_units < 2:
+        return None
+    full_u, inc_u, bounds = _unit_costs(lengths[seq_order], lc, unit_len, cost)
+    m0 = lc[1:].min()
+    first = np.flatnonzero(lc[bounds[1:-1]] == m0) + 1  # units that start a block (besides 0)
+    bstart = np.concatenate([[0], first])
+    if bstart.shape[0] < 2:
+        return None
+    bend = np.concatenate([bstart[1:], [n_units]])
+    csum = np.concatenate([np.zeros(1, inc_u.dtype), np.cumsum(inc_u)])
+    bcost = full_u[bstart] + (csum[bend] - csum[bstart + 1])  # C(block alone)
+    bins = _greedy_least_loaded(bcost, k)  # LPT: largest block first, to the least loaded bin
+    blocks = [b for g in bins for b in sorted(g)]
+    units = np.concatenate([np.arange(bstart[b], bend[b]) for b in blocks])
+    new_order = np.concatenate([seq_order[bounds[u] : bounds[u + 1]] for u in units])
+    new_lc = np.concatenate([lc[bounds[u] : bounds[u + 1]] for u in units]).copy()
+    # Only a block's first sequence gets a new predecessor.
+    heads = np.cumsum(np.concatenate([[0], unit_len[units]]))[:-1]
+    for h in heads[np.isin(units, bstart)]:
+        new_lc[h] = 0 if h == 0 else _lcp(seqs[new_order[h - 1]], seqs[new_order[h]])
+    return new_order, new_lc, unit_len[units]
+
+
 # ----------------------------------------------------------------------------- baselines
 
 
@@ -457,7 +551,7 @@ def _greedy_least_loaded(weights: np.ndarray, k: int) -> list[list[int]]:
     for u in order:
         load, j = heapq.heappop(heap)
         out[j].append(u)
-        heapq.heappush(heap, (load + int(weights[u]), j))
+        heapq.heappush(heap, (load + weights[u].item(), j))
     return out
 
 
@@ -517,6 +611,8 @@ def partition(
     cost: CostModel | None = None,
     group_ids=None,
     keep_groups: bool = False,
+    order: BalancedOrder | str = BalancedOrder.BEST,
+    dfs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> Partition:
     """Splits N sequences over K data-parallel ranks.
 
@@ -530,6 +626,10 @@ def partition(
       group_ids: [N] group (prompt) ids; only used with ``keep_groups``.
       keep_groups: assign whole groups (units = groups); a group's sequences never
         split across ranks.
+      order: the DFS order(s) the balanced method cuts (``BalancedOrder``); ignored
+        by the baselines.
+      dfs: ``dfs_order(sequences)`` of these very sequences, to reuse it across
+        calls on one batch (it is the O(N log N) part); computed when None.
 
     Returns:
       A ``Partition``; balanced ranks are all non-empty (a baseline may leave one empty).
@@ -550,6 +650,12 @@ def partition(
             ) from None
     if not isinstance(method, PartitionMethod):
         raise ValueError(f"method={method!r}: expected a PartitionMethod")
+    try:
+        order_kind = BalancedOrder(order)
+    except ValueError:
+        raise ValueError(
+            f"order={order!r}: expected one of {[o.value for o in BalancedOrder]}"
+        ) from None
     cost = TreeTokenCost() if cost is None else cost
     seqs = _check_sequences(sequences)
     n = len(seqs)
@@ -563,9 +669,18 @@ def partition(
         raise ValueError(f"k={k}: must be in [1, {n_units}] (the {what}); got N={n} sequences")
 
     lengths = np.array([s.shape[0] for s in seqs], np.int64)
-    order, lcps = _dfs_order(seqs)
+    if dfs is None:
+        order_ix, lcps = _dfs_order(seqs)
+    else:
+        order_ix, lcps, dfs_len = (np.asarray(a, np.int64) for a in dfs)
+        if order_ix.shape != (n,) or lcps.shape != (n,) or not np.array_equal(dfs_len, lengths):
+            raise ValueError(
+                f"dfs: expected dfs_order(sequences) of these {n} sequences (order, lcps, "
+                f"lengths, each [{n}]); got shapes {order_ix.shape}, {lcps.shape}, "
+                f"{dfs_len.shape} or different lengths"
+            )
     rank_in_order = np.empty(n, np.int64)
-    rank_in_order[order] = np.arange(n)
+    rank_in_order[order_ix] = np.arange(n)
     check_bound = False
 
     if method is PartitionMethod.BALANCED:
@@ -573,28 +688,28 @@ def partition(
             # Units in DFS order of their smallest member; members in DFS order.
             members = [np.sort(rank_in_order[u]) for u in units]
             uorder = sorted(range(n_units), key=lambda u: members[u][0])
-            seq_order = np.concatenate([order[members[u]] for u in uorder])
+            seq_order = np.concatenate([order_ix[members[u]] for u in uorder])
             unit_len = np.array([members[u].shape[0] for u in uorder], np.int64)
             check_bound = bool(np.all(np.diff(rank_in_order[seq_order]) > 0))
             u_lcps = np.zeros(n, np.int64)
             for t in range(1, n):
                 u_lcps[t] = _lcp(seqs[seq_order[t - 1]], seqs[seq_order[t]])
         else:
-            seq_order, unit_len, u_lcps, check_bound = order, np.ones(n, np.int64), lcps, True
-        ln = lengths[seq_order]
-        inc_seq = cost.append_cost(ln, u_lcps)
-        full_seq = cost.append_cost(ln, np.zeros_like(u_lcps))
-        # Per unit: full = cost of the unit alone, inc = cost appended after the previous unit.
-        bounds = np.concatenate([[0], np.cumsum(unit_len)])
-        csum = np.concatenate([np.zeros(1, inc_seq.dtype), np.cumsum(inc_seq)])
-        inc_u = csum[bounds[1:]] - csum[bounds[:-1]]
-        full_u = inc_u - inc_seq[bounds[:-1]] + full_seq[bounds[:-1]]
-        starts = _fill_to_k(_balanced_cuts(full_u, inc_u, k), n_units, k)
+            seq_order, unit_len, u_lcps, check_bound = order_ix, np.ones(n, np.int64), lcps, True
+        cands = []
+        if order_kind is not BalancedOrder.BLOCKS:
+            cands.append(_cut(seq_order, u_lcps, unit_len, lengths, cost, k))
+        if order_kind is not BalancedOrder.LEXICOGRAPHIC:
+            blocks = _block_order(seqs, seq_order, u_lcps, unit_len, lengths, cost, k)
+            if blocks is not None:
+                cands.append(_cut(*blocks, lengths, cost, k))
+            elif not cands:
+                cands.append(_cut(seq_order, u_lcps, unit_len, lengths, cost, k))
+        best = min(cands, key=lambda c: c.makespan)  # first (lexicographic) on ties
+        starts = _fill_to_k(best.starts, n_units, k)
         ends = starts[1:] + [n_units]
-        rank_units = [list(range(b, e)) for b, e in zip(starts, ends, strict=True)]
-        ranks = [
-            np.concatenate([seq_order[bounds[u] : bounds[u + 1]] for u in ru]) for ru in rank_units
-        ]
+        b = best.bounds
+        ranks = [best.seq_order[b[s] : b[e]] for s, e in zip(starts, ends, strict=True)]
     else:
         unit_tokens = np.array([int(lengths[u].sum()) for u in units], np.int64)
         if method is PartitionMethod.GREEDY_TOKENS:
@@ -602,20 +717,22 @@ def partition(
         elif method is PartitionMethod.KARMARKAR_KARP:
             groups = _karmarkar_karp(unit_tokens, k)
         else:
-            groups = _greedy_tree(units, lengths, order, lcps, rank_in_order, cost, k)
+            groups = _greedy_tree(units, lengths, order_ix, lcps, rank_in_order, cost, k)
         ranks = [
             np.concatenate([units[u] for u in g]) if g else np.zeros(0, np.int64) for g in groups
         ]
 
-    # Measure every rank's tree with the cost model, in DFS order.
+    # Measure every rank's tree with the cost model, in DFS order. For positions
+    # q_a < q_b of the global order, lcp = min(lcps[q_a + 1 .. q_b]).
     indices = []
     loads = []
     ttok = []
     for ix in ranks:
-        ix = ix[np.argsort(rank_in_order[ix], kind="stable")]
-        lc = np.zeros(ix.shape[0], np.int64)
-        for t in range(1, ix.shape[0]):
-            lc[t] = _lcp(seqs[ix[t - 1]], seqs[ix[t]])
+        pos = np.sort(rank_in_order[ix])
+        ix = order_ix[pos]
+        lc = np.zeros(pos.shape[0], np.int64)
+        if pos.shape[0] > 1:
+            lc[1:] = np.minimum.reduceat(lcps[: pos[-1] + 1], pos[:-1] + 1)
         indices.append(ix.astype(np.int64))
         loads.append(cost.append_cost(lengths[ix], lc).sum())
         ttok.append(int((lengths[ix] - lc).sum()))
@@ -625,7 +742,7 @@ def partition(
         indices=tuple(indices),
         loads=np.array(loads),
         tree_tokens=np.array(ttok, np.int64),
-        global_tree_tokens=int((lengths[order] - lcps).sum()),
+        global_tree_tokens=int((lengths[order_ix] - lcps).sum()),
         total_tokens=int(lengths.sum()),
         max_len=int(lengths.max()),
     )
@@ -650,31 +767,30 @@ def _greedy_tree(units, lengths, order, lcps, rank_in_order, cost: CostModel, k:
     len_sorted = lengths[order]
     unit_pos = [sorted(int(q) for q in rank_in_order[u]) for u in units]
 
-    def marginal(tree: _RankTree, pos: list[int]) -> float:
-        shared = []
-        for q in pos:
-            shared.append(tree.shared(q))
-            tree.insert(q)
-        for q in pos:
-            tree.pos.remove(q)
-        return float(cost.append_cost(len_sorted[pos], np.array(shared, np.int64)).sum())
-
-    empty = _RankTree(rmq)
-    standalone = [marginal(empty, pos) for pos in unit_pos]
+    # A member's longest shared prefix with the earlier (smaller) members of its unit
+    # is its lcp with the previous one.
+    intra = [
+        np.array(
+            [0] + [rmq.min(a + 1, b + 1) for a, b in zip(pos[:-1], pos[1:], strict=True)], np.int64
+        )
+        for pos in unit_pos
+    ]
+    standalone = [
+        float(cost.append_cost(len_sorted[pos], sh).sum())
+        for pos, sh in zip(unit_pos, intra, strict=True)
+    ]
     trees = [_RankTree(rmq) for _ in range(k)]
     loads = [0.0] * k
     out: list[list[int]] = [[] for _ in range(k)]
     for u in sorted(range(len(units)), key=lambda u: (-standalone[u], u)):
-        best = None
-        for j in range(k):
-            extra = marginal(trees[j], unit_pos[u])
-            key = (loads[j] + extra, loads[j], j)
-            if best is None or key < best[0]:
-                best = (key, j, extra)
-        _, j, extra = best
-        for q in unit_pos[u]:
+        pos = unit_pos[u]
+        # [K, members]: shared with rank j's tree and the unit's earlier members.
+        sh = np.maximum(np.array([[t.shared(q) for q in pos] for t in trees], np.int64), intra[u])
+        extra = cost.append_cost(np.broadcast_to(len_sorted[pos], sh.shape), sh).sum(axis=1)
+        j = min(range(k), key=lambda j: (loads[j] + float(extra[j]), loads[j], j))
+        for q in pos:
             trees[j].insert(q)
-        loads[j] += extra
+        loads[j] += float(extra[j])
         out[j].append(u)
     return out
 

@@ -38,17 +38,27 @@ runs every branch (push and pop) on every step. Measured with
 (2 shared CPU cores, so absolute times are noisy; the ratio is the point.)
 Both give the same loss and gradients.
 
-Multi-process: every process prepares every rank (host work x processes, but
-all processes agree on the shapes without a collective) and fills only its
-addressable shards.
+Multi-process: the partition is computed on every process (cheap, deterministic),
+but a process prepares only its own dp ranks (those with a device it can address),
+so the host work is split like the devices. The shapes are agreed with one small
+all-gather of the engines' bucket minimums per pass (elementwise max, then the
+local ranks are prepared again; a digest of every process's ``static`` and arg
+shapes must match). ``finish`` decodes the local ranks' logprobs and all-gathers
+them as one flat buffer, so every process returns all N. An engine without
+monotone buckets (no ``_min`` dict, e.g. ``AutoEngine``) falls back to preparing
+every rank on every process. A collective that fails because another process
+died raises ``PeerLostError`` naming this process; JAX's heartbeat bounds the
+rest (see ``dtarl.parallel.launch``).
 
 Letters: R = dp ranks, N = sequences.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import hashlib
 import time
 from typing import Any
 
@@ -62,9 +72,11 @@ from jax.sharding import PartitionSpec as P
 from dtarl.engines.base import EngineAux
 from dtarl.engines.batch import RolloutBatch
 from dtarl.parallel import mesh as mesh_lib
+from dtarl.parallel.launch import PEER_LOST_PATTERN
 from dtarl.parallel.partition import CostModel, Partition, PartitionMethod, partition
 
 __all__ = [
+    "PeerLostError",
     "ShardedEngine",
     "ShardedPrepared",
     "ShardingError",
@@ -77,6 +89,26 @@ __all__ = [
 
 class ShardingError(ValueError):
     """A batch or engine that cannot be run on the given mesh (message says why)."""
+
+
+class PeerLostError(RuntimeError):
+    """A multi-process collective failed: another process died, was stopped or lost its link."""
+
+
+@contextlib.contextmanager
+def _collective(what: str):
+    """Turns a cross-process collective that failed on a lost peer into ``PeerLostError``."""
+    try:
+        yield
+    except Exception as e:
+        # Other errors (bugs, bad input) pass through as they are.
+        if jax.process_count() == 1 or not PEER_LOST_PATTERN.search(f"{type(e).__name__} {e}"):
+            raise
+        raise PeerLostError(
+            f"process {jax.process_index()} of {jax.process_count()}: {what} failed; another "
+            "process probably died or was stopped (see its log; `dtarl launch` names the "
+            f"first rank that exited): {type(e).__name__}: {str(e)[:500]}"
+        ) from e
 
 
 class Strategy(enum.Enum):
@@ -94,10 +126,11 @@ class Strategy(enum.Enum):
 class ShardedPrepared:
     """A global batch split over dp and compiled on the host.
 
-    ``static`` is the engine's common shape key; ``args`` are the per-rank numpy
-    ``args`` stacked along a leading [R] axis; ``ranks`` keeps each rank's own
-    ``Prepared`` (for ``finish``); ``dummy[r]`` marks a rank that got no
-    sequence (it runs one zero-weight sequence instead).
+    ``static`` is the engine's common shape key. ``local_ranks`` are the dp ranks
+    this process prepared (all of them in a single process); ``args`` are their
+    numpy ``args`` stacked along a leading [len(local_ranks)] axis and ``ranks``
+    their own ``Prepared`` (for ``finish``), in that order. ``dummy[r]`` marks a
+    rank that got no sequence (it runs one zero-weight sequence instead).
     """
 
     static: tuple
@@ -107,6 +140,7 @@ class ShardedPrepared:
     dummy: tuple[bool, ...]
     num_sequences: int
     host_seconds: float
+    local_ranks: tuple[int, ...] = ()
 
 
 def _shapes(tree) -> list:
@@ -130,7 +164,8 @@ def to_host(tree):
     skip = set(remote)
     out = [None if i in skip else np.asarray(_local(x)) for i, x in enumerate(leaves)]
     if remote:  # one gather program for all of them
-        got = multihost_utils.process_allgather([leaves[i] for i in remote], tiled=True)
+        with _collective("gathering results (to_host)"):
+            got = multihost_utils.process_allgather([leaves[i] for i in remote], tiled=True)
         for i, x in zip(remote, got, strict=True):
             out[i] = np.asarray(x)
     return jax.tree.unflatten(treedef, out)
@@ -184,8 +219,16 @@ class ShardedEngine:
 
     # ------------------------------------------------------------------ host side
 
+    def local_ranks(self) -> tuple[int, ...]:
+        """The dp ranks with a device this process can address (all, in one process)."""
+        devs = np.moveaxis(self.mesh.devices, self.mesh.axis_names.index(mesh_lib.DP), 0)
+        me = jax.process_index()
+        return tuple(
+            r for r in range(self.dp) if any(d.process_index == me for d in devs[r].reshape(-1))
+        )
+
     def prepare(self, batch: RolloutBatch, loss) -> ShardedPrepared:
-        """Partitions ``batch`` over dp and prepares every rank with equal shapes."""
+        """Partitions ``batch`` over dp and prepares this process's ranks with equal shapes."""
         t0 = time.perf_counter()
         n = batch.num_sequences
         k = self.dp
@@ -204,26 +247,41 @@ class ShardedEngine:
             group_ids=batch.group_ids,
             keep_groups=self.keep_groups,
         )
+        multi = jax.process_count() > 1
+        buckets = getattr(self.engine, "_min", None)
+        agree = multi and isinstance(buckets, dict)
+        local = self.local_ranks() if agree else tuple(range(k))
+        if not local:
+            raise ShardingError(
+                f"process {jax.process_index()} has no device in the mesh; build the mesh "
+                "from every process's devices (dtarl.parallel.make_mesh does)"
+            )
         weights = batch.sequence_weights(loss.norm, getattr(loss, "norm_constant", None))
         subs, sub_w, dummy = [], [], []
-        for ix in part.indices:
-            if ix.shape[0] == 0:  # a baseline partition may leave a rank empty
+        for r, ix in enumerate(part.indices):
+            dummy.append(ix.shape[0] == 0)
+            if r not in local:
+                continue
+            if dummy[-1]:  # a baseline partition may leave a rank empty
                 subs.append(batch.select([0]))
                 sub_w.append(np.zeros(1, np.float32))
-                dummy.append(True)
             else:
                 subs.append(batch.select(ix))
                 sub_w.append(weights[ix])
-                dummy.append(False)
         # Pass 1 grows the engine's monotone buckets to the largest rank; pass 2
         # (and, should a bucket still move, a third) gives every rank one shape.
+        # Across processes the buckets are agreed by an all-gather (max) per pass.
         for _ in range(3):
             ranks = [
                 self.engine.prepare(sb, loss, weights=w) for sb, w in zip(subs, sub_w, strict=True)
             ]
             statics = {r.static for r in ranks}
             shapes = [_shapes(r.args) for r in ranks]
-            if len(statics) == 1 and all(s == shapes[0] for s in shapes):
+            same = len(statics) == 1 and all(s == shapes[0] for s in shapes)
+            if agree:
+                if self._agree_buckets(ranks[0], shapes[0], same):
+                    break
+            elif same:
                 break
         else:
             raise ShardingError(
@@ -240,6 +298,30 @@ class ShardedEngine:
             dummy=tuple(dummy),
             num_sequences=n,
             host_seconds=time.perf_counter() - t0,
+            local_ranks=local,
+        )
+
+    def _agree_buckets(self, first, shapes, same: bool) -> bool:
+        """One all-gather of (bucket minimums, shape digest, ok) over the processes.
+
+        Sets the engine's buckets to the elementwise max. True (on every process
+        alike: the decision uses only gathered values) when every process already
+        had those buckets, its local ranks agree, and all digests are equal.
+        """
+        mins = self.engine._min
+        keys = sorted(mins)
+        text = repr((keys, first.static, shapes)).encode()
+        digest = int.from_bytes(hashlib.sha256(text).digest()[:4], "little") & 0x7FFFFFFF
+        row = np.array([int(mins[key]) for key in keys] + [digest, int(same)], np.int32)
+        with _collective("agreeing on the per-rank shapes (ShardedEngine.prepare)"):
+            table = np.asarray(multihost_utils.process_allgather(row))  # [P, len(keys) + 2]
+        top = table[:, : len(keys)].max(axis=0)
+        for key, v in zip(keys, top.tolist(), strict=True):
+            mins[key] = max(int(mins[key]), int(v))
+        return bool(
+            np.all(table[:, : len(keys)] == top)
+            and np.all(table[:, -2] == table[0, -2])
+            and np.all(table[:, -1] == 1)
         )
 
     # ---------------------------------------------------------------- device side
@@ -255,9 +337,26 @@ class ShardedEngine:
         return NamedSharding(self.mesh, P(mesh_lib.DP))
 
     def device_args(self, prepared: ShardedPrepared) -> tuple:
-        """The stacked args as global arrays split over 'dp' (replicated over 'tp')."""
+        """The args as global [R, ...] arrays split over 'dp' (replicated over 'tp').
+
+        Each process supplies the rows of its own ranks (``prepared.local_ranks``).
+        """
         sharding = self._dp_sharding()
-        return jax.tree.map(lambda a: mesh_lib.global_array(a, sharding), prepared.args)
+        local = prepared.local_ranks or tuple(range(self.dp))
+        if local == tuple(range(self.dp)):
+            return jax.tree.map(lambda a: mesh_lib.global_array(a, sharding), prepared.args)
+        row = {r: i for i, r in enumerate(local)}
+
+        def one(a):
+            a = np.asarray(a)
+
+            def rows(idx):
+                want = range(self.dp)[idx[0]]
+                return np.stack([a[row[r]] for r in want])[(slice(None), *idx[1:])]
+
+            return jax.make_array_from_callback((self.dp, *a.shape[1:]), sharding, rows)
+
+        return jax.tree.map(one, prepared.args)
 
     def _build(self, loss, static, params, num_args: int):
         fn = self.engine.device_fn(loss, static)
@@ -326,15 +425,23 @@ class ShardedEngine:
         return fn(self.place_params(params), *self.device_args(prepared))
 
     def finish(self, prepared: ShardedPrepared, out) -> tuple[np.ndarray, ...]:
-        """Per-sequence logprobs in the global batch order (gathered from every process)."""
-        host = to_host(out)
+        """Per-sequence logprobs in the global batch order, on every process."""
+        local = prepared.local_ranks or tuple(range(self.dp))
+        if local == tuple(range(self.dp)):
+            host = to_host(out)
+            per_rank = {r: jax.tree.map(lambda o, r=r: o[r], host) for r in local}
+        else:
+            per_rank = _local_rows(out, local)
         logps: list = [None] * prepared.num_sequences
-        for r, (ix, rp) in enumerate(zip(prepared.partition.indices, prepared.ranks, strict=True)):
+        for ix, rp, r in zip(
+            (prepared.partition.indices[r] for r in local), prepared.ranks, local, strict=True
+        ):
             if prepared.dummy[r]:
                 continue
-            per_seq = self.engine.finish(rp, jax.tree.map(lambda o, r=r: o[r], host))
-            for i, lp in zip(ix.tolist(), per_seq, strict=True):
+            for i, lp in zip(ix.tolist(), self.engine.finish(rp, per_rank[r]), strict=True):
                 logps[i] = lp
+        if local != tuple(range(self.dp)):
+            logps = _gather_logprobs(logps)
         return tuple(logps)
 
     def value_and_grad(self, params, batch: RolloutBatch, loss, *, weights=None):
@@ -351,8 +458,9 @@ class ShardedEngine:
             )
         prepared = self.prepare(batch, loss)
         t1 = time.perf_counter()
-        total, grads, out = self.run(params, prepared, loss)
-        jax.block_until_ready(grads)
+        with _collective("the sharded step (psum over dp)"):
+            total, grads, out = self.run(params, prepared, loss)
+            jax.block_until_ready(grads)
         device_s = time.perf_counter() - t1
         logprobs = self.finish(prepared, out)
         part = prepared.partition
@@ -368,9 +476,49 @@ class ShardedEngine:
             rank_loads=part.loads.tolist(),
             rank_tree_tokens=part.tree_tokens.tolist(),
             duplicated_tokens=part.duplicated_tokens,
-            rank_stats=[r.stats for r in prepared.ranks],
+            local_ranks=list(prepared.local_ranks),
+            rank_stats=[r.stats for r in prepared.ranks],  # of local_ranks
         )
         return total, grads, EngineAux(logprobs=logprobs, stats=stats)
+
+
+def _local_rows(out, local: tuple[int, ...]) -> dict[int, Any]:
+    """{rank: that rank's [...] slice of every [R, ...] leaf} from this process's shards."""
+    leaves, treedef = jax.tree.flatten(out)
+    rows: dict[int, list] = {r: [None] * len(leaves) for r in local}
+    for li, leaf in enumerate(leaves):
+        for shard in leaf.addressable_shards:
+            data = np.asarray(shard.data)
+            for j, r in enumerate(range(leaf.shape[0])[shard.index[0]]):
+                if r in rows and rows[r][li] is None:
+                    rows[r][li] = data[j]
+    return {r: jax.tree.unflatten(treedef, v) for r, v in rows.items()}
+
+
+def _gather_logprobs(logps: list) -> list[np.ndarray]:
+    """Fills every process's missing per-sequence logprobs from a process that has them.
+
+    Two all-gathers: the lengths (-1 = not local), then one flat float32 buffer
+    with every sequence at the same offset on every process.
+    """
+    lens = np.array([-1 if lp is None else lp.shape[0] for lp in logps], np.int32)
+    with _collective("gathering logprobs (ShardedEngine.finish)"):
+        all_lens = np.asarray(multihost_utils.process_allgather(lens))  # [P, N]
+        size = all_lens.max(axis=0)
+        if np.any(size < 0):
+            missing = np.flatnonzero(size < 0)[:8].tolist()
+            raise ShardingError(f"finish: no process holds the logprobs of sequences {missing}")
+        offsets = np.concatenate([[0], np.cumsum(size)])
+        flat = np.zeros(max(int(offsets[-1]), 1), np.float32)
+        for i, lp in enumerate(logps):
+            if lp is not None:
+                flat[offsets[i] : offsets[i + 1]] = lp
+        all_flat = np.asarray(multihost_utils.process_allgather(flat))  # [P, T]
+    owner = np.argmax(all_lens >= 0, axis=0)
+    return [
+        lp if lp is not None else all_flat[owner[i], offsets[i] : offsets[i + 1]].copy()
+        for i, lp in enumerate(logps)
+    ]
 
 
 def sharded_value_and_grad(engine, params, batch: RolloutBatch, loss, mesh: Mesh, **kwargs):

@@ -69,7 +69,9 @@ engine, params, batch = problem()
 sharded = ShardedEngine(engine, make_mesh(2, 2))  # dp spans the processes, tp within one
 total, grads, aux = sharded.value_and_grad(params, batch, LOSS)
 total, grads = to_host((total, grads))  # one gather for both
-out = dict(flat(grads), __loss__=np.asarray(total))
+# Each process prepared only its own dp rank (dp spans the processes).
+assert len(aux.stats["rank_stats"]) == 1, aux.stats["local_ranks"]
+out = dict(flat(grads), __loss__=np.asarray(total), __local__=np.asarray(aux.stats["local_ranks"]))
 out.update({f"__logp{i}__": lp for i, lp in enumerate(aux.logprobs)})
 np.savez(os.path.join(sys.argv[1], f"rank{jax.process_index()}.npz"), **out)
 print("rank", jax.process_index(), "loss", float(out["__loss__"]))
@@ -82,11 +84,68 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+multihost_utils.process_allgather(np.ones(4))  # one collective both ranks complete
+print("rank", jax.process_index(), "ran one step")
 if jax.process_index() == 1:
-    sys.exit(3)  # dies right after joining
+    sys.exit(3)  # dies mid-run
 # Rank 0 waits for a collective that rank 1 never enters.
 multihost_utils.process_allgather(np.ones(4))
 print("unreachable: the collective returned")
+"""
+
+# Rank 1's collective "notices" a lost peer before the cause, rank 0, exits. (Rank 0
+# is the cause: were it the noticer, its exit would take the coordinator down and JAX
+# would abort rank 1 before it could exit on its own.)
+NOTICED_FIRST = """
+import sys
+import time
+
+import jax
+
+if jax.process_index() == 1:
+    raise ValueError("UNKNOWN: Gloo AllGather failed: Connection closed by peer")
+time.sleep(0.5)
+sys.exit(3)
+"""
+
+# Without the launcher (as under a scheduler): both processes run one sharded
+# prepare (its shape agreement is a collective), then the victim is SIGKILLed and
+# the survivor's next prepare must fail with PeerLostError, not hang.
+MID_RUN = """
+import os
+import signal
+import sys
+
+from dtarl.parallel.launch import DistributedConfig, initialize
+
+pid, port, victim = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+initialize(DistributedConfig(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                             process_id=pid, init_timeout=30, heartbeat_timeout=5))
+import jax
+from flax import nnx
+
+from dtarl.engines import DFSEngine
+from dtarl.model import ModelConfig, init_model
+from dtarl.parallel import make_mesh
+from dtarl.parallel.sharded import PeerLostError, ShardedEngine
+from dtarl.rl.losses import ClippedSurrogateLoss
+from dtarl.testing import grpo_groups
+
+cfg = ModelConfig.tiny(num_layers=1, hidden_size=32, intermediate_size=64, head_dim=8)
+model = nnx.eval_shape(lambda: init_model(cfg, seed=0))
+batch = grpo_groups(num_groups=4, group_size=4, prompt_len=6, response_len=(3, 9), seed=0)
+sharded = ShardedEngine(DFSEngine(model, chunk_len=8), make_mesh(2, 1))
+loss = ClippedSurrogateLoss.dapo()
+prep = sharded.prepare(batch, loss)
+print("process", pid, "prepared ranks", prep.local_ranks, flush=True)
+if pid == victim:
+    os.kill(os.getpid(), signal.SIGKILL)  # crash mid-run, no cleanup
+try:
+    sharded.prepare(batch, loss)
+except PeerLostError as e:
+    print("PeerLostError:", e, file=sys.stderr, flush=True)
+    os._exit(5)
+print("unreachable: prepare returned")
 """
 
 
@@ -115,8 +174,10 @@ def test_two_processes_equal_one(tmp_path, capsys):
     engine, params, batch = ns["problem"]()
     total, grads, aux = engine.value_and_grad(params, batch, ns["LOSS"])
     ref = ns["flat"](jax.tree.map(np.asarray, grads))
+    local = []
     for rank in (0, 1):
         got = dict(np.load(tmp_path / f"rank{rank}.npz"))
+        local += got.pop("__local__").tolist()
         np.testing.assert_allclose(got.pop("__loss__"), float(total), rtol=1e-6)
         for i, lp in enumerate(aux.logprobs):
             np.testing.assert_allclose(got.pop(f"__logp{i}__"), lp, atol=1e-5, rtol=0)
@@ -124,10 +185,11 @@ def test_two_processes_equal_one(tmp_path, capsys):
         for name, g in ref.items():
             err = np.linalg.norm(got[name] - g) / max(np.linalg.norm(g), 1e-30)
             assert err <= 1e-5, (rank, name, err)
+    assert sorted(local) == [0, 1]  # the two processes split the dp ranks
 
 
 def test_dead_rank_fails_fast(tmp_path):
-    """Rank 1 exits at once; the launcher stops rank 0 and names rank 1, well within 60 s."""
+    """Rank 1 exits mid-run; the launcher stops rank 0 and names rank 1, well within 60 s."""
     (tmp_path / "dies.py").write_text(DIES)
     t0 = time.monotonic()
     proc = subprocess.run(
@@ -141,8 +203,89 @@ def test_dead_rank_fails_fast(tmp_path):
     elapsed = time.monotonic() - t0
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "rank 1" in proc.stderr and "exited with code 3" in proc.stderr, proc.stderr[-3000:]
+    assert "[rank 0] rank 0 ran one step" in proc.stdout
     assert "unreachable" not in proc.stdout
     assert elapsed < 60
+
+
+def test_launcher_names_the_cause_not_the_rank_that_noticed(tmp_path):
+    """A rank failing on a lost peer exits with EXIT_PEER_LOST; the launcher waits
+    (cause_wait) for the rank that really failed and reports that one."""
+    (tmp_path / "noticed.py").write_text(NOTICED_FIRST)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dtarl.parallel.launch", "--nproc", "2", "--devices-per-proc", "1"]
+        + ["--init-timeout", "30", "--", str(tmp_path / "noticed.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "rank 0 (pid" in proc.stderr and "exited with code 3; ranks [1] failed too" in (
+        proc.stderr
+    ), proc.stderr[-3000:]
+
+
+def test_lost_peer_classification():
+    class PeerLostError(RuntimeError):
+        pass
+
+    assert launch_lib.lost_peer(PeerLostError("x"))
+    try:
+        try:
+            raise ValueError("UNKNOWN: Gloo AllGather failed: Connection reset by peer")
+        except ValueError as inner:
+            raise RuntimeError("step failed") from inner
+    except RuntimeError as e:
+        assert launch_lib.lost_peer(e)
+    assert not launch_lib.lost_peer(ValueError("k=3: must be in [1, 2]"))
+    assert not launch_lib.lost_peer(KeyboardInterrupt())
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker-dies", "coordinator-dies"])
+def test_mid_run_death_raises_peer_lost(tmp_path, victim):
+    """No launcher: a process killed after a completed sharded prepare makes the other one
+    fail within seconds: PeerLostError (naming itself) on its next collective, or JAX's
+    own abort when the coordinator died and its service noticed first."""
+    (tmp_path / "mid_run.py").write_text(MID_RUN)
+    port = str(launch_lib.free_port())
+    env = dict(_env(), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env["XLA_FLAGS"] = launch_lib._xla_flags(env.get("XLA_FLAGS", ""), 1)
+    t0 = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(tmp_path / "mid_run.py"), str(pid), port, str(victim)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for pid in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    elapsed = time.monotonic() - t0
+    survivor = 1 - victim
+    out, err = outs[survivor]
+    assert procs[victim].returncode == -9  # SIGKILL
+    for pid in (0, 1):
+        assert f"process {pid} prepared ranks ({pid},)" in outs[pid][0], outs[pid][1][-3000:]
+    assert "unreachable" not in out
+    assert elapsed < 60
+    peer_lost = f"PeerLostError: process {survivor} of 2: agreeing on the per-rank shapes"
+    if victim == 1:  # the coordinator lives on: the broken collective is what the survivor sees
+        assert procs[survivor].returncode == 5 and peer_lost in err, err[-3000:]
+    else:
+        # The coordinator's death can also reach the survivor first through JAX's
+        # coordination service, which then aborts it with its own message.
+        jax_abort = "Terminating process because the JAX distributed service detected fatal"
+        assert (procs[survivor].returncode == 5 and peer_lost in err) or (
+            procs[survivor].returncode == -6 and jax_abort in err
+        ), err[-3000:]
 
 
 def test_never_joined_peer_aborts_within_init_timeout():
