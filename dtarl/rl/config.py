@@ -115,6 +115,7 @@ class AlgoSection:
     clip_eps: float = 0.2
     clip_eps_high: float | None = None  # default: clip_eps (0.28 for DAPO)
     kl_coef: float = 0.0  # > 0: KL to the frozen reference policy (the post-SFT weights)
+    entropy_coef: float = 0.0  # > 0: entropy bonus in the policy loss (per token, same norm)
     dynamic_sampling: bool | None = None  # default: True for DAPO only
     overlong_buffer: int = 0  # DAPO soft overlong punishment window (0 = off)
     updates_per_batch: int = 1  # optimizer steps per rollout batch (ratio != 1 after the 1st)
@@ -125,7 +126,7 @@ class AlgoSection:
     value_lr: float = 1e-3  # PPO value model
 
     def __post_init__(self):
-        _nonneg(self, "clip_eps", "kl_coef", "overlong_buffer")
+        _nonneg(self, "clip_eps", "kl_coef", "entropy_coef", "overlong_buffer")
         _positive(self, "updates_per_batch", "value_lr")
         if self.clip_eps >= 1:
             raise ConfigError(f"algo.clip_eps={self.clip_eps} must be < 1")

@@ -242,15 +242,25 @@ def make_loss(cfg: TrainerConfig, max_response: int):
             eps_low=a.clip_eps,
             eps_high=a.eps_high,
             kl_coef=a.kl_coef,
+            entropy_coef=a.entropy_coef,
             norm=LossNorm.CONSTANT,
             norm_constant=float(max_response),
         )
     if a.algorithm is Algorithm.PPO:
         # GAE advantages ride in the batch's token_advantages; KL is in the reward.
-        return ClippedSurrogateLoss(eps_low=a.clip_eps, eps_high=a.eps_high, norm=LossNorm.TOKEN)
+        return ClippedSurrogateLoss(
+            eps_low=a.clip_eps,
+            eps_high=a.eps_high,
+            entropy_coef=a.entropy_coef,
+            norm=LossNorm.TOKEN,
+        )
     norm = LossNorm.TOKEN if a.algorithm is Algorithm.DAPO else LossNorm.SEQUENCE
     return ClippedSurrogateLoss(
-        eps_low=a.clip_eps, eps_high=a.eps_high, kl_coef=a.kl_coef, norm=norm
+        eps_low=a.clip_eps,
+        eps_high=a.eps_high,
+        kl_coef=a.kl_coef,
+        entropy_coef=a.entropy_coef,
+        norm=norm,
     )
 
 

@@ -95,3 +95,14 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         mgr.save(2, _tree(2), {})
     assert mgr.latest_step() == 1
+
+
+def test_entropy_coef_reaches_the_loss():
+    from dtarl.rl.trainer import make_loss
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.yaml")
+    loss = make_loss(load_config(path, overrides=["algo.entropy_coef=0.01"]), 32)
+    assert loss.entropy_coef == 0.01 and loss.needs_entropy
+    assert not make_loss(load_config(path), 32).needs_entropy
+    with pytest.raises(ConfigError, match="entropy_coef"):
+        load_config(path, overrides=["algo.entropy_coef=-1"])
