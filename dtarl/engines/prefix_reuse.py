@@ -23,12 +23,20 @@ trick of ``dtarl.tree.plan`` applies: the prefix node X covering path positions
 starts with X's last token at position b-1, so the fork logit that predicts a
 child's first token is evaluated by the child that needs it.
 
-Deeper trees: prefix reuse is applied at the top level only; **below the top
-fork every leaf is one dense suffix row** (a node shared by several leaves below
-the top level is recomputed once per leaf; sequences ending at internal nodes
-ride on the row of a leaf under them). Exact for every tree, efficient for
-depth-2 trees (prompt + G responses); on deep multi-turn trees the DFS engine
-computes every node once and the cost model (``dtarl.engines.auto``) picks it.
+Deeper trees (``deep_trees``). A group is *deep* when some node below its
+prefix is shared by several leaves (multi-turn trees that branch after the
+first turn). With ``DeepTrees.DFS`` (the default) deep groups go to the DFS
+engine (``dtarl.engines.dfs``): the top-level prefix is pushed once and every
+node below it is computed once, depth-first; the shallow groups (prompt + G
+responses) run the schedule above. Both programs run in the same ``jit`` and
+their losses and gradients add up (sequence weights come from the whole batch,
+so every normalisation stays exact). With ``DeepTrees.ROWS`` every leaf below
+the top fork is one dense suffix row (a node shared below the top level is
+recomputed once per leaf; sequences ending at internal nodes ride on the row of
+a leaf under them): exact too, and one program, but it repeats shared turns.
+Once a batch had deep groups the engine keeps the two-program form (a monotone
+bucket, like the shapes), using a zero-weight one-sequence stand-in for an empty
+side, so that ranks of a sharded run agree on one program.
 
 Entropy: when the loss ``needs_entropy``, the per-token entropies travel with
 the logprobs everywhere above (prefix outputs, path buffers, their accumulated
@@ -71,6 +79,32 @@ from dtarl.engines.cost import run_flops
 from dtarl.model.decoder import Decoder, KVCache, token_logprobs
 from dtarl.tree.plan import bucket
 from dtarl.tree.trie import PrefixTree, build_tree
+
+
+class DeepTrees(enum.Enum):
+    """How ``PrefixReuseEngine`` trains groups that branch below their prefix."""
+
+    DFS = "dfs"  # deep groups go to the DFS engine: every node computed once
+    ROWS = "rows"  # one dense suffix row per leaf: shared deeper nodes recomputed
+
+
+def deep_sequences(tree: PrefixTree) -> np.ndarray:
+    """bool [N]: sequence i belongs to a top-level group with a node below its
+    prefix that has children (a fork below the top level)."""
+    deep_group = {}
+    for x in tree.children[0]:
+        stack, deep = list(tree.children[x]), False
+        while stack and not deep:
+            y = stack.pop()
+            deep = bool(tree.children[y])
+            stack.extend(tree.children[y])
+        deep_group[x] = deep
+    out = np.zeros(tree.stats.num_sequences, bool)
+    for i, node in enumerate(tree.seq_node.tolist()):
+        while int(tree.parent[node]) != 0:
+            node = int(tree.parent[node])
+        out[i] = deep_group[node]
+    return out
 
 
 class PrefixActivations(enum.Enum):
@@ -187,22 +221,32 @@ class PrefixReuseEngine:
       microbatch: suffix rows per microbatch (B); a group's rows run in
         ceil(rows / B) microbatches, so a whole group need not fit at once.
       prefix_activations: see ``PrefixActivations`` (default OFFLOAD).
+      deep_trees: see ``DeepTrees`` (default DFS) and the module docstring.
+      dfs_chunk_len: the DFS engine's chunk length for deep groups.
     """
 
     model: Decoder
     microbatch: int = 8
     prefix_activations: PrefixActivations = PrefixActivations.OFFLOAD
+    deep_trees: DeepTrees = DeepTrees.DFS
+    dfs_chunk_len: int = 128
     name: str = "prefix_reuse"
 
     def __post_init__(self):
         if self.microbatch < 1:
             raise ValueError(f"microbatch={self.microbatch} must be >= 1")
         self.prefix_activations = PrefixActivations(self.prefix_activations)
+        self.deep_trees = DeepTrees(self.deep_trees)
+        self._dfs = None
+        if self.deep_trees is DeepTrees.DFS:
+            from dtarl.engines.dfs import DFSEngine
+
+            self._dfs = DFSEngine(self.model, chunk_len=self.dfs_chunk_len)
         self.graphdef, _ = base.split_model(self.model)
         self.cfg = self.model.cfg
         self.jit = base.JitCache(self)
         self._min = dict(groups=1, prefix=1, rows=1, row_len=1, slots=1, pslots=1, path=1)
-        self._min.update(seqs=1, flat=1)
+        self._min.update(seqs=1, flat=1, split=0)
 
     @property
     def trace_count(self) -> int:
@@ -339,6 +383,17 @@ class PrefixReuseEngine:
         return jax.lax.scan(body, init, tuple(rows))
 
     def device_fn(self, loss, static):
+        if static[0] == "split":  # shallow groups here, deep groups in the DFS engine
+            _, rows_static, dfs_static = static
+            f_rows = self.device_fn(loss, rows_static)
+            f_dfs = self._dfs.device_fn(loss, dfs_static)
+
+            def run(params, rows_args, dfs_args):
+                t_rows, g_rows, o_rows = f_rows(params, *rows_args)
+                t_dfs, g_dfs, o_dfs = f_dfs(params, *dfs_args)
+                return t_rows + t_dfs, jax.tree.map(jnp.add, g_rows, g_dfs), (o_rows, o_dfs)
+
+            return run
         s = static[-1]
         return lambda params, groups, rows, seq: self._run(loss, s, params, groups, rows, seq)
 
@@ -405,6 +460,39 @@ class PrefixReuseEngine:
         base.check_batch(batch, loss, self.cfg.vocab_size)
         w = base.sequence_weights(batch, loss, weights)
         tree = build_tree(batch.tokens)
+        if self._dfs is None:
+            return self._prepare_rows(batch, loss, w, tree)
+        deep = deep_sequences(tree)
+        if deep.any():
+            self._min["split"] = 1
+        if not self._min["split"]:
+            return self._prepare_rows(batch, loss, w, tree)
+        parts = []
+        for ix in (np.flatnonzero(~deep), np.flatnonzero(deep)):
+            if ix.size:
+                parts.append((ix, batch.select(ix), w[ix]))
+            else:  # a stand-in with weight 0: same program, no contribution
+                parts.append((ix, batch.select([0]), np.zeros(1, np.float32)))
+        (ix_rows, b_rows, w_rows), (ix_dfs, b_dfs, w_dfs) = parts
+        p_rows = self._prepare_rows(b_rows, loss, w_rows, build_tree(b_rows.tokens))
+        p_dfs = self._dfs.prepare(b_dfs, loss, weights=w_dfs)
+        stats = dict(
+            num_tokens=tree.stats.num_tokens,
+            tree_tokens=tree.stats.tree_tokens,
+            deep_sequences=int(ix_dfs.size),
+            computed_tokens=p_rows.stats["computed_tokens"] + p_dfs.stats["computed_tokens"],
+            work_flops=p_rows.stats["work_flops"] + p_dfs.stats["work_flops"],
+            work_steps=p_rows.stats["work_steps"] + p_dfs.stats["work_steps"],
+            dfs_steps=p_dfs.stats["num_steps"],
+        )
+        return base.Prepared(
+            static=("split", p_rows.static, p_dfs.static),
+            args=(p_rows.args, p_dfs.args),
+            host=("split", batch.num_sequences, ix_rows, p_rows, ix_dfs, p_dfs),
+            stats=stats,
+        )
+
+    def _prepare_rows(self, batch: RolloutBatch, loss, w, tree) -> base.Prepared:
         plan = group_plan(tree)
         ng = len(plan.prefix_nodes)
         b_end = plan.prefix_end
@@ -489,6 +577,17 @@ class PrefixReuseEngine:
         return base.Prepared(static=static, args=(groups, rows, seq), host=host, stats=stats)
 
     def finish(self, prepared: base.Prepared, out) -> tuple[np.ndarray, ...]:
+        if isinstance(prepared.host[0], str):  # "split"
+            _, n, ix_rows, p_rows, ix_dfs, p_dfs = prepared.host
+            res: list = [None] * n
+            for ix, part in (
+                (ix_rows, self.finish(p_rows, out[0])),
+                (ix_dfs, self._dfs.finish(p_dfs, out[1])),
+            ):
+                # A stand-in part has ix empty (its one logprob row is dropped).
+                for i, logp in zip(ix.tolist(), part, strict=False):
+                    res[i] = logp
+            return tuple(res)
         plan, b_end, lengths = prepared.host
         logp_GxP, logp_rows = (np.asarray(x) for x in out)
         g_pad, n_mb, mb, c = logp_rows.shape
@@ -520,6 +619,8 @@ class PrefixReuseEngine:
         compiled with the group's prefix K/V, path logprobs and the gradient
         accumulator as inputs: the paper's "Phase-B peak"."""
         prepared = self.prepare(batch, loss, weights=weights)
+        if isinstance(prepared.host[0], str):  # "split": the shallow groups' phase B
+            prepared = prepared.host[3]
         groups, rows, seq = prepared.args
         cfg = self.cfg
         p = groups.inputs.shape[1]

@@ -31,7 +31,13 @@ from dtarl.engines import (
     RolloutBatch,
     make_engine,
 )
-from dtarl.engines.prefix_reuse import fine_bucket, group_plan, memory_report
+from dtarl.engines.prefix_reuse import (
+    DeepTrees,
+    deep_sequences,
+    fine_bucket,
+    group_plan,
+    memory_report,
+)
 from dtarl.model import ModelFamily
 from dtarl.rl.losses import MaskedNLLLoss
 from dtarl.testing import grpo_groups
@@ -43,10 +49,14 @@ RESERVE = dict(
 
 
 @functools.cache
-def pr_engine(family=ModelFamily.QWEN3, microbatch=4, mode=PrefixActivations.OFFLOAD):
+def pr_engine(
+    family=ModelFamily.QWEN3, microbatch=4, mode=PrefixActivations.OFFLOAD, deep=DeepTrees.DFS
+):
     """Pre-sized: one compilation per loss for the whole module."""
     model, _ = _model(family)
-    engine = PrefixReuseEngine(model, microbatch=microbatch, prefix_activations=mode)
+    engine = PrefixReuseEngine(
+        model, microbatch=microbatch, prefix_activations=mode, deep_trees=deep
+    )
     return engine.reserve(**RESERVE)
 
 
@@ -82,7 +92,7 @@ def test_prefix_reuse_matches_dense_grad_random_trees(batch, loss_name):
 )
 def test_prefix_reuse_grpo_groups(family, loss_name):
     batch = grpo_groups(num_groups=2, group_size=3, prompt_len=11, response_len=(1, 13), seed=3)
-    _, aux = check_pr(with_logprob_data(batch), LOSSES[loss_name], family)
+    _, aux = check_pr(with_logprob_data(batch), LOSSES[loss_name], family, deep=DeepTrees.ROWS)
     assert aux.stats["num_groups"] == 2 and aux.stats["suffix_rows"] == 6
     # Prompt once (minus its last token, which starts every suffix row), responses once each.
     assert aux.stats["prefix_tokens"] == 2 * 10
@@ -109,6 +119,39 @@ def test_prefix_reuse_hand_made_trees(seqs):
     batch = RolloutBatch.create(tokens=seqs, advantages=rs.randn(len(seqs)))
     check_pr(batch, MaskedNLLLoss())
     check_pr(with_logprob_data(batch), LOSSES["grpo_kl"])
+    if deep_sequences(build_tree(batch.tokens)).any():  # the one-program form too
+        check_pr(with_logprob_data(batch), LOSSES["grpo_kl"], deep=DeepTrees.ROWS)
+
+
+def test_deep_groups_go_to_dfs():
+    """Groups that fork below their prefix run in the DFS program (every node once),
+    shallow groups in the prefix-reuse schedule; exact either way, and a later batch
+    without deep groups reuses the two-program form (zero-weight stand-in)."""
+    rs = np.random.RandomState(3)
+    seqs = [list(rs.randint(3, 256, 9))]
+    for _ in range(2):  # two turns, branching 2 then 2 below the prompt
+        seqs = [q + list(rs.randint(3, 256, 5)) for q in seqs for _ in range(2)]
+    shallow = grpo_groups(num_groups=2, group_size=3, prompt_len=7, response_len=(2, 6), seed=4)
+    batch = RolloutBatch.create(
+        tokens=seqs + list(shallow.tokens), advantages=rs.randn(len(seqs) + 6)
+    )
+    deep = deep_sequences(build_tree(batch.tokens))
+    assert deep.tolist() == [True] * 4 + [False] * 6
+    model, params = _model(ModelFamily.QWEN3)
+    engine = PrefixReuseEngine(model, microbatch=2).reserve(**RESERVE)
+    for b, n_deep in ((batch, 4), (shallow, 0)):
+        want_loss, want_grads, want_logp = reference(model, params, b, LOSSES["dapo"])
+        got_loss, got_grads, aux = engine.value_and_grad(params, b, LOSSES["dapo"])
+        assert aux.stats["deep_sequences"] == n_deep
+        np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=RTOL, atol=1e-7)
+        assert max(rel_errors(got_grads, want_grads)) <= RTOL
+        for got, want in zip(aux.logprobs, want_logp, strict=True):
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
+    # The rows form recomputes the shared turns once per leaf; dfs computes them once.
+    rows = PrefixReuseEngine(model, microbatch=2, deep_trees=DeepTrees.ROWS)
+    assert aux.stats["work_flops"] > 0
+    split = engine.prepare(batch, LOSSES["dapo"]).stats
+    assert split["computed_tokens"] < rows.prepare(batch, LOSSES["dapo"]).stats["computed_tokens"]
 
 
 def test_group_plan_rows_and_slots():
@@ -193,7 +236,7 @@ def test_adamw_run_tracks_dense():
 
 def test_no_retrace_within_bucket():
     _, params = _model(ModelFamily.QWEN3)
-    engine = pr_engine()
+    engine = pr_engine(deep=DeepTrees.ROWS)
     loss = LOSSES["nll"]
     engine.value_and_grad(
         params,
