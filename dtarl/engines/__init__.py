@@ -8,7 +8,7 @@ from dtarl.engines.base import Engine, EngineAux
 from dtarl.engines.batch import BatchError, LossNorm, RolloutBatch
 from dtarl.engines.dense import DenseEngine
 from dtarl.engines.dfs import DFSEngine
-from dtarl.engines.prefix_reuse import PrefixActivations, PrefixReuseEngine
+from dtarl.engines.prefix_reuse import DeepTrees, PrefixActivations, PrefixReuseEngine
 
 
 class EngineKind(enum.Enum):
@@ -42,6 +42,7 @@ __all__ = [
     "AutoEngine",
     "BatchError",
     "DFSEngine",
+    "DeepTrees",
     "DenseEngine",
     "Engine",
     "EngineAux",

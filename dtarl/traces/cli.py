@@ -7,8 +7,9 @@ The lead wires ``register(subparsers)`` into ``dtarl``'s argparse parser:
                        [--length-scale X] [--mode trajectory|per_turn]
     dtarl trace replay [SOURCE ...] [--engines dense dfs] [--repeats 5] [--max-len 256]
                        [--tool-clock simulated|sleep] [--out DIR]
-    dtarl trace simulate [SOURCE ...] --profile PROFILE.json [--calibrate]
-                       [--validate REPLAY.json] [--devices N --dp D --tp T] [--out DIR]
+    dtarl trace simulate [SOURCE ...] --profile PROFILE.json [--calibrate [--no-rollout]]
+                       [--engines dense dfs prefix_reuse auto] [--validate REPLAY.json]
+                       [--devices N --dp D --tp T] [--out DIR]
 
 Without SOURCEs, replay / simulate use the real-trace suite (``DEFAULT_SUITE``).
 """
@@ -117,6 +118,8 @@ def _replay(args: argparse.Namespace) -> int:
         tool_latency_source=args.tool_latencies,
         rollout=not args.no_rollout,
         rollout_repeats=args.rollout_repeats,
+        quiet_cores=args.quiet_cores or None,
+        quiet_budget_s=args.quiet_budget,
     )
     specs = _workload_specs(args)
     res = replay(specs, cfg, log=print)
@@ -168,18 +171,53 @@ def _simulate(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     if args.calibrate:
-        prof = profile_engines(tuple(args.engines), repeats=args.repeats, log=print)
+        kinds = args.engines or ["dense", "dfs", "prefix_reuse", "auto"]
+        from dtarl.traces.replay import QuietGate
+
+        gate = QuietGate(cores=args.quiet_cores or None, budget_s=args.quiet_budget)
+        prof = profile_engines(
+            tuple(kinds), repeats=args.repeats, rollout=not args.no_rollout, gate=gate, log=print
+        )
         prof.save(args.profile)
+        print(
+            f"calibration points (min / median of >= {args.repeats} interleaved rounds; "
+            "bg = other processes' cores during the fastest call):"
+        )
+        for pt in prof.points:
+            bg = "-" if pt.background_cores is None else f"{pt.background_cores:.2f}"
+            print(
+                f"  {pt.kind:<13}{pt.name:<28}{pt.measured_s:>9.4f}s {pt.median_s:>9.4f}s bg {bg}"
+            )
         for k, c in prof.engines.items():
             print(
                 f"{k}: {c.lin_s_per_flop:.3e} s/lin-FLOP, {c.attn_s_per_flop:.3e} s/attn-FLOP, "
                 f"{c.step_s * 1e3:.3f} ms/step, {c.const_s * 1e3:.2f} ms/call "
-                f"(fit error {c.fit_mape:.1f}%)"
+                f"(fit error mean {c.fit_mape:.1f}%, max {c.fit_max_ape:.1f}%)"
+            )
+        if prof.auto is not None:
+            a = prof.auto
+            print(
+                f"auto choice: {a.s_per_token * 1e6:.3f} us/token + {a.const_s * 1e3:.3f} ms "
+                f"(fit error {a.fit_mape:.1f}%)"
+            )
+        if prof.rollout is not None:
+            r = prof.rollout
+            print(
+                f"rollout: {r.prefill_s_per_flop:.3e} s/prefill-FLOP, "
+                f"{r.decode_lin_s_per_flop:.3e} s/decode-lin-FLOP, "
+                f"{r.decode_attn_s_per_flop:.3e} s/decode-attn-FLOP, "
+                f"{r.decode_step_s * 1e3:.3f} ms/decode step, "
+                f"{r.call_s * 1e3:.2f} ms/call (fit error mean {r.fit_mape:.1f}%, max "
+                f"{r.fit_max_ape:.1f}%)"
             )
         print(f"wrote {args.profile}")
-    prof = CostProfile.load(args.profile)
-    if args.validate:
-        rep = validate(prof, load_replay_json(args.validate), engines=args.engines)
+    try:
+        prof = CostProfile.load(args.profile)
+        replay_json = load_replay_json(args.validate) if args.validate else None
+    except FileNotFoundError as e:  # one-line CLI error (dtarl.cli prints ValueErrors)
+        raise ValueError(str(e)) from None
+    if replay_json is not None:
+        rep = validate(prof, replay_json, engines=args.engines, target=args.target)
         out.mkdir(parents=True, exist_ok=True)
         (out / "validation.json").write_text(json.dumps(rep.to_dict(), indent=1))
         rep.plot(out / "validation.png")
@@ -190,14 +228,23 @@ def _simulate(args: argparse.Namespace) -> int:
         model = ModelConfig.preset(args.model) if args.model else None
         rows = []
         for spec in _workload_specs(args):
-            p = predict_workload(spec, prof, cluster, engines=args.engines, model=model)
+            p = predict_workload(
+                spec,
+                prof,
+                cluster,
+                engines=args.engines,
+                model=model,
+                tool_time_scale=args.tool_time_scale,
+            )
             rows.append(dict(spec=spec.to_dict(), prediction=p.to_dict()))
             parts = ", ".join(
-                f"{k} {p.step_s(k):.3f}s (train {e.train_s:.3f}s, all-reduce "
-                f"{e.allreduce_s * 1e3:.2f}ms)"
+                f"{k} {p.step_s(k):.3f}s (train {e.train_s:.3f}s"
+                + (f" as {e.program}" if e.program != k else "")
+                + f", all-reduce {e.allreduce_s * 1e3:.2f}ms)"
                 for k, e in p.engines.items()
             )
-            print(f"{spec.name}: tool {p.tool_s:.2f}s (simulated); {parts}")
+            roll = "not modelled" if p.rollout_s is None else f"{p.rollout_s:.3f}s"
+            print(f"{spec.name}: rollout {roll}; tool {p.tool_s:.2f}s (simulated); {parts}")
         out.mkdir(parents=True, exist_ok=True)
         (out / "simulate.json").write_text(
             json.dumps(dict(kind="dtarl.trace.simulate", workloads=rows), indent=1)
@@ -224,8 +271,16 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         help="auto length scale: longest sequence -> this many tokens (default 256 / per suite)",
     )
     p.add_argument("--mode", choices=("trajectory", "per_turn"), default="trajectory")
-    p.add_argument("--engines", nargs="+", default=["dense", "dfs"], help="make_engine kinds")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls (median)")
+    p.add_argument("--repeats", type=int, default=5, help="timed interleaved rounds (min, median)")
+    p.add_argument(
+        "--quiet-cores",
+        type=float,
+        default=0.3,
+        help="time calls when other processes use fewer CPU cores than this (0: no wait)",
+    )
+    p.add_argument(
+        "--quiet-budget", type=float, default=120.0, help="seconds of waiting for quiet, in all"
+    )
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -259,11 +314,14 @@ def register(subparsers) -> argparse.ArgumentParser:
         "replay", help="time the rollout/tool/train stages of real workloads per engine"
     )
     _add_workload_args(rpl)
+    rpl.add_argument(
+        "--engines", nargs="+", default=["dense", "dfs"], help="make_engine kinds to time"
+    )
     rpl.add_argument("--warmup", type=int, default=1, help="untimed calls (compile)")
     rpl.add_argument("--tool-clock", choices=("simulated", "sleep"), default="simulated")
     rpl.add_argument("--tool-time-scale", type=float, default=1.0, help="scales slept latency")
     rpl.add_argument("--tool-latencies", default=None, help="multi-turn trace for latencies")
-    rpl.add_argument("--rollout-repeats", type=int, default=2, help="timed rollouts (median)")
+    rpl.add_argument("--rollout-repeats", type=int, default=3, help="timed rollouts (min, median)")
     rpl.add_argument("--no-rollout", action="store_true", help="skip the rollout stage")
     rpl.add_argument("--out", default="trace_replay", help="output directory")
     rpl.set_defaults(func=_replay)
@@ -272,9 +330,23 @@ def register(subparsers) -> argparse.ArgumentParser:
         "simulate", help="predict step time on a described cluster from a cost profile"
     )
     _add_workload_args(sim)
+    sim.add_argument(
+        "--engines",
+        nargs="+",
+        default=None,
+        help="engine kinds (calibrate default: dense dfs prefix_reuse auto; otherwise: the "
+        "profile's)",
+    )
     sim.add_argument("--profile", required=True, help="cost profile JSON (made by --calibrate)")
     sim.add_argument("--calibrate", action="store_true", help="profile this machine first")
+    sim.add_argument("--no-rollout", action="store_true", help="calibrate without the sampler")
     sim.add_argument("--validate", default=None, help="replay JSON to compare predictions with")
+    sim.add_argument(
+        "--target", type=float, default=0.10, help="relative error target of --validate"
+    )
+    sim.add_argument(
+        "--tool-time-scale", type=float, default=1.0, help="scales the simulated tool latencies"
+    )
     sim.add_argument("--devices", type=int, default=None, help="default dp x tp")
     sim.add_argument("--dp", type=int, default=1)
     sim.add_argument("--tp", type=int, default=1)

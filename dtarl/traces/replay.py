@@ -16,10 +16,19 @@ size, ``length_scale``) has three stages:
   train    ``engine.value_and_grad`` of the batch, for every engine kind asked
            (anything ``make_engine`` accepts: dense, dense_remat, dfs, ...).
 
-Timing protocol per (workload, engine): a fresh engine (its shape buckets then
-follow this batch only), ``warmup`` untimed calls (the first one compiles),
-then ``repeats`` timed calls; the step time is the median of host prepare +
-device seconds. ``compile_s = first_call_s - median step_s`` (the compile
+Timing protocol (``time_engines``): every (workload, engine) pair gets a fresh
+engine (its shape buckets then follow this batch only) and ``warmup`` untimed
+calls (the first one compiles). Then ``repeats`` *rounds* run, each calling
+every pair once, so the timed calls of one pair are spread over the whole
+timing phase and a burst of load from other processes hits every pair alike.
+Each timed call waits until other processes use less than ``quiet_cores`` CPU
+cores (``QuietGate``, bounded by ``quiet_budget_s`` in all): on a small shared
+machine a busy neighbouring core slows a call by up to 2x, and the CPU time of
+the call does not show it. The background during every call is recorded, and
+contended minima get extra rounds while the budget lasts (``interleaved_rounds``).
+A call's time is host prepare + device seconds; per pair we report the minimum
+(``step_min_s``, the load-robust number the simulator is validated against) and
+the median (``step_s``). ``compile_s = first_call_s - step_min_s`` (the compile
 estimate is reported separately and never mixed into step times).
 
 Lengths must be scaled to fit a CPU and the tiny model: ``auto_length_scale``
@@ -335,10 +344,14 @@ def tool_phase(
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutPhase:
-    """The generation stage: ``status`` is "ok" or why it did not run (seconds None)."""
+    """The generation stage: ``status`` is "ok" or why it did not run (seconds None).
+
+    seconds / min_seconds: median / minimum over the timed rollouts.
+    """
 
     status: str
     seconds: float | None = None
+    min_seconds: float | None = None
     compile_s: float | None = None
     generated_tokens: int = 0
     tokens_per_s: float | None = None
@@ -396,16 +409,30 @@ def model_turns(workload: Workload) -> dict[int, tuple[int, list[tuple[int, int]
     return out
 
 
-def _rollout_once(sampler, params, workload: Workload, turns, seed: int):
-    """One replayed rollout: per turn k, every trajectory with a k-th model run generates
-    it with its forced length from its context (prompt + earlier turns + tool outputs).
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class RolloutCall:
+    """One ``Sampler.generate`` call of a replayed rollout (one turn).
 
-    Turn 0 prefills each group's shared prompt once (``num_samples`` = its rows).
-    Returns (seconds, generated tokens, lengths honoured, turns).
+    prompts: the distinct contexts; counts: samples per context; forced: every
+    sample's exact length (rows ordered context by context).
+    """
+
+    prompts: tuple[np.ndarray, ...]
+    counts: tuple[int, ...]
+    forced: tuple[int, ...]
+
+
+def rollout_calls(workload: Workload) -> list[RolloutCall]:
+    """The generate calls of a replayed rollout, one per turn.
+
+    Per turn k, every trajectory with a k-th model run generates it with its
+    forced length from its context (prompt + earlier turns + tool outputs);
+    turn 0 prefills each group's shared prompt once (count = its rows).
     """
     b, info = workload.batch, workload.info
-    total_s, gen, ok = 0.0, 0, True
+    turns = model_turns(workload)
     n_turns = max((len(r) for _, r in turns.values()), default=0)
+    out = []
     for k in range(n_turns):
         rows = [(t, i, r[k]) for t, (i, r) in sorted(turns.items()) if len(r) > k]
         if k == 0:
@@ -420,47 +447,93 @@ def _rollout_once(sampler, params, workload: Workload, turns, seed: int):
             prompts = [b.tokens[i][: run[0]] for _, i, run in rows]
             counts = [1] * len(rows)
             forced = [run[1] for _, _, run in rows]
+        out.append(
+            RolloutCall(
+                prompts=tuple(prompts),
+                counts=tuple(int(c) for c in counts),
+                forced=tuple(int(f) for f in forced),
+            )
+        )
+    return out
+
+
+def run_rollout_calls(sampler, params, calls: Sequence[RolloutCall], seed: int):
+    """Runs the calls in order on one sampler.
+
+    Returns (seconds, generated tokens, lengths honoured); seconds sums the
+    sampler's own per-call timing (prefill + decode, device synchronised).
+    """
+    total_s, gen, ok = 0.0, 0, True
+    for k, call in enumerate(calls):
         res = sampler.generate(
-            params, prompts, num_samples=counts, seed=seed + k, forced_lengths=forced
+            params,
+            list(call.prompts),
+            num_samples=list(call.counts),
+            seed=seed + k,
+            forced_lengths=list(call.forced),
         )
         total_s += float(res.stats["seconds"])
         gen += int(res.lengths.sum())
-        ok = ok and bool(np.array_equal(np.sort(res.lengths), np.sort(np.asarray(forced))))
-    return total_s, gen, ok, n_turns
+        ok = ok and bool(np.array_equal(np.sort(res.lengths), np.sort(np.asarray(call.forced))))
+    return total_s, gen, ok
+
+
+def rollout_sampler(model, calls: Sequence[RolloutCall]):
+    """A fresh forced-length sampler sized for ``calls`` (None without ``dtarl.rollout``)."""
+    found = find_forced_length_sampler()
+    if found is None:
+        return None
+    from dtarl.tree.plan import bucket
+
+    sampler_cls, params_cls = found
+    longest = max((f for c in calls for f in c.forced), default=1)
+    return sampler_cls(model, params_cls(temperature=1.0, max_new_tokens=bucket(longest)))
 
 
 def rollout_phase(
-    workload: Workload, model, params, *, repeats: int = 1, seed: int = 0
+    workload: Workload,
+    model,
+    params,
+    *,
+    repeats: int = 1,
+    seed: int = 0,
+    gate: QuietGate | None = None,
 ) -> RolloutPhase:
     """The rollout stage with forced per-sequence lengths (EOS ignored), if a sampler exists.
 
-    Protocol: one untimed rollout (compiles every bucket), then ``repeats`` timed
-    ones; seconds = median; compile_s = first - median. Without a forced-length
-    sampler in ``dtarl.rollout`` the stage is reported unavailable, never faked.
+    Calls: ``rollout_calls`` (one per turn) on one sampler. Protocol: one
+    untimed rollout (compiles every bucket; buckets only grow, so every timed
+    call runs the largest bucket of any turn), then ``repeats`` timed ones behind
+    ``gate`` (``interleaved_rounds``); seconds = median, min_seconds = minimum;
+    compile_s = first - minimum.
+    Without a forced-length sampler in ``dtarl.rollout`` the stage is reported
+    unavailable, never faked.
     """
-    found = find_forced_length_sampler()
-    if found is None:
+    calls = rollout_calls(workload)
+    sampler = rollout_sampler(model, calls)
+    if sampler is None:
         return RolloutPhase(status=ROLLOUT_UNAVAILABLE)
-    sampler_cls, params_cls = found
-    turns = model_turns(workload)
-    longest = max((n for _, r in turns.values() for _, n in r), default=1)
-    from dtarl.tree.plan import bucket
-
-    sampler = sampler_cls(model, params_cls(temperature=1.0, max_new_tokens=bucket(longest)))
-    first, gen, ok, n_turns = _rollout_once(sampler, params, workload, turns, seed)
-    runs = [_rollout_once(sampler, params, workload, turns, seed)[0] for _ in range(repeats)]
+    first, gen, ok = run_rollout_calls(sampler, params, calls, seed)
+    (timed,) = interleaved_rounds(
+        [lambda: run_rollout_calls(sampler, params, calls, seed)[0]],
+        repeats=repeats,
+        gate=QuietGate() if gate is None else gate,
+    )
+    runs = list(timed.seconds)
     med = statistics.median(runs)
     return RolloutPhase(
         status="ok" if ok else "ok (WARNING: sampler lengths differ from the forced lengths)",
         seconds=med,
-        compile_s=max(first - med, 0.0),
+        min_seconds=min(runs),
+        compile_s=max(first - min(runs), 0.0),
         generated_tokens=gen,
         tokens_per_s=gen / med if med > 0 else None,
         detail=dict(
-            sampler=f"{sampler_cls.__module__}.{sampler_cls.__name__}",
-            turns=n_turns,
+            sampler=f"{type(sampler).__module__}.{type(sampler).__name__}",
+            turns=len(calls),
             lengths_match=ok,
             runs_s=runs,
+            background_cores=list(timed.background),
             note="multi-turn contexts are re-prefilled per turn (no cross-turn KV reuse)",
         ),
     )
@@ -471,20 +544,35 @@ def rollout_phase(
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineTiming:
-    """Training-stage timing of one engine on one batch (seconds; medians over repeats)."""
+    """Training-stage timing of one engine on one batch (seconds).
+
+    step_s / device_s / host_s: medians over the timed calls (host prepare +
+    device, device only, host prepare only); step_min_s: the fastest timed call
+    (the load-robust number); runs_s / device_runs_s / host_runs_s: every timed call;
+    background_cores: other processes' CPU use during each call (``QuietGate``).
+    """
 
     kind: str
     first_call_s: float
     compile_s: float
     step_s: float
+    step_min_s: float
     device_s: float
     host_s: float
     runs_s: tuple[float, ...]
+    device_runs_s: tuple[float, ...]
+    host_runs_s: tuple[float, ...]
+    background_cores: tuple[float | None, ...]
     num_tokens: int
     tree_tokens: int | None
     computed_tokens: int | None
     trace_count: int
     stats: dict[str, Any]
+
+    @property
+    def min_background_cores(self) -> float | None:
+        """Background during the fastest call."""
+        return self.background_cores[int(np.argmin(self.runs_s))]
 
     @property
     def tokens_per_s(self) -> float:
@@ -508,6 +596,207 @@ def _jsonable(x):
     return repr(x)
 
 
+def _proc_busy_s() -> float | None:
+    """CPU seconds spent busy by all processes (all CPUs) since boot, from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(v) - v[3] - (v[4] if len(v) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
+
+
+def _self_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+@dataclasses.dataclass
+class QuietGate:
+    """Background CPU use of *other* processes, and a wait for it to drop.
+
+    background = (CPU seconds all processes were busy - this process's CPU
+    seconds) / wall seconds, in cores (Linux ``/proc/stat``; None elsewhere).
+    On a small shared machine another process on the neighbouring core slows a
+    CPU-bound call by up to 2x, so timings are taken when background <
+    ``cores``: ``wait`` polls windows of ``window_s`` until then, spending at most
+    ``budget_s`` over the gate's life (then it stops waiting). ``cores=None``: off.
+    """
+
+    cores: float | None = 0.3
+    budget_s: float = 60.0
+    window_s: float = 0.1
+    waited_s: float = 0.0
+
+    def snapshot(self) -> tuple[float | None, float, float]:
+        return _proc_busy_s(), _self_cpu_s(), time.perf_counter()
+
+    @staticmethod
+    def between(a, b) -> float | None:
+        """Background cores between two snapshots (None off Linux)."""
+        if a[0] is None or b[0] is None or b[2] <= a[2]:
+            return None
+        return max(((b[0] - a[0]) - (b[1] - a[1])) / (b[2] - a[2]), 0.0)
+
+    def wait(self) -> float | None:
+        """Blocks until background < cores (or the budget is spent); the last reading."""
+        if self.cores is None or _proc_busy_s() is None:
+            return None
+        while True:
+            a = self.snapshot()
+            time.sleep(self.window_s)
+            bg = self.between(a, self.snapshot())
+            if bg is None or bg < self.cores or self.waited_s >= self.budget_s:
+                return bg
+            self.waited_s += self.window_s
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TimedRuns:
+    """Seconds of every timed call of one job and the background cores during each."""
+
+    seconds: tuple[float, ...]
+    background: tuple[float | None, ...]
+
+    @property
+    def best(self) -> int:
+        return int(np.argmin(self.seconds))
+
+
+def interleaved_rounds(
+    calls: Sequence, *, repeats: int, gate: QuietGate | None = None
+) -> list[TimedRuns]:
+    """Times zero-argument callables (each returns its own measured seconds) in rounds.
+
+    ``repeats`` rounds call every callable once, in order, each call after
+    ``gate.wait()``; then, while the gate's budget lasts, up to ``repeats`` more
+    rounds re-run the callables whose fastest call so far ran with background >=
+    ``gate.cores`` (contended), so that each minimum comes from a quiet call when
+    the machine offers one.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: must be >= 1")
+    secs: list[list[float]] = [[] for _ in calls]
+    bgs: list[list[float | None]] = [[] for _ in calls]
+
+    def one(j: int) -> None:
+        if gate is not None:
+            gate.wait()
+        a = gate.snapshot() if gate is not None else None
+        secs[j].append(float(calls[j]()))
+        bgs[j].append(gate.between(a, gate.snapshot()) if gate is not None else None)
+
+    for _ in range(repeats):
+        for j in range(len(calls)):
+            one(j)
+    if gate is not None and gate.cores is not None:
+        for _ in range(repeats):
+            loud = []
+            for j in range(len(calls)):
+                b = bgs[j][int(np.argmin(secs[j]))]
+                if b is not None and b >= gate.cores:
+                    loud.append(j)
+            if not loud or gate.waited_s >= gate.budget_s:
+                break
+            for j in loud:
+                one(j)
+    return [
+        TimedRuns(seconds=tuple(s), background=tuple(b)) for s, b in zip(secs, bgs, strict=True)
+    ]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TimingJob:
+    """One (engine kind, batch) pair to time; ``engine_kwargs`` go to ``make_engine``."""
+
+    kind: str
+    batch: Any  # RolloutBatch
+    engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    label: str = ""
+
+
+def time_engines(
+    jobs: Sequence[TimingJob],
+    model,
+    params,
+    loss,
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    gate: QuietGate | None = None,
+    log=None,
+) -> list[EngineTiming]:
+    """Interleaved timing of several jobs (module docstring: timing protocol).
+
+    Each job gets a fresh ``make_engine`` engine, its first call (compile) and
+    ``warmup - 1`` more untimed calls; then ``interleaved_rounds`` (``repeats``
+    rounds, every job once per round, each call behind ``gate``; default
+    ``QuietGate()``). ``log`` gets a line per compiled job.
+    """
+    from dtarl.engines import make_engine
+
+    if repeats < 1 or warmup < 1:
+        raise ValueError(f"repeats={repeats}, warmup={warmup}: both must be >= 1")
+    if not jobs:
+        raise ValueError("jobs: empty; pass at least one TimingJob")
+    gate = QuietGate() if gate is None else gate
+    engines, firsts = [], []
+    for job in jobs:
+        engine = make_engine(job.kind, model, **job.engine_kwargs)
+        t0 = time.perf_counter()
+        engine.value_and_grad(params, job.batch, loss)
+        firsts.append(time.perf_counter() - t0)
+        for _ in range(warmup - 1):
+            engine.value_and_grad(params, job.batch, loss)
+        engines.append(engine)
+        if log is not None:
+            log(f"compiled {job.label or job.kind} {job.kind}: first call {firsts[-1]:.2f}s")
+    dev: list[list[float]] = [[] for _ in jobs]
+    host: list[list[float]] = [[] for _ in jobs]
+    last: list[Any] = [None] * len(jobs)
+
+    def caller(j: int):
+        def call() -> float:
+            _, _, aux = engines[j].value_and_grad(params, jobs[j].batch, loss)
+            dev[j].append(float(aux.stats["seconds"]))
+            host[j].append(float(aux.stats.get("host_seconds", 0.0)))
+            last[j] = aux
+            return dev[j][-1] + host[j][-1]
+
+        return call
+
+    timed = interleaved_rounds([caller(j) for j in range(len(jobs))], repeats=repeats, gate=gate)
+    if log is not None and gate.waited_s > 0:
+        log(f"waited {gate.waited_s:.1f}s for other processes to go quiet")
+    out = []
+    for j, job in enumerate(jobs):
+        runs = list(timed[j].seconds)
+        s = last[j].stats
+        out.append(
+            EngineTiming(
+                kind=str(job.kind),
+                first_call_s=firsts[j],
+                compile_s=max(firsts[j] - min(runs), 0.0),
+                step_s=statistics.median(runs),
+                step_min_s=min(runs),
+                device_s=statistics.median(dev[j]),
+                host_s=statistics.median(host[j]),
+                runs_s=tuple(runs),
+                device_runs_s=tuple(dev[j]),
+                host_runs_s=tuple(host[j]),
+                background_cores=timed[j].background,
+                num_tokens=int(s.get("num_tokens", job.batch.num_tokens)),
+                tree_tokens=None if s.get("tree_tokens") is None else int(s["tree_tokens"]),
+                computed_tokens=(
+                    None if s.get("computed_tokens") is None else int(s["computed_tokens"])
+                ),
+                trace_count=int(s.get("trace_count", -1)),
+                stats=_jsonable(dict(s)),
+            )
+        )
+    return out
+
+
 def time_engine(
     kind: str,
     model,
@@ -519,40 +808,9 @@ def time_engine(
     warmup: int = 1,
     engine_kwargs: dict[str, Any] | None = None,
 ) -> EngineTiming:
-    """Warm-up (compile) then ``repeats`` timed ``value_and_grad`` calls of a fresh engine."""
-    from dtarl.engines import make_engine
-
-    if repeats < 1 or warmup < 1:
-        raise ValueError(f"repeats={repeats}, warmup={warmup}: both must be >= 1")
-    engine = make_engine(kind, model, **(engine_kwargs or {}))
-    t0 = time.perf_counter()
-    _, grads, aux = engine.value_and_grad(params, batch, loss)
-    first = time.perf_counter() - t0
-    for _ in range(warmup - 1):
-        engine.value_and_grad(params, batch, loss)
-    runs, dev, host = [], [], []
-    for _ in range(repeats):
-        _, grads, aux = engine.value_and_grad(params, batch, loss)
-        s = aux.stats
-        dev.append(float(s["seconds"]))
-        host.append(float(s.get("host_seconds", 0.0)))
-        runs.append(dev[-1] + host[-1])
-    step = statistics.median(runs)
-    s = aux.stats
-    return EngineTiming(
-        kind=str(kind),
-        first_call_s=first,
-        compile_s=max(first - step, 0.0),
-        step_s=step,
-        device_s=statistics.median(dev),
-        host_s=statistics.median(host),
-        runs_s=tuple(runs),
-        num_tokens=int(s.get("num_tokens", batch.num_tokens)),
-        tree_tokens=None if s.get("tree_tokens") is None else int(s["tree_tokens"]),
-        computed_tokens=None if s.get("computed_tokens") is None else int(s["computed_tokens"]),
-        trace_count=int(s.get("trace_count", -1)),
-        stats=_jsonable(dict(s)),
-    )
+    """``time_engines`` of a single (kind, batch) job."""
+    job = TimingJob(kind=str(kind), batch=batch, engine_kwargs=dict(engine_kwargs or {}))
+    return time_engines([job], model, params, loss, repeats=repeats, warmup=warmup)[0]
 
 
 # ----------------------------------------------------------------------------- replay
@@ -582,7 +840,9 @@ class ReplayConfig:
     tool_latency_source: a multi-turn trace for latencies (None: the default).
     model: the policy (the tiny test model by default); model_seed: its init.
     rollout / rollout_repeats: run the rollout stage (when a sampler exists) and
-    how many timed rollouts (median) follow its untimed warm-up.
+    how many timed rollouts (min, median) follow its untimed warm-up.
+    quiet_cores / quiet_budget_s: time calls when other processes use less than
+    this many cores, waiting at most this long in all (``QuietGate``; None: off).
     """
 
     engines: tuple[str, ...] = ("dense", "dfs")
@@ -595,6 +855,8 @@ class ReplayConfig:
     model_seed: int = 0
     rollout: bool = True
     rollout_repeats: int = 3
+    quiet_cores: float | None = 0.3
+    quiet_budget_s: float = 120.0
 
     def __post_init__(self):
         if self.rollout_repeats < 1:
@@ -607,6 +869,10 @@ class ReplayConfig:
             raise ValueError(f"ReplayConfig.warmup={self.warmup}: must be >= 1 (it compiles)")
         if not self.tool_time_scale >= 0:
             raise ValueError(f"ReplayConfig.tool_time_scale={self.tool_time_scale}: must be >= 0")
+        if self.quiet_cores is not None and not self.quiet_cores > 0:
+            raise ValueError(f"ReplayConfig.quiet_cores={self.quiet_cores}: must be > 0 or None")
+        if not self.quiet_budget_s >= 0:
+            raise ValueError(f"ReplayConfig.quiet_budget_s={self.quiet_budget_s}: must be >= 0")
         object.__setattr__(self, "tool_clock", ToolClock(self.tool_clock))
         object.__setattr__(self, "engines", tuple(str(e) for e in self.engines))
 
@@ -659,6 +925,10 @@ class WorkloadReplay:
         )
 
 
+def _load_avg() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
 def machine_info() -> dict[str, Any]:
     import jax
 
@@ -670,7 +940,7 @@ def machine_info() -> dict[str, Any]:
         cpu_count=os.cpu_count(),
         host=platform.node(),
         python=platform.python_version(),
-        load_avg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        load_avg_1m=_load_avg(),
     )
 
 
@@ -690,8 +960,10 @@ class ReplayResult:
             config=_jsonable(cfg),
             machine=self.machine,
             timing=(
-                "train step_s = median over repeats of host prepare + device seconds after "
-                "warm-up; compile_s = first call - step_s; rollout/tool per stages"
+                "train: host prepare + device seconds per call after warm-up, timed in "
+                "interleaved rounds over every (workload, engine); step_min_s = minimum, "
+                "step_s = median; compile_s = first call - step_min_s; rollout: seconds = "
+                "median, min_seconds = minimum of the timed rollouts; tool per its clock"
             ),
             workloads=[w.to_dict() for w in self.workloads],
         )
@@ -706,7 +978,8 @@ class ReplayResult:
         """A plain-text summary: one row per (workload, engine)."""
         head = (
             f"{'workload':<14}{'engine':<14}{'seqs':>5}{'dense':>7}{'tree':>7}"
-            f"{'compile_s':>10}{'step_s':>9}{'tok/s':>9}{'speedup':>9}{'tool_s':>8}"
+            f"{'compile_s':>10}{'min_s':>8}{'median_s':>9}{'tok/s':>9}{'speedup':>9}"
+            f"{'tool_s':>8}"
         )
         lines = [head]
         for w in self.workloads:
@@ -714,7 +987,7 @@ class ReplayResult:
                 sp = w.speedup(k)
                 lines.append(
                     f"{w.spec.name:<14}{k:<14}{w.num_sequences:>5}{w.dense_tokens:>7}"
-                    f"{w.tree_tokens:>7}{t.compile_s:>10.2f}{t.step_s:>9.3f}"
+                    f"{w.tree_tokens:>7}{t.compile_s:>10.2f}{t.step_min_s:>8.3f}{t.step_s:>9.3f}"
                     f"{t.tokens_per_s:>9.0f}{'-' if sp is None else f'{sp:.2f}x':>9}"
                     f"{w.tool.seconds:>8.2f}"
                 )
@@ -754,6 +1027,59 @@ class ReplayResult:
         return p
 
 
+def _setup(config: ReplayConfig, model, params, loss):
+    from dtarl.engines.base import split_model
+    from dtarl.model import init_model
+    from dtarl.rl.losses import ClippedSurrogateLoss
+
+    if model is None:
+        model = init_model(config.model, config.model_seed)
+    if params is None:
+        _, params = split_model(model)
+    loss = ClippedSurrogateLoss.grpo() if loss is None else loss
+    return model, params, loss
+
+
+def _gate(config: ReplayConfig) -> QuietGate:
+    return QuietGate(cores=config.quiet_cores, budget_s=config.quiet_budget_s)
+
+
+def _stages(
+    workload: Workload, config: ReplayConfig, spec: WorkloadSpec, model, params, sampler, gate
+):
+    """The rollout and tool stages of one workload (timed on their own)."""
+    if sampler is None:
+        sampler = default_tool_sampler(config.tool_latency_source or spec.source)
+    rollout = (
+        rollout_phase(
+            workload, model, params, repeats=config.rollout_repeats, seed=spec.seed, gate=gate
+        )
+        if config.rollout
+        else RolloutPhase(status="skipped (ReplayConfig.rollout=False)")
+    )
+    tool = tool_phase(
+        workload,
+        sampler,
+        clock=config.tool_clock,
+        time_scale=config.tool_time_scale,
+        seed=spec.seed,
+    )
+    return rollout, tool
+
+
+def _assemble(workload: Workload, spec: WorkloadSpec, rollout, tool, timings) -> WorkloadReplay:
+    return WorkloadReplay(
+        spec=spec,
+        num_sequences=workload.batch.num_sequences,
+        dense_tokens=workload.info.dense_tokens,
+        tree_tokens=workload.info.tree_tokens,
+        max_len=int(workload.batch.lengths.max()),
+        rollout=rollout,
+        tool=tool,
+        engines=timings,
+    )
+
+
 def replay_workload(
     workload: Workload,
     config: ReplayConfig,
@@ -765,54 +1091,23 @@ def replay_workload(
     sampler: ToolLatencySampler | None = None,
     engine_kwargs: dict[str, dict[str, Any]] | None = None,
 ) -> WorkloadReplay:
-    """Replays one generated workload: rollout (if available), tool, then every engine."""
-    from dtarl.engines.base import split_model
-    from dtarl.model import init_model
-    from dtarl.rl.losses import ClippedSurrogateLoss
-
-    if model is None:
-        model = init_model(config.model, config.model_seed)
-    if params is None:
-        _, params = split_model(model)
-    loss = ClippedSurrogateLoss.grpo() if loss is None else loss
+    """Replays one generated workload: rollout (if available), tool, then every engine
+    (timed interleaved, ``time_engines``)."""
+    model, params, loss = _setup(config, model, params, loss)
     info = workload.info
     spec = spec or WorkloadSpec(name=info.source, source=info.source, batch_size=1)
-    if sampler is None:
-        sampler = default_tool_sampler(config.tool_latency_source or spec.source)
-    rollout = (
-        rollout_phase(workload, model, params, repeats=config.rollout_repeats, seed=spec.seed)
-        if config.rollout
-        else RolloutPhase(status="skipped (ReplayConfig.rollout=False)")
-    )
-    tool = tool_phase(
-        workload,
-        sampler,
-        clock=config.tool_clock,
-        time_scale=config.tool_time_scale,
-        seed=spec.seed,
-    )
-    timings = {}
-    for kind in config.engines:
-        timings[kind] = time_engine(
-            kind,
-            model,
-            params,
-            workload.batch,
-            loss,
-            repeats=config.repeats,
-            warmup=config.warmup,
-            engine_kwargs=(engine_kwargs or {}).get(kind),
+    gate = _gate(config)
+    rollout, tool = _stages(workload, config, spec, model, params, sampler, gate)
+    jobs = [
+        TimingJob(
+            kind=k, batch=workload.batch, engine_kwargs=dict((engine_kwargs or {}).get(k) or {})
         )
-    return WorkloadReplay(
-        spec=spec,
-        num_sequences=workload.batch.num_sequences,
-        dense_tokens=info.dense_tokens,
-        tree_tokens=info.tree_tokens,
-        max_len=int(workload.batch.lengths.max()),
-        rollout=rollout,
-        tool=tool,
-        engines=timings,
+        for k in config.engines
+    ]
+    ts = time_engines(
+        jobs, model, params, loss, repeats=config.repeats, warmup=config.warmup, gate=gate
     )
+    return _assemble(workload, spec, rollout, tool, dict(zip(config.engines, ts, strict=True)))
 
 
 def replay(
@@ -821,33 +1116,60 @@ def replay(
     *,
     log=None,
 ) -> ReplayResult:
-    """Replays every workload spec with one model; ``log`` gets a line per workload."""
-    from dtarl.engines.base import split_model
-    from dtarl.model import init_model
+    """Replays every workload spec with one model; ``log`` gets a line per workload.
 
+    The rollout and tool stages run workload by workload; then every (workload,
+    engine) pair is compiled and all of them are timed in interleaved rounds
+    (``time_engines``), so load from other processes spreads over all pairs.
+    """
     config = ReplayConfig() if config is None else config
     if not specs:
         raise ValueError("specs: empty; pass at least one WorkloadSpec (see default_suite)")
-    model = init_model(config.model, config.model_seed)
-    _, params = split_model(model)
-    out = []
+    load_start = _load_avg()
+    model, params, loss = _setup(config, None, None, None)
+    gate = _gate(config)
+    built, jobs = [], []
     for spec in specs:
         w = spec.build(vocab_size=config.model.vocab_size)
-        r = replay_workload(w, config, spec=spec, model=model, params=params)
+        rollout, tool = _stages(w, config, spec, model, params, None, gate)
+        built.append((spec, w, rollout, tool))
+        jobs += [TimingJob(kind=k, batch=w.batch, label=spec.name) for k in config.engines]
+        if log is not None and rollout.seconds is not None:
+            log(f"{spec.name}: rollout {rollout.min_seconds:.3f}s (min), tool {tool.seconds:.2f}s")
+    ts = time_engines(
+        jobs, model, params, loss, repeats=config.repeats, warmup=config.warmup, gate=gate, log=log
+    )
+    out = []
+    k = len(config.engines)
+    for i, (spec, w, rollout, tool) in enumerate(built):
+        timings = dict(zip(config.engines, ts[i * k : (i + 1) * k], strict=True))
+        r = _assemble(w, spec, rollout, tool, timings)
         out.append(r)
         if log is not None:
             parts = ", ".join(
-                f"{k} {t.step_s:.3f}s (compile {t.compile_s:.1f}s)" for k, t in r.engines.items()
+                f"{kind} {t.step_min_s:.3f}s min / {t.step_s:.3f}s median "
+                f"(compile {t.compile_s:.1f}s)"
+                for kind, t in r.engines.items()
             )
             log(f"{spec.name}: {r.num_sequences} seqs, {r.dense_tokens} tokens: {parts}")
-    return ReplayResult(config=config, machine=machine_info(), workloads=tuple(out))
+    machine = dict(machine_info(), load_avg_1m_start=load_start, quiet_wait_s=gate.waited_s)
+    return ReplayResult(config=config, machine=machine, workloads=tuple(out))
 
 
 def load_replay_json(path: str | os.PathLike) -> dict[str, Any]:
     """A saved replay (``ReplayResult.save``) as a dict; checks its ``kind``."""
-    d = json.loads(Path(path).read_text())
-    if d.get("kind") != "dtarl.trace.replay":
-        raise ValueError(f"{path}: not a dtarl replay JSON (kind={d.get('kind')!r})")
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(
+            f"{p}: no replay JSON; create one with `dtarl trace replay --out DIR`"
+        )
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}:{e.lineno}: malformed JSON ({e.msg})") from None
+    if not isinstance(d, dict) or d.get("kind") != "dtarl.trace.replay":
+        kind = d.get("kind") if isinstance(d, dict) else type(d).__name__
+        raise ValueError(f"{path}: not a dtarl replay JSON (kind={kind!r})")
     return d
 
 
@@ -855,8 +1177,12 @@ __all__ = [
     "DEFAULT_SUITE",
     "ROLLOUT_UNAVAILABLE",
     "EngineTiming",
+    "QuietGate",
+    "TimedRuns",
+    "TimingJob",
     "ReplayConfig",
     "ReplayResult",
+    "RolloutCall",
     "RolloutPhase",
     "ToolClock",
     "ToolPhase",
@@ -866,6 +1192,7 @@ __all__ = [
     "default_suite",
     "default_tool_sampler",
     "find_forced_length_sampler",
+    "interleaved_rounds",
     "load_replay_json",
     "machine_info",
     "model_turns",
@@ -874,8 +1201,12 @@ __all__ = [
     "model_config_to_dict",
     "replay",
     "replay_workload",
+    "rollout_calls",
     "rollout_phase",
+    "rollout_sampler",
+    "run_rollout_calls",
     "time_engine",
+    "time_engines",
     "tool_calls_per_trajectory",
     "tool_phase",
 ]

@@ -13,17 +13,22 @@ from dtarl.traces import ToolLatencySampler, generate_workload
 from dtarl.traces.cli import register
 from dtarl.traces.replay import (
     ROLLOUT_UNAVAILABLE,
+    QuietGate,
     ReplayConfig,
+    TimingJob,
     ToolClock,
     WorkloadSpec,
     auto_length_scale,
     find_forced_length_sampler,
+    interleaved_rounds,
     load_replay_json,
     model_config_from_dict,
     model_config_to_dict,
     model_turns,
     replay,
+    rollout_calls,
     rollout_phase,
+    time_engines,
     tool_calls_per_trajectory,
     tool_phase,
 )
@@ -119,14 +124,18 @@ def test_rollout_phase_forced_lengths(single_run):
     w = generate_workload(single_run, batch_size=2, step=1, seed=0)
     model = init_model(SMALL_MODEL, 0)
     _, params = split_model(model)
-    ph = rollout_phase(w, model, params, repeats=1)
+    ph = rollout_phase(w, model, params, repeats=1, gate=QuietGate(cores=None))
     if find_forced_length_sampler() is None:
         assert ph.status == ROLLOUT_UNAVAILABLE and ph.seconds is None
         return
     # Every response generated with exactly its trace length (EOS ignored).
     assert ph.status == "ok" and ph.detail["lengths_match"] and ph.detail["turns"] == 1
     assert ph.generated_tokens == int(w.info.response_lens.sum())
-    assert ph.seconds > 0 and ph.compile_s >= 0
+    assert ph.seconds > 0 and ph.compile_s >= 0 and 0 < ph.min_seconds <= ph.seconds
+    # The calls are the turns of the workload (one per turn, forced lengths per row).
+    calls = rollout_calls(w)
+    assert len(calls) == ph.detail["turns"]
+    assert sum(sum(c.forced) for c in calls) == ph.generated_tokens
 
 
 @pytest.mark.parametrize("mode", ["trajectory", "per_turn"])
@@ -146,6 +155,7 @@ def test_replay_end_to_end_tiny(multi_run, tmp_path):
         model=SMALL_MODEL,
         tool_latency_source=str(multi_run),
         rollout=False,  # the rollout stage has its own test below
+        quiet_cores=None,  # no waiting for other processes in tests
     )
     res = replay([spec], cfg)
     (w,) = res.workloads
@@ -156,6 +166,10 @@ def test_replay_end_to_end_tiny(multi_run, tmp_path):
     for kind in ("dense", "dfs"):
         t = w.engines[kind]
         assert t.step_s > 0 and t.compile_s >= 0 and len(t.runs_s) == 2
+        assert t.step_min_s == min(t.runs_s) <= t.step_s
+        assert t.runs_s == pytest.approx(
+            [d + h for d, h in zip(t.device_runs_s, t.host_runs_s, strict=True)]
+        )
         assert t.trace_count == 1  # warm-up compiled once; timed repeats never retrace
         assert t.num_tokens == w.dense_tokens
         roll = w.rollout.seconds or 0.0
@@ -178,6 +192,35 @@ def test_load_replay_json_rejects_other_json(tmp_path):
     p.write_text(json.dumps({"kind": "something"}))
     with pytest.raises(ValueError, match="not a dtarl replay"):
         load_replay_json(p)
+    p.write_text("[1, 2")
+    with pytest.raises(ValueError, match="x.json:1"):
+        load_replay_json(p)
+    with pytest.raises(FileNotFoundError, match="dtarl trace replay"):
+        load_replay_json(tmp_path / "missing.json")
+
+
+def test_time_engines_interleaves_rounds():
+    from dtarl.engines.base import split_model
+    from dtarl.model import init_model
+    from dtarl.rl.losses import ClippedSurrogateLoss
+    from dtarl.testing import grpo_groups
+
+    model = init_model(SMALL_MODEL, 0)
+    _, params = split_model(model)
+    b1 = grpo_groups(num_groups=1, group_size=2, prompt_len=3, response_len=4, seed=0)
+    b2 = grpo_groups(num_groups=2, group_size=2, prompt_len=5, response_len=(3, 9), seed=1)
+    jobs = [TimingJob(kind="dense", batch=b1, label="a"), TimingJob(kind="dense", batch=b2)]
+    lines = []
+    loss, off = ClippedSurrogateLoss.grpo(), QuietGate(cores=None)
+    ts = time_engines(jobs, model, params, loss, repeats=3, gate=off, log=lines.append)
+    assert len(ts) == 2 and len(lines) == 2 and lines[0].startswith("compiled a dense")
+    for t, b in zip(ts, (b1, b2), strict=True):
+        assert len(t.runs_s) == 3 and t.step_min_s <= t.step_s and t.trace_count == 1
+        assert t.num_tokens == b.num_tokens
+    with pytest.raises(ValueError, match="repeats"):
+        time_engines(jobs, model, params, ClippedSurrogateLoss.grpo(), repeats=0)
+    with pytest.raises(ValueError, match="empty"):
+        time_engines([], model, params, ClippedSurrogateLoss.grpo())
 
 
 def test_cli_registers_replay_and_simulate():
@@ -188,3 +231,53 @@ def test_cli_registers_replay_and_simulate():
     assert a.tool_clock == "simulated"
     a = parser.parse_args(["trace", "simulate", "--profile", "p.json", "--dp", "2", "--tp", "2"])
     assert a.profile == "p.json" and a.dp == 2 and a.tp == 2 and a.calibrate is False
+    assert a.engines is None and a.target == 0.10 and a.no_rollout is False
+
+
+class _ScriptedGate:
+    """A QuietGate double: background readings come from a script, no waiting."""
+
+    def __init__(self, readings, cores=0.5, budget_s=10.0):
+        self.readings, self.cores, self.budget_s, self.waited_s = (
+            list(readings),
+            cores,
+            budget_s,
+            0.0,
+        )
+
+    def wait(self):
+        self.waited_s += 0.1
+        return 0.0
+
+    def snapshot(self):
+        return None
+
+    def between(self, a, b):
+        return self.readings.pop(0)
+
+
+def test_interleaved_rounds_reruns_contended_minima():
+    t = iter([1.0, 2.0, 0.5, 2.5, 0.4, 0.7])  # job 0's fastest (0.5) is contended
+    calls = [lambda: next(t), lambda: next(t)]
+    # Round 1: job0 1.0 (quiet), job1 2.0 (loud); round 2: job0 0.5 (loud), job1 2.5 (quiet).
+    # Extra round: both minima are loud -> both re-run: 0.4 (quiet), 0.7 (quiet); then
+    # both minima are quiet and the rounds stop.
+    gate = _ScriptedGate([0.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    a, b = interleaved_rounds(calls, repeats=2, gate=gate)
+    assert a.seconds == (1.0, 0.5, 0.4) and a.background == (0.0, 1.0, 0.0)
+    assert b.seconds == (2.0, 2.5, 0.7) and b.best == 2
+    plain = interleaved_rounds([lambda: 1.0], repeats=3)
+    assert plain[0].seconds == (1.0, 1.0, 1.0) and plain[0].background == (None,) * 3
+    with pytest.raises(ValueError, match="repeats"):
+        interleaved_rounds([lambda: 1.0], repeats=0)
+
+
+def test_quiet_gate_wait_is_bounded():
+    gate = QuietGate(cores=1e-9, budget_s=0.2, window_s=0.05)
+    bg = gate.wait()  # nothing is ever that quiet: gives up after the budget
+    if bg is None:  # no /proc/stat here
+        return
+    assert gate.waited_s >= 0.2 and bg >= 0
+    gate.wait()  # the budget is spent: one window, no more waiting
+    assert gate.waited_s < 0.2 + 0.05 * 2
+    assert QuietGate(cores=None).wait() is None

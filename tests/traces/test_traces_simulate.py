@@ -1,4 +1,8 @@
-"""Simulator: features by hand, NNLS, structural properties, JSON round trip, end to end."""
+"""Simulator: features from the engines' own prepare, NNLS recovery, rollout features by
+hand, cluster properties, profile JSON, validation reports and CLI errors.
+
+Nothing here asserts a timing: the accuracy is a benchmark number, not a test.
+"""
 
 from __future__ import annotations
 
@@ -10,68 +14,190 @@ import pytest
 from dtarl.engines.batch import RolloutBatch
 from dtarl.model import ModelConfig
 from dtarl.testing import grpo_groups
-from dtarl.traces.replay import ReplayConfig, WorkloadSpec, load_replay_json, replay
+from dtarl.traces.replay import QuietGate, RolloutCall, WorkloadSpec, rollout_calls
 from dtarl.traces.simulate import (
+    AutoCost,
     ClusterSpec,
     CostProfile,
     EngineCost,
+    RolloutCost,
+    RolloutFeatures,
     StepFeatures,
     calibration_batches,
+    calibration_kinds,
+    calibration_rollouts,
     engine_features,
+    fit_relative,
+    multi_turn_batch,
     nnls,
+    predict_rollout,
     predict_step,
     profile_engines,
+    rollout_features,
     validate,
 )
 
 CFG = ModelConfig.tiny()
 SMALL_MODEL = ModelConfig.tiny(num_layers=1)
-KINDS = ("dense", "dfs", "prefix_reuse")  # prefix_reuse exercises the generic tree features
+KINDS = ("dense", "dfs", "prefix_reuse")
+F0 = CFG.flops_per_token(0)
+FA = CFG.flops_per_token(1) - F0
 
 
-def hand_profile(model: ModelConfig = CFG) -> CostProfile:
+def hand_profile(model: ModelConfig = CFG, *, rollout: bool = True) -> CostProfile:
     costs = {
         k: EngineCost(
             kind=k, lin_s_per_flop=1e-10, attn_s_per_flop=2e-10, step_s=1e-3, const_s=5e-3
         )
         for k in KINDS
     }
-    return CostProfile(engines=costs, model=model, machine={"note": "hand-made"})
+    roll = (
+        RolloutCost(
+            prefill_s_per_flop=1e-10,
+            decode_lin_s_per_flop=2e-10,
+            decode_attn_s_per_flop=3e-10,
+            decode_step_s=1e-4,
+            call_s=0.01,
+            fit_mape=1.0,
+            fit_max_ape=2.0,
+        )
+        if rollout
+        else None
+    )
+    return CostProfile(
+        engines=costs,
+        model=model,
+        auto=AutoCost(s_per_token=1e-7, const_s=1e-4, fit_mape=1.0),
+        rollout=roll,
+        machine={"note": "hand-made"},
+    )
 
 
-def test_dense_features_by_hand():
+def _real_engine(kind: str, **kw):
+    from dtarl.engines import make_engine
+    from dtarl.model import init_model
+
+    return make_engine(kind, init_model(CFG, 0), **kw)
+
+
+def _loss():
+    from dtarl.rl.losses import ClippedSurrogateLoss
+
+    return ClippedSurrogateLoss.grpo()
+
+
+# ----------------------------------------------------------------------------- features
+
+
+def test_dense_features_follow_the_engines_buckets():
     b = RolloutBatch.create(tokens=[np.arange(1, 6), np.arange(1, 10), np.arange(1, 4)])
     f = engine_features("dense", b, CFG, microbatch=8)
-    # T = bucket(9, min 8) = 16, rows = bucket(3) = 4 in one microbatch of 4.
-    f0 = CFG.flops_per_token(0)
-    fa = CFG.flops_per_token(1) - f0
-    assert f.tokens == 64 and f.steps == 1
-    assert f.lin_flops == pytest.approx(3 * 64 * f0)
-    assert f.attn_flops == pytest.approx(3 * 64 * 16 * fa)
+    n_mb, mb, t = _real_engine("dense", microbatch=8).prepare(b, _loss()).static
+    tok = n_mb * mb * t
+    assert mb * n_mb >= 3 and t >= 9
+    assert f.tokens == tok and f.steps == n_mb and f.program == "dense"
+    assert f.lin_flops == pytest.approx(3 * tok * F0)
+    assert f.attn_flops == pytest.approx(3 * tok * t * FA)
+    remat = engine_features("dense_remat", b, CFG, microbatch=8)
+    assert remat.lin_flops == pytest.approx(4 * tok * F0)
 
 
-def test_generic_tree_features_by_hand():
+def test_prefix_reuse_features_by_hand():
+    # One group: prefix [1, 2] (1 input), two leaves [3], [4]: rows of 1 token each.
     b = RolloutBatch.create(tokens=[np.array([1, 2, 3]), np.array([1, 2, 4])])
     f = engine_features("prefix_reuse", b, CFG)
-    f0 = CFG.flops_per_token(0)
-    fa = CFG.flops_per_token(1) - f0
-    # Tree: [1, 2] at depths 0, 1; leaves [3], [4] at depth 2: 4 tokens, depth sum 5, 3 nodes.
-    assert f.tokens == 4 and f.steps == 3
-    assert f.lin_flops == pytest.approx(3 * 4 * f0)
-    assert f.attn_flops == pytest.approx(3 * 5 * fa)
+    g, p, n_mb, mb, c = _real_engine("prefix_reuse").prepare(b, _loss()).static[:5]
+    assert (g, p, n_mb, mb, c) == (1, 1, 1, 2, 1)
+    assert f.tokens == 3 and f.steps == 2
+    assert f.lin_flops == pytest.approx(F0 * (3 * 1 + 3 * 2))
+    assert f.attn_flops == pytest.approx(FA * (3 * 1 * 1 + 3 * 2 * (1 + 1)))
 
 
 def test_dfs_features_follow_the_plan():
-    from dtarl.tree.plan import Op, compile_plan
-    from dtarl.tree.trie import build_tree
+    from dtarl.tree.plan import Op
 
     b = grpo_groups(num_groups=2, group_size=3, prompt_len=70, response_len=(5, 90), seed=1)
-    plan = compile_plan(build_tree(b.tokens), chunk_len=16)  # packs leaves, like the engine
     f = engine_features("dfs", b, CFG, chunk_len=16)
-    n_push, n_pop = int((plan.op == Op.PUSH).sum()), int((plan.op == Op.POP).sum())
-    f0 = CFG.flops_per_token(0)
-    assert f.steps == plan.op.shape[0]
-    assert f.lin_flops == pytest.approx(16 * (n_push + 3 * n_pop) * f0)
+    prep = _real_engine("dfs", chunk_len=16).prepare(b, _loss())
+    steps, sizes = prep.args[0], prep.static[2]
+    op = np.asarray(steps.op)
+    n_push, n_pop = int((op == Op.PUSH).sum()), int((op == Op.POP).sum())
+    ctx = np.asarray(sizes)[np.asarray(steps.pbucket)] + 16
+    w = np.where(op == Op.PUSH, 1, np.where(op == Op.POP, 3, 0))
+    assert f.steps == op.shape[0] and f.tokens == 16 * (n_push + n_pop)
+    assert f.lin_flops == pytest.approx(16 * (n_push + 3 * n_pop) * F0)
+    assert f.attn_flops == pytest.approx(16 * FA * float((w * ctx).sum()))
+
+
+def test_auto_features_are_its_picks():
+    from dtarl.engines import AutoEngine
+
+    b = grpo_groups(num_groups=2, group_size=4, prompt_len=30, response_len=(5, 40), seed=0)
+    f = engine_features("auto", b, CFG)
+    pick, _, _ = _real_engine("auto").choose(b)
+    assert f.program == pick
+    auto_kw = {"dfs": dict(chunk_len=AutoEngine.chunk_len)}.get(pick, {})
+    assert f == engine_features(pick, b, CFG, **auto_kw)
+
+
+def test_unknown_engine_is_rejected():
+    b = grpo_groups(num_groups=1, group_size=2, prompt_len=3, response_len=3)
+    with pytest.raises(ValueError, match="accepted"):
+        engine_features("sparse", b, CFG)
+    with pytest.raises(ValueError, match="accepted"):
+        calibration_kinds(["dense", "nope"])
+
+
+def test_calibration_kinds_auto_adds_its_candidates():
+    kinds, auto = calibration_kinds(["dense", "auto"])
+    assert auto and set(kinds) == {"dense", "prefix_reuse", "dfs"} and kinds[0] == "dense"
+    assert calibration_kinds(["dfs"]) == (["dfs"], False)
+
+
+def test_multi_turn_batch_is_a_chain_per_sample():
+    from dtarl.tree.trie import build_tree
+
+    b = multi_turn_batch(
+        num_groups=2, group_size=3, turns=3, prompt_len=5, turn_len=(2, 4), tool_len=(1, 3)
+    )
+    assert b.num_sequences == 2 * 3 * 3
+    tree = build_tree(b.tokens)
+    # Each turn's sequence is a prefix of the next: 2 prompts + 3 x 3 samples x 3 turns
+    # (the first turn node of a sample hangs off its prompt).
+    assert len(tree.children[0]) == 2
+    assert tree.stats.tree_tokens < b.num_tokens
+
+
+# ----------------------------------------------------------------------------- rollout features
+
+
+def test_rollout_features_by_hand():
+    calls = [
+        RolloutCall(prompts=(np.arange(5), np.arange(3)), counts=(2, 1), forced=(10, 4, 7)),
+        RolloutCall(prompts=(np.arange(20),), counts=(1,), forced=(3,)),
+    ]
+    f = rollout_features(calls, CFG)
+    # Buckets are the max over calls: Q = 2, rows = 4, P = bucket(20) = 32, R = 16.
+    q, rows, p, r = 2, 4, 32, 16
+    steps = (10 - 1) + (3 - 1)
+    assert f.calls == 2 and f.decode_steps == steps and f.generated == 24
+    assert f.prefill_flops == pytest.approx(2 * q * p * (F0 + FA * p))
+    assert f.decode_lin_flops == pytest.approx(rows * steps * F0)
+    assert f.decode_attn_flops == pytest.approx(rows * steps * FA * (p + r))
+    half = rollout_features(calls, CFG, dp=2)  # 2 rows and 1 prompt per rank
+    assert half.decode_lin_flops == pytest.approx(2 * steps * F0)
+    assert half.prefill_flops == pytest.approx(2 * 1 * p * (F0 + FA * p))
+
+
+def test_rollout_calls_of_calibration_are_consistent():
+    for name, calls in calibration_rollouts():
+        assert calls, name
+        for c in calls:
+            assert sum(c.counts) == len(c.forced) and len(c.prompts) == len(c.counts)
+            assert min(c.forced) >= 1
+
+
+# ----------------------------------------------------------------------------- fitting
 
 
 def test_nnls_recovers_and_respects_bounds():
@@ -89,6 +215,61 @@ def test_nnls_recovers_and_respects_bounds():
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_fit_recovers_known_coefficients_from_calibration_features(kind):
+    """Synthetic timings from known coefficients on the real calibration features."""
+    feats = [engine_features(kind, b, CFG) for _, b in calibration_batches()]
+    true = EngineCost(
+        kind=kind, lin_s_per_flop=3e-11, attn_s_per_flop=5e-11, step_s=4e-4, const_s=2e-3
+    )
+    secs = [true.predict(f) for f in feats]
+    got = EngineCost.fit(kind, feats, secs)
+    assert got.fit_mape < 1e-6
+    for f in feats:  # the fitted model reproduces every point
+        assert got.predict(f) == pytest.approx(true.predict(f), rel=1e-6)
+    np.testing.assert_allclose(got.coef, true.coef, rtol=1e-3)
+
+
+def test_rollout_fit_recovers_known_coefficients():
+    feats = [rollout_features(calls, CFG) for _, calls in calibration_rollouts()]
+    true = RolloutCost(
+        prefill_s_per_flop=2e-11,
+        decode_lin_s_per_flop=6e-11,
+        decode_attn_s_per_flop=9e-11,
+        decode_step_s=3e-4,
+        call_s=4e-3,
+    )
+    got = RolloutCost.fit(feats, [true.predict(f) for f in feats])
+    assert got.fit_mape < 1e-6
+    for f in feats:
+        assert got.predict(f) == pytest.approx(true.predict(f), rel=1e-6)
+    np.testing.assert_allclose(got.coef, true.coef, rtol=1e-3)
+
+
+def test_fit_rejects_bad_timings():
+    x = np.ones((3, 2))
+    with pytest.raises(ValueError, match="> 0"):
+        fit_relative(x, [1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="feature rows"):
+        fit_relative(x, [1.0, 1.0])
+
+
+def test_engine_cost_rejects_negative():
+    with pytest.raises(ValueError, match="step_s"):
+        EngineCost(kind="dense", lin_s_per_flop=0, attn_s_per_flop=0, step_s=-1, const_s=0)
+    with pytest.raises(ValueError, match="call_s"):
+        RolloutCost(
+            prefill_s_per_flop=0,
+            decode_lin_s_per_flop=0,
+            decode_attn_s_per_flop=0,
+            decode_step_s=0,
+            call_s=np.nan,
+        )
+
+
+# ----------------------------------------------------------------------------- prediction
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_prediction_monotone_in_tokens(kind):
     prof = hand_profile()
     prev = -1.0
@@ -97,6 +278,19 @@ def test_prediction_monotone_in_tokens(kind):
         t = predict_step(b, prof, engines=[kind]).engines[kind].train_s
         assert t >= prev
         prev = t
+
+
+def test_auto_prediction_is_its_pick_plus_the_choice():
+    prof = hand_profile()
+    b = grpo_groups(num_groups=2, group_size=4, prompt_len=30, response_len=(20, 90), seed=0)
+    p = predict_step(b, prof, engines=["auto"]).engines["auto"]
+    f = p.features[0]
+    assert p.program in KINDS and p.choose_s == pytest.approx(1e-7 * b.num_tokens + 1e-4)
+    assert p.train_s == pytest.approx(prof.cost(p.program).predict(f) + p.choose_s)
+    no_auto = CostProfile(engines=prof.engines, model=CFG)
+    assert "auto" not in no_auto.kinds
+    with pytest.raises(KeyError, match="auto"):
+        predict_step(b, no_auto, engines=["auto"])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -123,6 +317,17 @@ def test_tp_and_throughput_scale():
     assert tp2.train_s == pytest.approx(base.train_s - flop_part / 2 + tp2.tp_comm_s)
 
 
+def test_predict_rollout_of_a_workload(multi_run):
+    from dtarl.traces import generate_workload
+
+    w = generate_workload(multi_run, batch_size=2, step=0, seed=0)
+    t, f = predict_rollout(w, hand_profile())
+    assert f.calls == len(rollout_calls(w)) and t == pytest.approx(
+        hand_profile().rollout.predict(f)
+    )
+    assert predict_rollout(w, hand_profile(rollout=False)) is None
+
+
 def test_cluster_spec_validates():
     with pytest.raises(ValueError, match="devices=4"):
         ClusterSpec(devices=4, dp=2, tp=1)
@@ -138,11 +343,15 @@ def test_cluster_spec_validates():
         )
 
 
+# ----------------------------------------------------------------------------- profile JSON
+
+
 def test_profile_json_round_trip(tmp_path):
     prof = hand_profile(ModelConfig.tiny(num_layers=3))
     p = prof.save(tmp_path / "prof.json")
     back = CostProfile.load(p)
     assert back.model == prof.model and back.chunk_len == prof.chunk_len
+    assert back.auto == prof.auto and back.rollout == prof.rollout
     for k in KINDS:
         np.testing.assert_array_equal(back.cost(k).coef, prof.cost(k).coef)
     with pytest.raises(KeyError, match="not in the cost profile"):
@@ -151,39 +360,152 @@ def test_profile_json_round_trip(tmp_path):
         CostProfile.load(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="not a cost profile"):
         CostProfile.from_dict({"kind": "nope"})
+    old = dict(prof.to_dict(), version=1)
+    with pytest.raises(ValueError, match="version"):
+        CostProfile.from_dict(old)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"kind": ')
+    with pytest.raises(ValueError, match="bad.json:1"):
+        CostProfile.load(bad)
 
 
-def test_engine_cost_rejects_negative():
-    with pytest.raises(ValueError, match="step_s"):
-        EngineCost(kind="dense", lin_s_per_flop=0, attn_s_per_flop=0, step_s=-1, const_s=0)
+# ----------------------------------------------------------------------------- validation
 
 
-def test_simulator_end_to_end_tiny(single_run, tmp_path):
-    """Profile -> JSON -> replay -> validate. Accuracy is a benchmark number, not asserted."""
-    prof = profile_engines(
-        ("dense",), model=SMALL_MODEL, batches=calibration_batches(size="tiny")[:2], repeats=1
+def _fake_replay(spec: WorkloadSpec, model: ModelConfig, engines: dict, rollout=None, tool=None):
+    """A replay JSON with chosen measurements (no timing): validate only reads these."""
+    from dtarl.traces.replay import model_config_to_dict
+
+    return dict(
+        kind="dtarl.trace.replay",
+        config=dict(model=model_config_to_dict(model), tool_time_scale=1.0),
+        workloads=[
+            dict(
+                spec=spec.to_dict(),
+                stages=dict(
+                    rollout=rollout or dict(status="skipped", seconds=None),
+                    tool=tool or dict(status="no tool calls", seconds=0.0),
+                ),
+                engines=engines,
+            )
+        ],
     )
-    assert len(prof.points) == 2 and prof.cost("dense").fit_mape >= 0
-    loaded = CostProfile.load(prof.save(tmp_path / "profile.json"))
-    for pt_a, pt_b in zip(prof.points, loaded.points, strict=True):
-        assert pt_a == pt_b
+
+
+def test_validate_reports_relative_errors(single_run):
+    prof = hand_profile()
     spec = WorkloadSpec(name="st", source=str(single_run), batch_size=3, step=0)
-    cfg = ReplayConfig(engines=("dense",), repeats=1, model=SMALL_MODEL, rollout=False)
-    res = replay([spec], cfg)
-    rj = load_replay_json(res.save(tmp_path / "replay.json"))
-    rep = validate(loaded, rj)
-    (row,) = rep.rows
-    assert row.workload == "st" and row.engine == "dense"
-    assert row.measured_s == pytest.approx(res.workloads[0].engines["dense"].step_s)
-    assert row.predicted_s > 0 and np.isfinite(rep.mean_abs_pct_error)
+    w = spec.build(vocab_size=CFG.vocab_size)
+    pred = predict_step(w, prof, engines=["dense", "dfs"])
+    roll_pred, _ = predict_rollout(w, prof)
+    engines = {
+        "dense": dict(
+            step_s=pred.engines["dense"].train_s * 1.25,
+            step_min_s=pred.engines["dense"].train_s / 1.1,
+        ),
+        "dfs": dict(
+            step_s=pred.engines["dfs"].train_s * 1.5, step_min_s=pred.engines["dfs"].train_s * 2.0
+        ),
+        "dense_remat": dict(step_s=1.0, step_min_s=1.0),  # not in the profile: skipped
+    }
+    rollout = dict(status="ok", seconds=roll_pred * 1.2, min_seconds=roll_pred * 0.8)
+    rep = validate(prof, _fake_replay(spec, CFG, engines, rollout=rollout))
+    by = {(r.stage, r.engine): r for r in rep.rows}
+    assert set(by) == {
+        ("train", "dense"),
+        ("train", "dfs"),
+        ("rollout", ""),
+        ("step", "dense"),
+        ("step", "dfs"),
+    }
+    assert by["train", "dense"].rel_error == pytest.approx(0.1)
+    assert by["train", "dense"].rel_error_median == pytest.approx(0.2)
+    assert by["train", "dfs"].rel_error == pytest.approx(0.5)
+    assert by["rollout", ""].rel_error == pytest.approx(0.25)
+    step = by["step", "dense"]
+    assert step.predicted_s == pytest.approx(roll_pred + pred.engines["dense"].train_s)
+    s = rep.summary()
+    assert s["train/dfs"]["mean_pct"] == pytest.approx(50.0)
+    assert rep.per_engine()["dense"] == pytest.approx(10.0)
+    assert not rep.within_target()  # dfs is 50% off
     d = json.loads(json.dumps(rep.to_dict()))
-    assert set(d["per_engine_mean_abs_pct_error"]) == {"dense"}
-    assert rep.plot(tmp_path / "v.png").stat().st_size > 0
-    other = hand_profile(ModelConfig.tiny())  # a different model than the replay ran
+    assert d["within_target"] is False and len(d["rows"]) == 5
+    assert "dfs" in rep.table()
+    only = validate(prof, _fake_replay(spec, CFG, engines, rollout=rollout), engines=["dense"])
+    assert {r.engine for r in only.rows if r.stage == "train"} == {"dense"}
+
+
+def test_validate_rejects_mismatched_input(single_run):
+    spec = WorkloadSpec(name="st", source=str(single_run), batch_size=3, step=0)
+    rj = _fake_replay(spec, CFG, {"dense": dict(step_s=0.1, step_min_s=0.1)})
     with pytest.raises(ValueError, match="different model"):
-        validate(other, rj)
+        validate(hand_profile(ModelConfig.tiny(num_layers=1)), rj)
+    with pytest.raises(ValueError, match="no \\(workload, engine\\) pair"):
+        validate(hand_profile(), _fake_replay(spec, CFG, {"dense_remat": dict(step_s=0.1)}))
+    with pytest.raises(ValueError, match="missing field"):
+        validate(hand_profile(), {"kind": "dtarl.trace.replay"})
+
+
+def test_cli_validate_and_bad_input(single_run, tmp_path, capsys):
+    from dtarl.cli import main
+
+    prof = hand_profile().save(tmp_path / "p.json")
+    spec = WorkloadSpec(name="st", source=str(single_run), batch_size=3, step=0)
+    rj = tmp_path / "replay.json"
+    rj.write_text(json.dumps(_fake_replay(spec, CFG, {"dense": dict(step_s=0.2, step_min_s=0.1)})))
+    out = tmp_path / "v"
+    assert (
+        main(
+            ["trace", "simulate", "--profile", str(prof), "--validate", str(rj), "--out", str(out)]
+        )
+        == 0
+    )
+    d = json.loads((out / "validation.json").read_text())
+    assert d["rows"][0]["engine"] == "dense" and d["rows"][0]["measured_s"] == 0.1
+    assert "train/dense" in capsys.readouterr().out
+    assert main(["trace", "simulate", "--profile", str(tmp_path / "none.json")]) == 2
+    assert "--calibrate" in capsys.readouterr().err
+    assert (
+        main(["trace", "simulate", "--profile", str(prof), "--validate", str(tmp_path / "x.json")])
+        == 2
+    )
+    assert "dtarl trace replay" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_profile_engines_tiny_end_to_end(tmp_path):
+    """A real (tiny) calibration: structure only, the numbers are machine dependent."""
+    prof = profile_engines(
+        ("dense",),
+        model=SMALL_MODEL,
+        batches=calibration_batches(size="tiny")[:2],
+        rollouts=calibration_rollouts(size="tiny"),
+        repeats=2,
+        gate=QuietGate(cores=None),  # no waiting for other processes in tests
+    )
+    assert set(prof.engines) == {"dense"} and prof.auto is None and "auto" not in prof.kinds
+    assert [p.kind for p in prof.points].count("dense") == 2
+    for p in prof.points:
+        assert 0 < p.measured_s <= p.median_s
+    if prof.rollout is not None:  # dtarl.rollout has a forced-length sampler
+        assert [p.kind for p in prof.points].count("rollout") == 1
+    loaded = CostProfile.load(prof.save(tmp_path / "profile.json"))
+    assert loaded.points == prof.points and loaded.rollout == prof.rollout
+
+
+def test_auto_choice_overhead_is_host_time():
+    from dtarl.traces.simulate import _time_auto_choice
+
+    got = _time_auto_choice(CFG, calibration_batches(size="tiny"), repeats=3, gate=None)
+    assert len(got) == 3 and all(0 < mn <= med for mn, med in got)
 
 
 def test_step_features_row():
     f = StepFeatures(lin_flops=1.0, attn_flops=2.0, steps=3.0, tokens=4.0)
     np.testing.assert_array_equal(f.row(), [1.0, 2.0, 3.0, 1.0])
+    r = RolloutFeatures(
+        prefill_flops=1.0, decode_lin_flops=2.0, decode_attn_flops=3.0, decode_steps=4.0, calls=5.0
+    )
+    np.testing.assert_array_equal(r.row(), [1.0, 2.0, 3.0, 4.0, 5.0])
