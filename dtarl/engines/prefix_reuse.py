@@ -23,11 +23,13 @@ trick of ``dtarl.tree.plan`` applies: the prefix node X covering path positions
 starts with X's last token at position b-1, so the fork logit that predicts a
 child's first token is evaluated by the child that needs it.
 
-Deeper trees (``deep_trees``). A group is *deep* when some node below its
-prefix is shared by several leaves (multi-turn trees that branch after the
-first turn). With ``DeepTrees.DFS`` (the default) deep groups go to the DFS
-engine (``dtarl.engines.dfs``): the top-level prefix is pushed once and every
-node below it is computed once, depth-first; the shallow groups (prompt + G
+Deeper trees (``deep_trees``). A group is *deep* when nodes below its prefix
+are shared by several leaves enough that one row per leaf would recompute more
+than 10% of its suffix tokens (multi-turn trees that branch after the first
+turn; not GRPO responses that happen to share a first token). With
+``DeepTrees.DFS`` (the default) deep groups go to the DFS engine
+(``dtarl.engines.dfs``): the top-level prefix is pushed once and every node
+below it is computed once, depth-first; the shallow groups (prompt + G
 responses) run the schedule above. Both programs run in the same ``jit`` and
 their losses and gradients add up (sequence weights come from the whole batch,
 so every normalisation stays exact). With ``DeepTrees.ROWS`` every leaf below
@@ -88,17 +90,28 @@ class DeepTrees(enum.Enum):
     ROWS = "rows"  # one dense suffix row per leaf: shared deeper nodes recomputed
 
 
-def deep_sequences(tree: PrefixTree) -> np.ndarray:
-    """bool [N]: sequence i belongs to a top-level group with a node below its
-    prefix that has children (a fork below the top level)."""
+def deep_sequences(tree: PrefixTree, min_shared: float = 0.1) -> np.ndarray:
+    """bool [N]: sequence i belongs to a *deep* top-level group, one where the rows
+    form would recompute more than ``min_shared`` of the group's suffix tokens.
+
+    The rows form recomputes a node y below the prefix once per leaf under it, so
+    ``len(y) * (leaves(y) - 1)`` extra tokens; a few accidentally shared first
+    tokens of GRPO responses stay well under the threshold (rows), shared turns of
+    a multi-turn tree do not (dfs).
+    """
+    n_leaves = np.zeros(tree.num_nodes, np.int64)
+    for y in range(tree.num_nodes - 1, 0, -1):  # preorder ids: children after parents
+        n_leaves[y] = 1 if not tree.children[y] else n_leaves[y]
+        n_leaves[int(tree.parent[y])] += n_leaves[y]
     deep_group = {}
     for x in tree.children[0]:
-        stack, deep = list(tree.children[x]), False
-        while stack and not deep:
+        stack, extra, total = list(tree.children[x]), 0, 0
+        while stack:
             y = stack.pop()
-            deep = bool(tree.children[y])
+            total += int(tree.length[y])
+            extra += int(tree.length[y]) * int(n_leaves[y] - 1)
             stack.extend(tree.children[y])
-        deep_group[x] = deep
+        deep_group[x] = extra > min_shared * max(total, 1)
     out = np.zeros(tree.stats.num_sequences, bool)
     for i, node in enumerate(tree.seq_node.tolist()):
         while int(tree.parent[node]) != 0:
