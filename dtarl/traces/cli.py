@@ -5,8 +5,9 @@ The lead wires ``register(subparsers)`` into ``dtarl``'s argparse parser:
     dtarl trace report PATH [--out DIR] [--steps 0 1 2] [--no-html]
     dtarl trace sample SOURCE --batch-size B [--n-sampling G] [--step K] [--seed S]
                        [--length-scale X] [--mode trajectory|per_turn]
-    dtarl trace replay [SOURCE ...] [--engines dense dfs] [--repeats 5] [--max-len 256]
+    dtarl trace replay [SOURCE ...] [--engines dense dfs] [--repeats 7] [--max-len 256]
                        [--tool-clock simulated|sleep] [--out DIR]
+    dtarl trace simulate [SOURCE ...] --profile PROFILE.json --joint [--out DIR]
     dtarl trace simulate [SOURCE ...] --profile PROFILE.json [--calibrate [--no-rollout]]
                        [--engines dense dfs prefix_reuse auto] [--validate REPLAY.json]
                        [--devices N --dp D --tp T] [--out DIR]
@@ -161,6 +162,70 @@ def _cluster(args: argparse.Namespace):
     )
 
 
+def _print_profile(prof, repeats: int) -> None:
+    print(
+        f"calibration points (min / median of >= {repeats} interleaved rounds; "
+        "bg = other processes' cores during the fastest call):"
+    )
+    for pt in prof.points:
+        bg = "-" if pt.background_cores is None else f"{pt.background_cores:.2f}"
+        print(f"  {pt.kind:<13}{pt.name:<28}{pt.measured_s:>9.4f}s {pt.median_s:>9.4f}s bg {bg}")
+    for k, c in prof.engines.items():
+        print(
+            f"{k}: {c.lin_s_per_flop:.3e} s/lin-FLOP, {c.attn_s_per_flop:.3e} s/attn-FLOP, "
+            f"{c.step_s * 1e3:.3f} ms/step, {c.const_s * 1e3:.2f} ms/call "
+            f"(fit error mean {c.fit_mape:.1f}%, max {c.fit_max_ape:.1f}%)"
+        )
+    if prof.auto is not None:
+        a = prof.auto
+        print(
+            f"auto choice: {a.s_per_token * 1e6:.3f} us/token + {a.const_s * 1e3:.3f} ms "
+            f"(fit error {a.fit_mape:.1f}%)"
+        )
+    if prof.rollout is not None:
+        r = prof.rollout
+        print(
+            f"rollout: {r.prefill_s_per_flop:.3e} s/prefill-FLOP, "
+            f"{r.decode_lin_s_per_flop:.3e} s/decode-lin-FLOP, "
+            f"{r.decode_attn_s_per_flop:.3e} s/decode-attn-FLOP, "
+            f"{r.decode_step_s * 1e3:.3f} ms/decode step, "
+            f"{r.call_s * 1e3:.2f} ms/call (fit error mean {r.fit_mape:.1f}%, max "
+            f"{r.fit_max_ape:.1f}%)"
+        )
+
+
+def _simulate_joint(args: argparse.Namespace) -> int:
+    """--joint: calibrate and replay in the same timing rounds, save both, validate."""
+    import json
+    from pathlib import Path
+
+    from dtarl.traces.replay import ReplayConfig
+    from dtarl.traces.simulate import calibrate_and_replay, validate
+
+    out = Path(args.out)
+    kinds = args.engines or ["dense", "dfs", "prefix_reuse", "auto"]
+    cfg = ReplayConfig(
+        engines=tuple(kinds),
+        repeats=args.repeats,
+        rollout=not args.no_rollout,
+        rollout_repeats=args.repeats,
+        tool_time_scale=args.tool_time_scale,
+        quiet_cores=args.quiet_cores or None,
+        quiet_budget_s=args.quiet_budget,
+    )
+    prof, res = calibrate_and_replay(_workload_specs(args), kinds, cfg, log=print)
+    prof.save(args.profile)
+    _print_profile(prof, args.repeats)
+    res.save(out / "replay.json")
+    print(res.table())
+    rep = validate(prof, json.loads(json.dumps(res.to_dict())), target=args.target)
+    (out / "validation.json").write_text(json.dumps(rep.to_dict(), indent=1))
+    rep.plot(out / "validation.png")
+    print(rep.table())
+    print(f"wrote {args.profile}, {out / 'replay.json'}, {out / 'validation.json'}")
+    return 0
+
+
 def _simulate(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
@@ -170,6 +235,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from dtarl.traces.simulate import CostProfile, predict_workload, profile_engines, validate
 
     out = Path(args.out)
+    if args.joint:
+        return _simulate_joint(args)
     if args.calibrate:
         kinds = args.engines or ["dense", "dfs", "prefix_reuse", "auto"]
         from dtarl.traces.replay import QuietGate
@@ -179,37 +246,7 @@ def _simulate(args: argparse.Namespace) -> int:
             tuple(kinds), repeats=args.repeats, rollout=not args.no_rollout, gate=gate, log=print
         )
         prof.save(args.profile)
-        print(
-            f"calibration points (min / median of >= {args.repeats} interleaved rounds; "
-            "bg = other processes' cores during the fastest call):"
-        )
-        for pt in prof.points:
-            bg = "-" if pt.background_cores is None else f"{pt.background_cores:.2f}"
-            print(
-                f"  {pt.kind:<13}{pt.name:<28}{pt.measured_s:>9.4f}s {pt.median_s:>9.4f}s bg {bg}"
-            )
-        for k, c in prof.engines.items():
-            print(
-                f"{k}: {c.lin_s_per_flop:.3e} s/lin-FLOP, {c.attn_s_per_flop:.3e} s/attn-FLOP, "
-                f"{c.step_s * 1e3:.3f} ms/step, {c.const_s * 1e3:.2f} ms/call "
-                f"(fit error mean {c.fit_mape:.1f}%, max {c.fit_max_ape:.1f}%)"
-            )
-        if prof.auto is not None:
-            a = prof.auto
-            print(
-                f"auto choice: {a.s_per_token * 1e6:.3f} us/token + {a.const_s * 1e3:.3f} ms "
-                f"(fit error {a.fit_mape:.1f}%)"
-            )
-        if prof.rollout is not None:
-            r = prof.rollout
-            print(
-                f"rollout: {r.prefill_s_per_flop:.3e} s/prefill-FLOP, "
-                f"{r.decode_lin_s_per_flop:.3e} s/decode-lin-FLOP, "
-                f"{r.decode_attn_s_per_flop:.3e} s/decode-attn-FLOP, "
-                f"{r.decode_step_s * 1e3:.3f} ms/decode step, "
-                f"{r.call_s * 1e3:.2f} ms/call (fit error mean {r.fit_mape:.1f}%, max "
-                f"{r.fit_max_ape:.1f}%)"
-            )
+        _print_profile(prof, args.repeats)
         print(f"wrote {args.profile}")
     try:
         prof = CostProfile.load(args.profile)
@@ -271,7 +308,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         help="auto length scale: longest sequence -> this many tokens (default 256 / per suite)",
     )
     p.add_argument("--mode", choices=("trajectory", "per_turn"), default="trajectory")
-    p.add_argument("--repeats", type=int, default=5, help="timed interleaved rounds (min, median)")
+    p.add_argument("--repeats", type=int, default=7, help="timed interleaved rounds (min, median)")
     p.add_argument(
         "--quiet-cores",
         type=float,
@@ -339,6 +376,12 @@ def register(subparsers) -> argparse.ArgumentParser:
     )
     sim.add_argument("--profile", required=True, help="cost profile JSON (made by --calibrate)")
     sim.add_argument("--calibrate", action="store_true", help="profile this machine first")
+    sim.add_argument(
+        "--joint",
+        action="store_true",
+        help="calibrate and replay SOURCEs (default: the suite) in the same timing rounds, then "
+        "validate (writes --profile and OUT/replay.json)",
+    )
     sim.add_argument("--no-rollout", action="store_true", help="calibrate without the sampler")
     sim.add_argument("--validate", default=None, help="replay JSON to compare predictions with")
     sim.add_argument(

@@ -490,6 +490,65 @@ def rollout_sampler(model, calls: Sequence[RolloutCall]):
     return sampler_cls(model, params_cls(temperature=1.0, max_new_tokens=bucket(longest)))
 
 
+@dataclasses.dataclass(eq=False)
+class RolloutRun:
+    """A warmed-up replayed rollout on its own sampler; ``call()`` times one more run.
+
+    ``warm`` runs the calls once untimed (it compiles every bucket; buckets only
+    grow, so every timed call then runs the largest bucket of any turn).
+    """
+
+    sampler: Any
+    params: Any
+    calls: tuple[RolloutCall, ...]
+    seed: int
+    first_s: float
+    generated: int
+    ok: bool
+
+    @classmethod
+    def warm(cls, model, params, calls: Sequence[RolloutCall], seed: int = 0) -> RolloutRun | None:
+        """None without a forced-length sampler in ``dtarl.rollout``."""
+        sampler = rollout_sampler(model, calls)
+        if sampler is None:
+            return None
+        first, gen, ok = run_rollout_calls(sampler, params, calls, seed)
+        return cls(
+            sampler=sampler,
+            params=params,
+            calls=tuple(calls),
+            seed=seed,
+            first_s=first,
+            generated=gen,
+            ok=ok,
+        )
+
+    def call(self) -> float:
+        return run_rollout_calls(self.sampler, self.params, self.calls, self.seed)[0]
+
+    def phase(self, timed: TimedRuns) -> RolloutPhase:
+        runs = list(timed.seconds)
+        med = statistics.median(runs)
+        return RolloutPhase(
+            status=(
+                "ok" if self.ok else "ok (WARNING: sampler lengths differ from the forced lengths)"
+            ),
+            seconds=med,
+            min_seconds=min(runs),
+            compile_s=max(self.first_s - min(runs), 0.0),
+            generated_tokens=self.generated,
+            tokens_per_s=self.generated / med if med > 0 else None,
+            detail=dict(
+                sampler=f"{type(self.sampler).__module__}.{type(self.sampler).__name__}",
+                turns=len(self.calls),
+                lengths_match=self.ok,
+                runs_s=runs,
+                background_cores=list(timed.background),
+                note="multi-turn contexts are re-prefilled per turn (no cross-turn KV reuse)",
+            ),
+        )
+
+
 def rollout_phase(
     workload: Workload,
     model,
@@ -502,41 +561,17 @@ def rollout_phase(
     """The rollout stage with forced per-sequence lengths (EOS ignored), if a sampler exists.
 
     Calls: ``rollout_calls`` (one per turn) on one sampler. Protocol: one
-    untimed rollout (compiles every bucket; buckets only grow, so every timed
-    call runs the largest bucket of any turn), then ``repeats`` timed ones behind
+    untimed rollout (``RolloutRun.warm``), then ``repeats`` timed ones behind
     ``gate`` (``interleaved_rounds``); seconds = median, min_seconds = minimum;
-    compile_s = first - minimum.
-    Without a forced-length sampler in ``dtarl.rollout`` the stage is reported
-    unavailable, never faked.
+    compile_s = first - minimum. Without a forced-length sampler in
+    ``dtarl.rollout`` the stage is reported unavailable, never faked.
     """
-    calls = rollout_calls(workload)
-    sampler = rollout_sampler(model, calls)
-    if sampler is None:
+    run = RolloutRun.warm(model, params, rollout_calls(workload), seed)
+    if run is None:
         return RolloutPhase(status=ROLLOUT_UNAVAILABLE)
-    first, gen, ok = run_rollout_calls(sampler, params, calls, seed)
-    (timed,) = interleaved_rounds(
-        [lambda: run_rollout_calls(sampler, params, calls, seed)[0]],
-        repeats=repeats,
-        gate=QuietGate() if gate is None else gate,
-    )
-    runs = list(timed.seconds)
-    med = statistics.median(runs)
-    return RolloutPhase(
-        status="ok" if ok else "ok (WARNING: sampler lengths differ from the forced lengths)",
-        seconds=med,
-        min_seconds=min(runs),
-        compile_s=max(first - min(runs), 0.0),
-        generated_tokens=gen,
-        tokens_per_s=gen / med if med > 0 else None,
-        detail=dict(
-            sampler=f"{type(sampler).__module__}.{type(sampler).__name__}",
-            turns=len(calls),
-            lengths_match=ok,
-            runs_s=runs,
-            background_cores=list(timed.background),
-            note="multi-turn contexts are re-prefilled per turn (no cross-turn KV reuse)",
-        ),
-    )
+    gate = QuietGate() if gate is None else gate
+    (timed,) = interleaved_rounds([run.call], repeats=repeats, gate=gate)
+    return run.phase(timed)
 
 
 # ----------------------------------------------------------------------------- train stage
@@ -946,9 +981,13 @@ def machine_info() -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReplayResult:
+    """extra_engines / extra_rollouts: timings of ``replay``'s extra jobs (not saved)."""
+
     config: ReplayConfig
     machine: dict[str, Any]
     workloads: tuple[WorkloadReplay, ...]
+    extra_engines: tuple[EngineTiming, ...] = ()
+    extra_rollouts: tuple[TimedRuns | None, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         cfg = dataclasses.asdict(self.config)
@@ -1115,12 +1154,17 @@ def replay(
     config: ReplayConfig | None = None,
     *,
     log=None,
+    extra_jobs: Sequence[TimingJob] = (),
+    extra_rollouts: Sequence[Sequence[RolloutCall]] = (),
 ) -> ReplayResult:
     """Replays every workload spec with one model; ``log`` gets a line per workload.
 
-    The rollout and tool stages run workload by workload; then every (workload,
-    engine) pair is compiled and all of them are timed in interleaved rounds
-    (``time_engines``), so load from other processes spreads over all pairs.
+    The rollouts of every workload are warmed up, then timed together in
+    interleaved rounds; then every (workload, engine) pair is compiled and all
+    of them are timed in interleaved rounds (``time_engines``), so load from
+    other processes spreads over all of them. ``extra_jobs`` / ``extra_rollouts``
+    (e.g. a simulator's calibration) join those same rounds; their timings are in
+    ``ReplayResult.extra_engines`` / ``extra_rollouts`` (not in the JSON).
     """
     config = ReplayConfig() if config is None else config
     if not specs:
@@ -1131,29 +1175,66 @@ def replay(
     built, jobs = [], []
     for spec in specs:
         w = spec.build(vocab_size=config.model.vocab_size)
-        rollout, tool = _stages(w, config, spec, model, params, None, gate)
-        built.append((spec, w, rollout, tool))
+        sampler = default_tool_sampler(config.tool_latency_source or spec.source)
+        tool = tool_phase(
+            w, sampler, clock=config.tool_clock, time_scale=config.tool_time_scale, seed=spec.seed
+        )
+        run = (
+            RolloutRun.warm(model, params, rollout_calls(w), spec.seed) if config.rollout else None
+        )
+        built.append((spec, w, run, tool))
         jobs += [TimingJob(kind=k, batch=w.batch, label=spec.name) for k in config.engines]
-        if log is not None and rollout.seconds is not None:
-            log(f"{spec.name}: rollout {rollout.min_seconds:.3f}s (min), tool {tool.seconds:.2f}s")
+    extra_runs = [
+        RolloutRun.warm(model, params, calls, config.model_seed) for calls in extra_rollouts
+    ]
+    runs = [r for _, _, r, _ in built if r is not None] + [r for r in extra_runs if r is not None]
+    timed_rollouts = iter(
+        interleaved_rounds([r.call for r in runs], repeats=config.rollout_repeats, gate=gate)
+        if runs
+        else []
+    )
     ts = time_engines(
-        jobs, model, params, loss, repeats=config.repeats, warmup=config.warmup, gate=gate, log=log
+        [*jobs, *extra_jobs],
+        model,
+        params,
+        loss,
+        repeats=config.repeats,
+        warmup=config.warmup,
+        gate=gate,
+        log=log,
     )
     out = []
     k = len(config.engines)
-    for i, (spec, w, rollout, tool) in enumerate(built):
+    for i, (spec, w, run, tool) in enumerate(built):
+        if not config.rollout:
+            rollout = RolloutPhase(status="skipped (ReplayConfig.rollout=False)")
+        elif run is None:
+            rollout = RolloutPhase(status=ROLLOUT_UNAVAILABLE)
+        else:
+            rollout = run.phase(next(timed_rollouts))
         timings = dict(zip(config.engines, ts[i * k : (i + 1) * k], strict=True))
         r = _assemble(w, spec, rollout, tool, timings)
         out.append(r)
         if log is not None:
+            roll = "-" if rollout.min_seconds is None else f"{rollout.min_seconds:.3f}s"
             parts = ", ".join(
                 f"{kind} {t.step_min_s:.3f}s min / {t.step_s:.3f}s median "
                 f"(compile {t.compile_s:.1f}s)"
                 for kind, t in r.engines.items()
             )
-            log(f"{spec.name}: {r.num_sequences} seqs, {r.dense_tokens} tokens: {parts}")
+            log(
+                f"{spec.name}: {r.num_sequences} seqs, {r.dense_tokens} tokens: rollout {roll} "
+                f"min; {parts}"
+            )
+    extra_timed = tuple(None if r is None else next(timed_rollouts) for r in extra_runs)
     machine = dict(machine_info(), load_avg_1m_start=load_start, quiet_wait_s=gate.waited_s)
-    return ReplayResult(config=config, machine=machine, workloads=tuple(out))
+    return ReplayResult(
+        config=config,
+        machine=machine,
+        workloads=tuple(out),
+        extra_engines=tuple(ts[len(jobs) :]),
+        extra_rollouts=extra_timed,
+    )
 
 
 def load_replay_json(path: str | os.PathLike) -> dict[str, Any]:
@@ -1184,6 +1265,7 @@ __all__ = [
     "ReplayResult",
     "RolloutCall",
     "RolloutPhase",
+    "RolloutRun",
     "ToolClock",
     "ToolPhase",
     "WorkloadReplay",

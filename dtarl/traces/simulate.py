@@ -57,8 +57,10 @@ Fitting. Every coefficient is >= 0, fitted by non-negative least squares with
 each row weighted by 1 / t (relative error), on synthetic calibration batches
 (``calibration_batches``, ``calibration_rollouts``) that are *not* trace
 workloads but span the replay suite's regime: 4-48 sequences up to ~256 tokens,
-GRPO groups with short and long prompts, and per-turn multi-turn trees. Kinds
-without sub-programs are fitted first, so a sub-program's time can be taken
+GRPO groups with short and long prompts, and per-turn multi-turn trees; when
+auto is calibrated, dfs is also timed at auto's chunk length on every other
+batch, so its one fit covers both programs. Kinds without sub-programs are
+fitted first, so a sub-program's time can be taken
 out of its host's measurements (``fit_engine_costs``). Timing follows the
 replay's protocol, which is what makes the two comparable on a shared machine:
 every (engine, batch) is compiled first, then timed in interleaved rounds, each
@@ -78,6 +80,11 @@ by tp x throughput_scale; no tp traffic is modelled for generation).
 Validation (``validate``) regenerates the workloads of a ``replay`` JSON,
 predicts every stage with a profile, and reports |pred - measured| / measured
 per (workload, stage, engine) against both the replay's minimum and median.
+A profile made minutes before the replay carries the machine's drift in
+between (on a small shared machine: tens of percent) into that error;
+``calibrate_and_replay`` (``dtarl trace simulate --joint``) times the
+calibration inside the replay's own rounds, so the error it reports is the
+model's.
 """
 
 from __future__ import annotations
@@ -566,7 +573,7 @@ class AutoCost:
 
     s_per_token: float
     const_s: float
-    fit_mape: float = float("nan")
+    fit_mape: float = float("nan")  # mean |error| % (relative to max(extra, 0.1 ms))
 
     def __post_init__(self):
         for f in ("s_per_token", "const_s"):
@@ -647,6 +654,7 @@ class CalibrationPoint:
     measured_s: float
     median_s: float
     background_cores: float | None = None  # other processes during the fastest call
+    runs_s: tuple[float, ...] = ()  # every timed call, in round order
 
     def to_dict(self) -> dict[str, Any]:
         return dict(
@@ -656,6 +664,7 @@ class CalibrationPoint:
             measured_s=self.measured_s,
             median_s=self.median_s,
             background_cores=self.background_cores,
+            runs_s=list(self.runs_s),
         )
 
     @classmethod
@@ -670,6 +679,7 @@ class CalibrationPoint:
             measured_s=float(d["measured_s"]),
             median_s=float(d.get("median_s", d["measured_s"])),
             background_cores=d.get("background_cores"),
+            runs_s=tuple(float(x) for x in d.get("runs_s", ())),
         )
 
 
@@ -832,12 +842,15 @@ def calibration_batches(*, seed: int = 0, size: str = "default") -> list[tuple[s
     if size != "default":
         raise ValueError(f"size={size!r}: expected 'default' or 'tiny'")
     grpo = [
-        # (groups, group size, prompt, response range): short/long, few/many, long prompts
+        # (groups, group size, prompt, response range): small; medium; long responses;
+        # long prompts with short and very short responses; long responses (suffix
+        # rows of 256, as math/code traces); many groups
         (1, 4, 8, (20, 60)),
         (4, 8, 16, (8, 100)),
         (2, 8, 48, (40, 200)),
         (4, 8, 200, (4, 56)),
-        (3, 8, 32, (120, 224)),
+        (4, 8, 250, (4, 16)),
+        (4, 8, 56, (150, 250)),
         (6, 8, 40, (30, 200)),
     ]
     out = [
@@ -959,8 +972,8 @@ def _time_rollouts(model, params, rollouts, *, repeats: int, seed: int, gate, lo
     """Interleaved timing of calibration rollouts: warm-up each, then
     ``interleaved_rounds`` behind ``gate``.
 
-    Returns [(min_s, median_s, background cores of the fastest run)] per rollout, or
-    None without a forced-length sampler.
+    Returns [(min_s, median_s, background cores of the fastest run, every run)] per
+    rollout, or None without a forced-length sampler.
     """
     import statistics
 
@@ -982,7 +995,10 @@ def _time_rollouts(model, params, rollouts, *, repeats: int, seed: int, gate, lo
 
     fns = [caller(calls, s) for (_, calls), s in zip(rollouts, samplers, strict=True)]
     timed = interleaved_rounds(fns, repeats=repeats, gate=gate)
-    return [(min(t.seconds), statistics.median(t.seconds), t.background[t.best]) for t in timed]
+    return [
+        (min(t.seconds), statistics.median(t.seconds), t.background[t.best], t.seconds)
+        for t in timed
+    ]
 
 
 def _time_auto_choice(cfg, batches, *, repeats: int, gate=None) -> list[tuple[float, float]]:
@@ -1030,6 +1046,160 @@ def calibration_kinds(kinds: Sequence[str]) -> tuple[list[str], bool]:
     return list(dict.fromkeys(out)), auto
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class CalibrationPlan:
+    """What a calibration times: engine jobs (with their features) and rollouts."""
+
+    model: ModelConfig
+    chunk_len: int
+    microbatch: int
+    train_kinds: tuple[str, ...]
+    with_auto: bool
+    batches: tuple[tuple[str, RolloutBatch], ...]
+    jobs: tuple[TimingJob, ...]
+    features: tuple[StepFeatures, ...]
+    rollouts: tuple[tuple[str, list], ...]
+
+
+def calibration_plan(
+    kinds: Sequence[str] = ("dense", "dfs"),
+    *,
+    model: ModelConfig | None = None,
+    batches: Sequence[tuple[str, RolloutBatch]] | None = None,
+    rollouts: Sequence[tuple[str, list]] | None = None,
+    rollout: bool = True,
+    chunk_len: int | None = None,
+    microbatch: int | None = None,
+    seed: int = 0,
+) -> CalibrationPlan:
+    """The jobs of a calibration: every engine kind (auto adds its candidates) on
+    every batch (default ``calibration_batches``), and the rollouts (default
+    ``calibration_rollouts``; none when ``rollout`` is False)."""
+    cfg = ModelConfig.tiny() if model is None else model
+    chunk_len = engine_default("dfs", "chunk_len") if chunk_len is None else chunk_len
+    microbatch = engine_default("dense", "microbatch") if microbatch is None else microbatch
+    batches = calibration_batches(seed=seed) if batches is None else list(batches)
+    if not batches:
+        raise ValueError("batches: empty; the calibration needs at least one batch")
+    train_kinds, with_auto = calibration_kinds(kinds)
+    jobs, feats = [], []
+    for kind in train_kinds:
+        kw = engine_kwargs(kind, chunk_len=chunk_len, microbatch=microbatch)
+        for name, b in batches:
+            jobs.append(TimingJob(kind=kind, batch=b, engine_kwargs=kw, label=name))
+            feats.append(engine_features(kind, b, cfg, chunk_len=chunk_len, microbatch=microbatch))
+    auto_chunk = engine_default(AUTO, "chunk_len")
+    if with_auto and "dfs" in train_kinds and auto_chunk != chunk_len:
+        # Auto runs dfs with its own chunk: every other batch at that chunk too, so the
+        # dfs fit separates per-step from per-token cost and covers both programs.
+        for name, b in batches[::2]:
+            kw = dict(chunk_len=auto_chunk)
+            jobs.append(
+                TimingJob(kind="dfs", batch=b, engine_kwargs=kw, label=f"{name}@c{auto_chunk}")
+            )
+            feats.append(engine_features("dfs", b, cfg, chunk_len=auto_chunk))
+    if rollout:
+        rollouts = calibration_rollouts(seed=seed) if rollouts is None else list(rollouts)
+    return CalibrationPlan(
+        model=cfg,
+        chunk_len=chunk_len,
+        microbatch=microbatch,
+        train_kinds=tuple(train_kinds),
+        with_auto=with_auto,
+        batches=tuple(batches),
+        jobs=tuple(jobs),
+        features=tuple(feats),
+        rollouts=tuple(rollouts or ()) if rollout else (),
+    )
+
+
+def fit_profile(
+    plan: CalibrationPlan,
+    timings: Sequence,
+    rollout_timings: Sequence[tuple] | None,
+    auto_choice: Sequence[tuple[float, float]] | None,
+    *,
+    machine: dict[str, Any],
+) -> CostProfile:
+    """A ``CostProfile`` from measured calibration jobs (minima are fitted).
+
+    timings: ``EngineTiming`` per ``plan.jobs``; rollout_timings: (min, median,
+    background of the fastest, every run) per ``plan.rollouts`` (None: no
+    sampler); auto_choice: (extra from
+    minima, from medians) per batch (``plan.with_auto``).
+    """
+    points = [
+        CalibrationPoint(
+            kind=job.kind,
+            name=job.label,
+            features=f,
+            measured_s=t.step_min_s,
+            median_s=t.step_s,
+            background_cores=t.min_background_cores,
+            runs_s=tuple(t.runs_s),
+        )
+        for job, f, t in zip(plan.jobs, plan.features, timings, strict=True)
+    ]
+    costs = fit_engine_costs(
+        {
+            kind: [(p.features, p.measured_s) for p in points if p.kind == kind]
+            for kind in plan.train_kinds
+        }
+    )
+    auto = None
+    if plan.with_auto and auto_choice is not None:
+        # Absolute least squares: the extras are small differences of two timings, so
+        # relative weights would let a near-zero (noisy) difference dominate the fit.
+        x = np.array([[float(b.num_tokens), 1.0] for _, b in plan.batches])
+        y = np.array([t for t, _ in auto_choice])
+        c = nnls(x, y)
+        mape = float(np.mean(np.abs(x @ c - y) / np.maximum(y, 1e-4)) * 100.0)
+        auto = AutoCost(s_per_token=float(c[0]), const_s=float(c[1]), fit_mape=mape)
+        for (name, _), (mn, med) in zip(plan.batches, auto_choice, strict=True):
+            points.append(
+                CalibrationPoint(
+                    kind="auto_choose", name=name, features=None, measured_s=mn, median_s=med
+                )
+            )
+    roll = None
+    if plan.rollouts and rollout_timings is not None:
+        rf = [rollout_features(calls, plan.model) for _, calls in plan.rollouts]
+        roll = RolloutCost.fit(rf, [t[0] for t in rollout_timings])
+        for (name, _), f, (mn, med, bg, runs) in zip(
+            plan.rollouts, rf, rollout_timings, strict=True
+        ):
+            points.append(
+                CalibrationPoint(
+                    kind="rollout",
+                    name=name,
+                    features=f,
+                    measured_s=mn,
+                    median_s=med,
+                    background_cores=bg,
+                    runs_s=tuple(runs),
+                )
+            )
+    return CostProfile(
+        engines=costs,
+        model=plan.model,
+        chunk_len=plan.chunk_len,
+        microbatch=plan.microbatch,
+        auto=auto,
+        rollout=roll,
+        machine=machine,
+        points=tuple(points),
+    )
+
+
+def _machine(load_start, gate) -> dict[str, Any]:
+    return dict(
+        machine_info(),
+        load_avg_1m_start=load_start,
+        quiet_wait_s=gate.waited_s,
+        profiled_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
+
+
 def profile_engines(
     kinds: Sequence[str] = ("dense", "dfs"),
     *,
@@ -1046,105 +1216,104 @@ def profile_engines(
 ) -> CostProfile:
     """Times every engine on the calibration batches and fits (1) per engine.
 
-    Every (engine, batch) is compiled on a fresh engine, then all are timed in
-    ``repeats`` interleaved rounds (``replay.time_engines``); the minimum is
-    fitted. "auto" adds its candidate engines and times its choice (3). ``gate``
-    (default ``replay.QuietGate()``, shared by every timing here) holds each timed
-    call until other processes are quiet.
-    ``rollout``: also calibrate (2) on ``rollouts`` (default
-    ``calibration_rollouts``) when ``dtarl.rollout`` has a forced-length sampler.
+    Every (engine, batch) of ``calibration_plan`` is compiled on a fresh engine,
+    then all are timed in ``repeats`` interleaved rounds (``replay.time_engines``);
+    the minimum is fitted. "auto" adds its candidate engines and times its choice
+    (3). ``gate`` (default ``replay.QuietGate()``, shared by every timing here)
+    holds each timed call until other processes are quiet. ``rollout``: also
+    calibrate (2) when ``dtarl.rollout`` has a forced-length sampler.
     """
     from dtarl.engines.base import split_model
     from dtarl.model import init_model
     from dtarl.traces.replay import QuietGate
 
     gate = QuietGate(budget_s=120.0) if gate is None else gate
-    cfg = ModelConfig.tiny() if model is None else model
-    chunk_len = engine_default("dfs", "chunk_len") if chunk_len is None else chunk_len
-    microbatch = engine_default("dense", "microbatch") if microbatch is None else microbatch
-    batches = calibration_batches(seed=seed) if batches is None else list(batches)
-    if not batches:
-        raise ValueError("batches: empty; the calibration needs at least one batch")
-    train_kinds, with_auto = calibration_kinds(kinds)
-    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    m = init_model(cfg, seed)
-    _, params = split_model(m)
-    jobs, feats = [], []
-    for kind in train_kinds:
-        kw = engine_kwargs(kind, chunk_len=chunk_len, microbatch=microbatch)
-        for name, b in batches:
-            jobs.append(TimingJob(kind=kind, batch=b, engine_kwargs=kw, label=name))
-            feats.append(engine_features(kind, b, cfg, chunk_len=chunk_len, microbatch=microbatch))
-    timings = time_engines(jobs, m, params, _loss(), repeats=repeats, gate=gate, log=log)
-    points = []
-    for kind in train_kinds:
-        idx = [i for i, j in enumerate(jobs) if j.kind == kind]
-        for i in idx:
-            points.append(
-                CalibrationPoint(
-                    kind=kind,
-                    name=jobs[i].label,
-                    features=feats[i],
-                    measured_s=timings[i].step_min_s,
-                    median_s=timings[i].step_s,
-                    background_cores=timings[i].min_background_cores,
-                )
-            )
-    costs = fit_engine_costs(
-        {
-            kind: [(feats[i], timings[i].step_min_s) for i, j in enumerate(jobs) if j.kind == kind]
-            for kind in train_kinds
-        }
-    )
-    auto = None
-    if with_auto:
-        choice = _time_auto_choice(cfg, batches, repeats=repeats, gate=gate)
-        x = np.array([[float(b.num_tokens), 1.0] for _, b in batches])
-        c, mape, _ = fit_relative(x, [t for t, _ in choice])
-        auto = AutoCost(s_per_token=float(c[0]), const_s=float(c[1]), fit_mape=mape)
-        for (name, _), (mn, med) in zip(batches, choice, strict=True):
-            points.append(
-                CalibrationPoint(
-                    kind="auto_choose", name=name, features=None, measured_s=mn, median_s=med
-                )
-            )
-    roll = None
-    if rollout:
-        rollouts = calibration_rollouts(seed=seed) if rollouts is None else list(rollouts)
-        measured = _time_rollouts(
-            m, params, rollouts, repeats=repeats, seed=seed, gate=gate, log=log
-        )
-        if measured is not None and rollouts:
-            rf = [rollout_features(calls, cfg) for _, calls in rollouts]
-            roll = RolloutCost.fit(rf, [mn for mn, _, _ in measured])
-            for (name, _), f, (mn, med, bg) in zip(rollouts, rf, measured, strict=True):
-                points.append(
-                    CalibrationPoint(
-                        kind="rollout",
-                        name=name,
-                        features=f,
-                        measured_s=mn,
-                        median_s=med,
-                        background_cores=bg,
-                    )
-                )
-        elif log is not None:
-            log("rollout: no forced-length sampler in dtarl.rollout; not calibrated")
-    return CostProfile(
-        engines=costs,
-        model=cfg,
+    plan = calibration_plan(
+        kinds,
+        model=model,
+        batches=batches,
+        rollouts=rollouts,
+        rollout=rollout,
         chunk_len=chunk_len,
         microbatch=microbatch,
-        auto=auto,
-        rollout=roll,
-        machine=dict(
-            machine_info(),
-            load_avg_1m_start=load_start,
-            quiet_wait_s=gate.waited_s,
-            profiled_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
-        ),
-        points=tuple(points),
+        seed=seed,
     )
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    m = init_model(plan.model, seed)
+    _, params = split_model(m)
+    timings = time_engines(list(plan.jobs), m, params, _loss(), repeats=repeats, gate=gate, log=log)
+    choice = (
+        _time_auto_choice(plan.model, plan.batches, repeats=repeats, gate=gate)
+        if plan.with_auto
+        else None
+    )
+    measured = None
+    if plan.rollouts:
+        measured = _time_rollouts(
+            m, params, plan.rollouts, repeats=repeats, seed=seed, gate=gate, log=log
+        )
+        if measured is None and log is not None:
+            log("rollout: no forced-length sampler in dtarl.rollout; not calibrated")
+    return fit_profile(plan, timings, measured, choice, machine=_machine(load_start, gate))
+
+
+def calibrate_and_replay(
+    specs: Sequence[WorkloadSpec],
+    kinds: Sequence[str],
+    config=None,
+    *,
+    batches: Sequence[tuple[str, RolloutBatch]] | None = None,
+    rollouts: Sequence[tuple[str, list]] | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+):
+    """Calibration and replay timed in the *same* interleaved rounds; (profile, replay).
+
+    On a shared machine the speed drifts by tens of percent within minutes
+    (other processes, the neighbouring core); a profile made earlier than the
+    replay then carries that drift into the validation. Here every calibration
+    job joins the replay's rounds (``replay(extra_jobs=..., extra_rollouts=...)``),
+    so both see the same machine and ``validate`` measures the model's error.
+    ``config``: the ``ReplayConfig`` (its ``engines`` become ``kinds``).
+    """
+    from dtarl.traces.replay import ReplayConfig, replay
+
+    config = ReplayConfig() if config is None else config
+    config = dataclasses.replace(config, engines=tuple(_check_kind(k) for k in kinds))
+    plan = calibration_plan(
+        kinds,
+        model=config.model,
+        batches=batches,
+        rollouts=rollouts,
+        rollout=config.rollout,
+        seed=seed,
+    )
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    res = replay(
+        specs,
+        config,
+        log=log,
+        extra_jobs=plan.jobs,
+        extra_rollouts=[calls for _, calls in plan.rollouts],
+    )
+    from dtarl.traces.replay import QuietGate
+
+    gate = QuietGate(cores=config.quiet_cores, budget_s=config.quiet_budget_s)
+    choice = (
+        _time_auto_choice(plan.model, plan.batches, repeats=config.repeats, gate=gate)
+        if plan.with_auto
+        else None
+    )
+    measured = None
+    if plan.rollouts and all(t is not None for t in res.extra_rollouts):
+        import statistics
+
+        measured = [
+            (min(t.seconds), statistics.median(t.seconds), t.background[t.best], t.seconds)
+            for t in res.extra_rollouts
+        ]
+    machine = dict(_machine(load_start, gate), joint_with_replay=True)
+    return fit_profile(plan, res.extra_engines, measured, choice, machine=machine), res
 
 
 # ----------------------------------------------------------------------------- cluster
@@ -1411,6 +1580,36 @@ class ValidationReport:
 
     rows: tuple[ValidationRow, ...]
     target: float = 0.10
+    quiet_cores: float = 0.3  # background above this marks a contended measurement
+    profile_contended: int = 0  # calibration points timed with background >= quiet_cores
+    profile_points: int = 0
+
+    @property
+    def contended_rows(self) -> list[ValidationRow]:
+        """Train/rollout rows whose fastest replay call ran with background >= quiet_cores."""
+        return [
+            r
+            for r in self._rows_for(("train", "rollout"))
+            if r.background_cores is not None and r.background_cores >= self.quiet_cores
+        ]
+
+    def warnings(self) -> list[str]:
+        """Why the errors may include the machine's drift rather than the model's."""
+        out = []
+        n = len(self.contended_rows)
+        if n:
+            out.append(
+                f"{n} of {len(self._rows_for(('train', 'rollout')))} replay measurements ran "
+                f"with other processes on >= {self.quiet_cores} cores (bg column): a busy "
+                "neighbouring core slows calls up to 2x; replay on a quiet machine or use --joint"
+            )
+        if self.profile_contended:
+            out.append(
+                f"{self.profile_contended} of {self.profile_points} calibration points ran with "
+                f"other processes on >= {self.quiet_cores} cores: re-calibrate when quiet or use "
+                "--joint"
+            )
+        return out
 
     def _groups(self) -> dict[str, list[ValidationRow]]:
         out: dict[str, list[ValidationRow]] = {}
@@ -1465,6 +1664,7 @@ class ValidationReport:
             ),
             target=self.target,
             within_target=self.within_target(),
+            warnings=self.warnings(),
             rows=[
                 dict(
                     dataclasses.asdict(r),
@@ -1502,6 +1702,7 @@ class ValidationReport:
             f"train+rollout mean |error| {self.mean_abs_pct_error:.1f}% (vs min); every row "
             f"within {self.target:.0%}: {ok}"
         )
+        lines += [f"WARNING: {w}" for w in self.warnings()]
         return "\n".join(lines)
 
     def plot(self, path: str | os.PathLike) -> Path:
@@ -1539,13 +1740,16 @@ def validate(
     *,
     engines: Sequence[str] | None = None,
     target: float = 0.10,
+    quiet_cores: float = 0.3,
 ) -> ValidationReport:
     """Predicts every stage of every workload of a replay JSON and compares.
 
     Train rows: every (workload, engine) the replay ran and the profile prices.
     Rollout rows: when the replay ran the rollout and the profile has (2).
     Tool rows: the simulated clock (when it ran with latencies). Step rows:
-    rollout + tool + train per engine, when the rollout row exists.
+    rollout + tool + train per engine, when the rollout row exists. Measurements
+    (replay or calibration) whose fastest call ran with other processes on >=
+    ``quiet_cores`` cores are counted in ``ValidationReport.warnings``.
     The replay must have used the profile's model config, which is checked.
     """
     try:
@@ -1652,7 +1856,14 @@ def validate(
             f"no (workload, engine) pair of the replay is in the profile (profiled: "
             f"{profile.kinds}); calibrate the replay's engines"
         )
-    return ValidationReport(rows=tuple(rows), target=target)
+    timed = [p for p in profile.points if p.background_cores is not None]
+    return ValidationReport(
+        rows=tuple(rows),
+        target=target,
+        quiet_cores=quiet_cores,
+        profile_contended=sum(p.background_cores >= quiet_cores for p in timed),
+        profile_points=len(timed),
+    )
 
 
 __all__ = [
@@ -1668,12 +1879,16 @@ __all__ = [
     "StepPrediction",
     "ValidationReport",
     "ValidationRow",
+    "CalibrationPlan",
+    "calibrate_and_replay",
     "calibration_batches",
     "calibration_kinds",
     "calibration_rollouts",
     "engine_features",
     "feature_engine",
     "fit_engine_costs",
+    "fit_profile",
+    "calibration_plan",
     "fit_relative",
     "multi_turn_batch",
     "nnls",

@@ -23,6 +23,7 @@ from dtarl.traces.simulate import (
     RolloutCost,
     RolloutFeatures,
     StepFeatures,
+    calibrate_and_replay,
     calibration_batches,
     calibration_kinds,
     calibration_rollouts,
@@ -152,6 +153,20 @@ def test_calibration_kinds_auto_adds_its_candidates():
     kinds, auto = calibration_kinds(["dense", "auto"])
     assert auto and set(kinds) == {"dense", "prefix_reuse", "dfs"} and kinds[0] == "dense"
     assert calibration_kinds(["dfs"]) == (["dfs"], False)
+
+
+def test_calibration_plan_covers_autos_dfs_chunk():
+    from dtarl.engines import AutoEngine, DFSEngine
+    from dtarl.traces.simulate import calibration_plan
+
+    batches = calibration_batches(size="tiny")
+    plan = calibration_plan(["auto"], batches=batches, rollout=False)
+    assert plan.with_auto and set(plan.train_kinds) == {"dense", "prefix_reuse", "dfs"}
+    chunks = {j.engine_kwargs.get("chunk_len") for j in plan.jobs if j.kind == "dfs"}
+    assert chunks == {DFSEngine.chunk_len, AutoEngine.chunk_len}
+    assert len(plan.jobs) == len(plan.features) == 3 * len(batches) + len(batches[::2])
+    assert plan.rollouts == ()
+    assert not calibration_plan(["dfs"], batches=batches, rollout=False).with_auto
 
 
 def test_multi_turn_batch_is_a_chain_per_sample():
@@ -499,7 +514,7 @@ def test_auto_choice_overhead_is_host_time():
     from dtarl.traces.simulate import _time_auto_choice
 
     got = _time_auto_choice(CFG, calibration_batches(size="tiny"), repeats=3, gate=None)
-    assert len(got) == 3 and all(0 < mn <= med for mn, med in got)
+    assert len(got) == 3 and all(mn > 0 and med > 0 for mn, med in got)
 
 
 def test_step_features_row():
@@ -509,3 +524,40 @@ def test_step_features_row():
         prefill_flops=1.0, decode_lin_flops=2.0, decode_attn_flops=3.0, decode_steps=4.0, calls=5.0
     )
     np.testing.assert_array_equal(r.row(), [1.0, 2.0, 3.0, 4.0, 5.0])
+
+
+def test_calibrate_and_replay_share_the_rounds(single_run):
+    """--joint: the calibration jobs ride along the replay's timing rounds."""
+    from dtarl.traces.replay import ReplayConfig
+
+    spec = WorkloadSpec(name="st", source=str(single_run), batch_size=3, step=0)
+    cfg = ReplayConfig(model=SMALL_MODEL, repeats=2, rollout_repeats=2, quiet_cores=None)
+    prof, res = calibrate_and_replay(
+        [spec],
+        ["dense"],
+        cfg,
+        batches=calibration_batches(size="tiny")[:2],
+        rollouts=calibration_rollouts(size="tiny"),
+    )
+    assert [t.kind for t in res.extra_engines] == ["dense", "dense"]
+    assert len(res.workloads) == 1 and set(res.workloads[0].engines) == {"dense"}
+    assert [p.measured_s for p in prof.points if p.kind == "dense"] == [
+        t.step_min_s for t in res.extra_engines
+    ]
+    assert prof.machine["joint_with_replay"] is True
+    rep = validate(prof, json.loads(json.dumps(res.to_dict())))
+    assert {(r.stage, r.engine) for r in rep.rows} >= {("train", "dense")}
+    if prof.rollout is not None:  # a forced-length sampler exists
+        assert len(res.extra_rollouts) == 1 and ("rollout", "") in {
+            (r.stage, r.engine) for r in rep.rows
+        }
+
+
+def test_validate_warns_about_contended_measurements(single_run):
+    spec = WorkloadSpec(name="st", source=str(single_run), batch_size=3, step=0)
+    loud = dict(step_s=0.2, step_min_s=0.1, runs_s=[0.2, 0.1], background_cores=[0.0, 1.0])
+    quiet = dict(loud, background_cores=[1.0, 0.0])
+    rep = validate(hand_profile(), _fake_replay(spec, CFG, {"dense": loud}))
+    assert len(rep.contended_rows) == 1 and rep.rows[0].background_cores == 1.0
+    assert "replay measurements" in rep.warnings()[0] and "WARNING" in rep.table()
+    assert validate(hand_profile(), _fake_replay(spec, CFG, {"dense": quiet})).warnings() == []
