@@ -281,14 +281,21 @@ class PrefixReuseEngine:
         path: int = 1,
         sequences: int = 1,
         tokens: int = 1,
+        dfs_steps: int = 1,
     ) -> PrefixReuseEngine:
         """Pre-sizes the shape buckets so batches up to these sizes never recompile.
 
         ``groups``: top-level groups; ``prefix``: longest prefix (tokens);
         ``rows``: suffix rows (leaves) per group; ``row_len``: longest suffix;
         ``slots``: sequences per row or prefix; ``path``: longest sequence;
-        ``tokens``: total tokens. Buckets only grow.
+        ``tokens``: total tokens; ``dfs_steps``: plan steps of the deep groups'
+        DFS program (``DFSEngine.reserve``, which also gets path, slots,
+        sequences and tokens). Buckets only grow.
         """
+        if self._dfs is not None:
+            self._dfs.reserve(
+                steps=dfs_steps, path=path, slots=slots, sequences=sequences, tokens=tokens
+            )
         for key, value, fn in (
             ("groups", groups, bucket),
             ("prefix", prefix, fine_bucket),

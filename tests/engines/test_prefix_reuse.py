@@ -44,7 +44,15 @@ from dtarl.testing import grpo_groups
 from dtarl.tree import build_tree
 
 RESERVE = dict(
-    groups=2, prefix=40, rows=16, row_len=40, slots=4, path=64, sequences=32, tokens=1024
+    groups=2,
+    prefix=40,
+    rows=16,
+    row_len=40,
+    slots=4,
+    path=64,
+    sequences=32,
+    tokens=1024,
+    dfs_steps=128,
 )
 
 
