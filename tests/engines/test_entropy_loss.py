@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_equivalence import rel_errors, with_logprob_data
 
 from dtarl.engines import DenseEngine, DFSEngine, PrefixReuseEngine, RolloutBatch
 from dtarl.engines.batch import LossNorm
@@ -112,28 +113,6 @@ def reference(batch: RolloutBatch, loss):
         grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
         logps.append(np.asarray(lp)[:n])
     return total, grads, logps
-
-
-def rel_errors(got, want):
-    """Per-tensor relative error; a tensor with an all-zero reference is compared absolutely."""
-    errs = jax.tree.map(
-        lambda a, b: float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)),
-        got,
-        want,
-    )
-    return jax.tree.leaves(errs)
-
-
-def with_logprob_data(batch: RolloutBatch, seed=0) -> RolloutBatch:
-    rs = np.random.RandomState(seed)
-    return RolloutBatch.create(
-        tokens=batch.tokens,
-        loss_mask=batch.loss_mask,
-        advantages=batch.advantages,
-        old_logprobs=[-(rs.rand(len(t)) * 3 + 3) for t in batch.tokens],
-        ref_logprobs=[-(rs.rand(len(t)) * 3 + 3) for t in batch.tokens],
-        group_ids=batch.group_ids,
-    )
 
 
 def grpo_batch() -> RolloutBatch:
