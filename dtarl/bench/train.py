@@ -6,6 +6,17 @@ same loss); each engine is warmed up (compiled) once, then timed over
 vs dense and vs dense+remat, the ideal ratio (dense FLOPs / tree FLOPs with
 attention's quadratic part), measured / ideal, and XLA's compiled peak memory.
 
+auto: its cost model is first calibrated on other batches (``calibration_batches``);
+a fresh auto engine per workload then autotunes in its warm-up call (it times the
+programs of the candidates within its margin, compiling them), so its step time
+excludes the tuning, which is reported separately (``autotune_seconds``). Per
+workload the bench reports ``auto_vs_best``: auto's step time over that of the
+fastest other engine in the table (1.05 = 5% slower), re-timed in ``repeats``
+interleaved rounds of the two (the table's engines are timed one after another,
+so a load drift between them would otherwise land in the ratio), and at the end
+on how many workloads auto was within 5%. auto's step includes its host work:
+every candidate prepares the batch (about 1 ms per step on the tiny workloads).
+
 The ideal ratio counts forward+backward FLOPs of every token at its context
 length: dense = sum over sequences and positions, tree = sum over distinct
 prefixes (tree tokens). A tree engine can approach it but not beat it.
@@ -199,9 +210,13 @@ def run(
     chunk_len: int = 128,
     microbatch: int = 8,
     quick: bool = False,
+    autotune: bool = True,
+    tune_margin: float | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Runs the benchmark and returns the results (also what the CLI writes as JSON)."""
+    """Runs the benchmark and returns the results (also what the CLI writes as JSON).
+
+    ``autotune`` and ``tune_margin`` (default: ``AutoEngine``'s) go to auto."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1")
     cfg = model_cfg or ModelConfig.tiny()
@@ -264,19 +279,26 @@ def run(
             f"\n== {wl.name} ({wl.note}): {batch.num_sequences} seqs, {batch.num_tokens} tokens, "
             f"{tree.stats.tree_tokens} tree tokens, ideal x{ideal:.2f}"
         )
+        live = {}  # this workload's engines, for the auto-vs-best rounds
         for name, (kind, extra) in specs.items():
             kw = _kwargs_for(kind, extra, chunk_len, microbatch)
             if kind is EngineKind.AUTO:
                 kw["cost_model"] = cost_model
+                kw["autotune"] = autotune
+                if tune_margin is not None:
+                    kw["tune_margin"] = tune_margin
             engine = make_engine(kind, model, **kw)
+            live[name] = engine
             t0 = time.perf_counter()
-            engine.value_and_grad(params, batch, loss)  # compile + warm up
+            _, _, aux = engine.value_and_grad(params, batch, loss)  # compile (+ tune), warm up
             compile_s = time.perf_counter() - t0
+            tune_s = aux.stats.get("autotune_seconds", 0.0)
             times, stats = [], {}
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 _, _, aux = engine.value_and_grad(params, batch, loss)
-                times.append(time.perf_counter() - t0)
+                # The batch's buckets were tuned in the warm-up; never count tuning.
+                times.append(time.perf_counter() - t0 - aux.stats.get("autotune_seconds", 0.0))
                 stats = aux.stats
             step = statistics.median(times)
             row["engines"][name] = {
@@ -288,6 +310,21 @@ def run(
                 "peak_bytes": _peak_bytes(engine, params, batch, loss),
                 "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
             }
+            if "chosen_engine" in stats:
+                row["engines"][name]["auto"] = {
+                    "picked": stats["chosen_engine"],
+                    "basis": stats.get("choice_basis"),
+                    "reason": stats.get("choice_reason"),
+                    "autotune_seconds": tune_s,
+                    "predicted_seconds": stats.get("predicted_seconds"),
+                    "measured_seconds": stats.get("measured_seconds"),
+                }
+            else:  # keep alive only auto and the fastest other engine so far
+                others = [n for n, e in row["engines"].items() if "auto" not in e]
+                fastest = min(others, key=lambda n: row["engines"][n]["step_seconds"])
+                live = {
+                    n: x for n, x in live.items() if n == fastest or "auto" in row["engines"][n]
+                }
         base_t = row["engines"].get("dense", {}).get("step_seconds")
         remat_t = row["engines"].get("dense_remat", {}).get("step_seconds")
         for e in row["engines"].values():
@@ -296,9 +333,69 @@ def run(
             e["measured_over_ideal"] = (
                 e["speedup_vs_dense"] / ideal if e["speedup_vs_dense"] else None
             )
+        _auto_vs_best(row, live, params, batch, loss, repeats)
+        del live
         log(_format_rows(row))
         results["workloads"].append(row)
+    _auto_summary(results, log)
     return results
+
+
+def _step_seconds(engine, params, batch, loss) -> float:
+    t0 = time.perf_counter()
+    _, _, aux = engine.value_and_grad(params, batch, loss)
+    return time.perf_counter() - t0 - aux.stats.get("autotune_seconds", 0.0)
+
+
+def _auto_vs_best(row: dict, live: dict, params, batch, loss, repeats: int) -> None:
+    """Adds to every auto entry of ``row``: ``best_engine`` (the fastest other engine
+    in the table), ``auto_vs_best`` (the median over ``repeats`` interleaved rounds,
+    alternating which goes first, of auto's step time / best's: a timing drift hits
+    both) and ``auto_vs_best_table`` (the ratio of the two table medians)."""
+    others = {n: e["step_seconds"] for n, e in row["engines"].items() if "auto" not in e}
+    best = min(others, key=others.get) if others else None
+    for n, e in row["engines"].items():
+        if "auto" not in e:
+            continue
+        a = e["auto"]
+        a["best_engine"] = best
+        a["auto_vs_best"] = a["auto_vs_best_table"] = None
+        if best is None:
+            continue
+        a["auto_vs_best_table"] = e["step_seconds"] / others[best]
+        ratios = []
+        for r in range(repeats):
+            pair = (live[n], live[best]) if r % 2 == 0 else (live[best], live[n])
+            t = [_step_seconds(x, params, batch, loss) for x in pair]
+            ratios.append(t[0] / t[1] if r % 2 == 0 else t[1] / t[0])
+        a["auto_vs_best"] = statistics.median(ratios)
+
+
+def _auto_summary(results: dict, log: Callable[[str], None]) -> None:
+    ratios = [
+        e["auto"]["auto_vs_best"]
+        for row in results["workloads"]
+        for e in row["engines"].values()
+        if "auto" in e and e["auto"]["auto_vs_best"] is not None
+    ]
+    if not ratios:
+        return
+    within = sum(r <= 1.05 for r in ratios)
+    results["auto_summary"] = {
+        "workloads": len(ratios),
+        "within_5_percent": within,
+        "worst_auto_vs_best": max(ratios),
+        "autotune_seconds": sum(
+            e["auto"]["autotune_seconds"]
+            for row in results["workloads"]
+            for e in row["engines"].values()
+            if "auto" in e
+        ),
+    }
+    log(
+        f"\nauto: within 5% of the best engine on {within} of {len(ratios)} workloads "
+        f"(worst auto/best {max(ratios):.3f})"
+    )
 
 
 def _format_rows(row: dict) -> str:
@@ -319,6 +416,20 @@ def _format_rows(row: dict) -> str:
             f"{row['ideal_ratio']:>7.2f}{f(e['measured_over_ideal'], '>11.2f')}"
             f"{f(peak, '>10.1f')}{e['compile_seconds']:>10.1f}  {_steps(e['stats'])}"
         )
+    for name, e in row["engines"].items():
+        if "auto" not in e:
+            continue
+        a = e["auto"]
+        vs = (
+            f"auto/best {a['auto_vs_best']:.3f} interleaved, "
+            f"{a['auto_vs_best_table']:.3f} from the table (best: {a['best_engine']})"
+            if a.get("auto_vs_best") is not None
+            else "no other engine to compare"
+        )
+        lines.append(
+            f"{name}: picked {a['picked']} ({a['basis']}), {vs}; "
+            f"tuning {a['autotune_seconds']:.1f} s (in its compile s, not its step)"
+        )
     return "\n".join(lines)
 
 
@@ -327,7 +438,8 @@ def _steps(stats: dict) -> str:
     if "num_steps" not in stats:
         return chosen + "-"
     packed, rows = stats.get("packed_steps", 0), stats.get("row_steps", 0)
-    return f"{chosen}{stats['num_steps']}({packed}, rows {rows})"
+    wide = f", wide {stats['wide_steps']}" if "wide_steps" in stats else ""
+    return f"{chosen}{stats['num_steps']}({packed}, rows {rows}{wide})"
 
 
 def register(subparsers) -> None:
@@ -345,6 +457,18 @@ def register(subparsers) -> None:
     p.add_argument("--microbatch", type=int, default=8, help="dense microbatch (sequences)")
     p.add_argument("--model", default="tiny", help=f"preset, one of {ModelConfig.PRESETS}")
     p.add_argument("--quick", action="store_true", help="smaller workloads (about a minute)")
+    p.add_argument(
+        "--no-autotune",
+        dest="autotune",
+        action="store_false",
+        help="auto picks by the calibrated cost model alone (no per-bucket timing)",
+    )
+    p.add_argument(
+        "--tune-margin",
+        type=float,
+        help="auto times the candidates predicted within this factor of the best "
+        "(default: AutoEngine.tune_margin)",
+    )
     p.add_argument("--json", help="write the results here")
     p.set_defaults(func=_main)
 
@@ -361,6 +485,8 @@ def _main(args) -> int:
         chunk_len=args.chunk_len,
         microbatch=args.microbatch,
         quick=args.quick,
+        autotune=args.autotune,
+        tune_margin=args.tune_margin,
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -1,23 +1,46 @@
-"""``engine="auto"``: pick dense, prefix_reuse or dfs per batch with a cost model.
+"""``engine="auto"``: pick dense, prefix_reuse or dfs per batch: a cost model, then
+measurements per compiled program (autotuning).
 
 The choice is made on the host: every candidate engine prepares the batch (host
 work only: tree, plan, padding to its shape buckets) and reports what its device
 program will compute, padding included (``work_flops``, ``work_steps`` in its
 stats); a ``CostModel`` (per-engine seconds per FLOP and per step, fitted by
 ``AutoEngine.calibrate`` from a short timed run; uncalibrated it is
-``CostModel.default()``) turns that into predicted seconds. The chosen engine runs
-its already-prepared batch; ``AutoEngine`` has the same API and delegates, and its
-stats say which engine ran and why. Counting the padded work rather than the
-batch's ideal FLOPs is what makes the prediction track the real programs (dense
-pads every sequence to a length bucket, dfs pads steps to full chunks and
-attends over prefix buckets, prefix_reuse pads suffix rows).
+``CostModel.default()``) turns that into predicted seconds. Counting the padded
+work rather than the batch's ideal FLOPs is what makes the prediction track the
+real programs (dense pads every sequence to a length bucket, dfs pads steps to
+full chunks and attends over prefix buckets, prefix_reuse pads suffix rows).
+
+A linear model fitted on a few batches still picked an engine 13-25% slower than
+the best on some shapes (small batches, unshared sequences, GRPO G=4 in
+``dtarl bench train``), so ``value_and_grad`` also autotunes, like
+XLA's autotuner, per compiled program. A program is fixed by
+``(engine, prepared.static, loss)`` (its shape bucket). Every candidate whose
+estimate is within ``tune_margin`` times the best estimate and whose program has
+not been timed yet is timed on this batch (``timer``: one warm-up call, which
+compiles, then the minimum of ``tune_repeats`` calls). The measurement and the
+prediction for that batch are kept, and from then on a batch whose candidate has
+a timed program gets the estimate
+
+    estimate = predicted * measured_then / predicted_then        (per-bucket correction)
+
+(predicted_then: the current model's prediction of the timed batch's work, so a
+refit of the model keeps the timed buckets' estimates), and the others keep the
+cost model's prediction. The margin is checked again
+after every timing round, so the pick in ``value_and_grad`` is always a measured
+program. Tuning happens once per bucket; later batches in the same buckets are
+neither timed nor recompiled. ``prepare`` (what the sharded runner calls) uses the
+corrected estimates but never times. The chosen engine runs its already-prepared
+batch; ``AutoEngine`` has the same API and delegates, and its stats say which
+engine ran, why (``choice_basis``: "measured" or "predicted", ``choice_reason``),
+and how long this batch's tuning took (``autotune_seconds``, 0 when none).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -31,6 +54,45 @@ from dtarl.engines.prefix_reuse import PrefixActivations, PrefixReuseEngine
 from dtarl.model.decoder import Decoder
 from dtarl.rl.losses import MaskedNLLLoss
 from dtarl.tree.trie import build_tree
+
+Timer = Callable[[str, Callable[[], object]], float]
+
+
+def time_program(kind: str, run: Callable[[], object], *, repeats: int = 3) -> float:
+    """Seconds of one ``run()`` (a compiled device program): one warm-up call
+    (compilation excluded), then the minimum of ``repeats`` blocked calls.
+    ``kind`` is the engine's name (unused here; fake timers in tests key on it)."""
+    del kind
+    jax.block_until_ready(run())
+    best = float("inf")
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Timing:
+    """One timed program: ``measured`` seconds on the batch it was timed on, whose
+    padded ``work`` the cost model then predicted at ``predicted`` seconds."""
+
+    measured: float
+    predicted: float
+    work: EngineWork
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class _Choice:
+    kind: str
+    reason: str
+    basis: str  # "measured" | "predicted"
+    predicted: dict[str, float]  # the cost model's
+    estimated: dict[str, float]  # after the per-bucket corrections
+    measured: dict[str, float]  # seconds of the candidates whose program was timed
+    timed_now: tuple[str, ...]
+    tune_seconds: float
+    prepared: dict[str, base.Prepared]
 
 
 class _DelegatingJit:
@@ -57,7 +119,8 @@ class _DelegatingJit:
 
 @dataclasses.dataclass(eq=False)
 class AutoEngine:
-    """Delegates each batch to the engine the cost model predicts fastest.
+    """Delegates each batch to the engine predicted (and, with ``autotune``, measured)
+    fastest.
 
     Args:
       model: the decoder.
@@ -68,6 +131,14 @@ class AutoEngine:
       candidates: the engines it may pick from (default all three).
       engines: prebuilt engines by name (to share buckets and compiled programs);
         missing ones are built from the arguments above.
+      autotune: time the programs of the candidates within ``tune_margin`` of the
+        best estimate, once per shape bucket, in ``value_and_grad`` (module docstring).
+      tune_margin: a candidate is timed when its estimate is at most this many times
+        the best estimate (>= 1; 1 times only the predicted best).
+      tune_repeats: timed calls per program after its warm-up (the minimum counts).
+      timer: ``timer(kind, run) -> seconds``, where ``run()`` calls the compiled
+        program once; default ``time_program`` with ``tune_repeats``. Tests inject
+        fixed times here.
     """
 
     model: Decoder
@@ -77,12 +148,20 @@ class AutoEngine:
     cost_model: CostModel | None = None
     candidates: tuple[str, ...] = ENGINES
     engines: dict | None = None
+    autotune: bool = True
+    tune_margin: float = 2.0
+    tune_repeats: int = 3
+    timer: Timer | None = None
     name: str = "auto"
 
     def __post_init__(self):
         bad = [c for c in self.candidates if c not in ENGINES]
         if bad or not self.candidates:
             raise ValueError(f"candidates={self.candidates!r}: each must be one of {ENGINES}")
+        if not self.tune_margin >= 1.0:
+            raise ValueError(f"tune_margin={self.tune_margin}: must be >= 1 (a ratio of seconds)")
+        if self.tune_repeats < 1:
+            raise ValueError(f"tune_repeats={self.tune_repeats}: must be >= 1")
         self.cost_model = self.cost_model or CostModel.default()
         self.cfg = self.model.cfg
         given = dict(self.engines or {})
@@ -100,6 +179,8 @@ class AutoEngine:
         }
         self.engines = {k: given[k] if k in given else build[k]() for k in ENGINES}
         self.jit = _DelegatingJit(self)
+        # (kind, inner static, loss) -> Timing: the autotuning table.
+        self.timings: dict[tuple, Timing] = {}
 
     @property
     def trace_count(self) -> int:
@@ -152,14 +233,79 @@ class AutoEngine:
     def choose(
         self, batch: RolloutBatch, loss=None, *, weights=None
     ) -> tuple[str, str, dict[str, float]]:
-        """(engine, reason, predicted seconds per engine) for this batch."""
-        kind, reason, pred, _ = self._choose(batch, loss, weights)
-        return kind, reason, pred
+        """(engine, reason, estimated seconds per engine) for this batch, without
+        timing anything: the cost model's prediction, corrected per bucket by the
+        programs already timed."""
+        c = self._choose(batch, loss, weights)
+        return c.kind, c.reason, c.estimated
 
-    def _choose(self, batch, loss, weights):
+    def _estimate(self, kind: str, key: tuple, pred: float) -> float:
+        t = self.timings.get(key)
+        if t is None:
+            return pred
+        # The correction is taken against the current model, so it survives a refit.
+        then = self.cost_model.coefs[kind].predict(t.work)
+        return t.measured if then <= 0 else pred * (t.measured / then)
+
+    def _choose(self, batch, loss, weights, params=None) -> _Choice:
+        """The choice; with ``params`` (and ``autotune``) it times the programs in margin."""
+        loss = loss if loss is not None else MaskedNLLLoss()
         work, prepared = self.prepared_work(batch, loss, weights=weights)
         pred = {e: self.cost_model.coefs[e].predict(w) for e, w in work.items()}
-        best = min(pred, key=lambda e: (pred[e], ENGINES.index(e)))
+        keys = {e: (e, prepared[e].static, loss) for e in work}
+        tune = self.autotune and params is not None
+        timed_now: list[str] = []
+        t0 = time.perf_counter()
+        while True:
+            est = {e: self._estimate(e, keys[e], pred[e]) for e in work}
+            best = min(est, key=lambda e: (est[e], ENGINES.index(e)))
+            todo = [
+                e
+                for e in work
+                if keys[e] not in self.timings and est[e] <= self.tune_margin * est[best]
+            ]
+            if not tune or not todo:
+                break
+            for e in todo:
+                self.timings[keys[e]] = Timing(
+                    measured=self._time(e, prepared[e], loss, params),
+                    predicted=pred[e],
+                    work=work[e],
+                )
+                timed_now.append(e)
+        tune_s = time.perf_counter() - t0 if timed_now else 0.0
+        measured = {e: self.timings[keys[e]].measured for e in work if keys[e] in self.timings}
+        basis = "measured" if best in measured else "predicted"
+        return _Choice(
+            kind=best,
+            reason=self._reason(best, work, pred, est, measured, timed_now),
+            basis=basis,
+            predicted=pred,
+            estimated=est,
+            measured=measured,
+            timed_now=tuple(timed_now),
+            tune_seconds=tune_s,
+            prepared=prepared,
+        )
+
+    def _time(self, kind: str, prepared: base.Prepared, loss, params) -> float:
+        fn = self.engines[kind].jit.get(loss, prepared.static)
+        timer = self.timer or (lambda k, run: time_program(k, run, repeats=self.tune_repeats))
+        return float(timer(kind, lambda: fn(params, *prepared.args)))
+
+    def _reason(self, best, work, pred, est, measured, timed_now) -> str:
+        """``"<pick>: <basis> <ms> (vs <others>); <FLOP ratios>; steps ..."``, where a
+        basis is "predicted" (cost model), "measured" (timed on this batch) or
+        "bucket-measured xF" (the prediction times F, its bucket's measured/predicted)."""
+
+        def how(e):
+            if e in timed_now:
+                return "measured"
+            if e in measured:
+                return f"bucket-measured x{est[e] / pred[e]:.2f}" if pred[e] > 0 else "measured"
+            return "predicted"
+
+        others = ", ".join(f"{e} {how(e)} {est[e] * 1e3:.3g} ms" for e in est if e != best)
         dense = work.get("dense")
         ratio = ""
         if dense is not None:
@@ -168,28 +314,34 @@ class AutoEngine:
                 for e, w in work.items()
                 if e != "dense"
             )
-        others = ", ".join(f"{e} {pred[e] * 1e3:.3g} ms" for e in pred if e != best)
-        reason = (
-            f"{best}: predicted {pred[best] * 1e3:.3g} ms (vs {others or 'no other candidate'}); "
+        return (
+            f"{best}: {how(best)} {est[best] * 1e3:.3g} ms (vs {others or 'no other candidate'}); "
             f"{ratio or 'no dense baseline'}; steps "
             + ", ".join(f"{e}={w.steps}" for e, w in work.items())
         )
-        return best, reason, pred, prepared
+
+    def _prepared(self, c: _Choice) -> base.Prepared:
+        inner = c.prepared[c.kind]
+        stats = dict(
+            inner.stats,
+            chosen_engine=c.kind,
+            choice_reason=c.reason,
+            choice_basis=c.basis,
+            predicted_seconds=c.predicted,
+            estimated_seconds=c.estimated,
+            measured_seconds=c.measured,
+            autotuned=list(c.timed_now),
+            autotune_seconds=c.tune_seconds,
+        )
+        return base.Prepared(
+            static=(c.kind, inner.static), args=inner.args, host=(c.kind, inner), stats=stats
+        )
 
     # --------------------------------------------------------- engine contract
 
     def prepare(self, batch: RolloutBatch, loss, *, weights=None) -> base.Prepared:
-        kind, reason, pred, prepared = self._choose(batch, loss, weights)
-        inner = prepared[kind]
-        stats = dict(
-            inner.stats,
-            chosen_engine=kind,
-            choice_reason=reason,
-            predicted_seconds=pred,
-        )
-        return base.Prepared(
-            static=(kind, inner.static), args=inner.args, host=(kind, inner), stats=stats
-        )
+        """The engine picked from the corrected estimates (never times anything)."""
+        return self._prepared(self._choose(batch, loss, weights))
 
     def device_fn(self, loss, static):
         kind, inner = static
@@ -200,7 +352,13 @@ class AutoEngine:
         return self.engines[kind].finish(inner, out)
 
     def value_and_grad(self, params, batch: RolloutBatch, loss, *, weights=None):
-        return base.run_value_and_grad(self, params, batch, loss, weights)
+        """Prepares every candidate, autotunes the new buckets in margin, runs the pick.
+
+        ``host_seconds`` in the stats excludes the tuning (``autotune_seconds``)."""
+        t0 = time.perf_counter()
+        choice = self._choose(batch, loss, weights, params=params)
+        host_s = time.perf_counter() - t0 - choice.tune_seconds
+        return base.run_prepared(self, params, self._prepared(choice), loss, host_seconds=host_s)
 
     # ------------------------------------------------------------ calibration
 
@@ -213,19 +371,15 @@ class AutoEngine:
         for batch in batches:
             work, prepared_by_kind = self.prepared_work(batch, loss)
             for kind in self.candidates:
-                engine = self.engines[kind]
                 prepared = prepared_by_kind[kind]
-                fn = engine.jit.get(loss, prepared.static)
-                jax.block_until_ready(fn(params, *prepared.args))
-                best = float("inf")
-                for _ in range(max(repeats, 1)):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(fn(params, *prepared.args))
-                    best = min(best, time.perf_counter() - t0)
-                samples.append((kind, work[kind], best))
+                fn = self.engines[kind].jit.get(loss, prepared.static)
+                seconds = time_program(
+                    kind, lambda fn=fn, p=prepared: fn(params, *p.args), repeats=repeats
+                )
+                samples.append((kind, work[kind], seconds))
         self.cost_model = fit_cost_model(samples, self.cost_model)
         self.calibration_samples = samples
         return self.cost_model
 
 
-__all__ = ["AutoEngine"]
+__all__ = ["AutoEngine", "Timing", "time_program"]

@@ -96,6 +96,12 @@ def run_value_and_grad(engine, params, batch, loss, weights):
     t0 = time.perf_counter()
     prepared = engine.prepare(batch, loss, weights=weights)
     host_s = time.perf_counter() - t0
+    return run_prepared(engine, params, prepared, loss, host_seconds=host_s)
+
+
+def run_prepared(engine, params, prepared: Prepared, loss, *, host_seconds: float = 0.0):
+    """Runs an already-prepared batch (jitted program, then ``finish`` on host);
+    ``host_seconds`` is what its preparation took, reported in the stats."""
     t1 = time.perf_counter()
     total, grads, out = engine.jit(loss, prepared.static, params, prepared.args)
     jax.block_until_ready(grads)
@@ -103,7 +109,7 @@ def run_value_and_grad(engine, params, batch, loss, weights):
     logprobs = engine.finish(prepared, out)
     stats = dict(
         engine=engine.name,
-        host_seconds=host_s,
+        host_seconds=host_seconds,
         seconds=device_s,
         trace_count=engine.jit.trace_count,
         **prepared.stats,

@@ -22,7 +22,8 @@ Cost model (``CostModel``): predicted seconds of engine e on a batch =
 ``seconds_per_flop[e] * flops_e + seconds_per_step[e] * steps_e``; the per-step
 term is the engine's overhead (launches, small-batch inefficiency, padding). Both
 are fitted per engine by ``fit_cost_model`` from a short calibration run
-(``dtarl.engines.auto.AutoEngine.calibrate``).
+(``dtarl.engines.auto.AutoEngine.calibrate``). ``AutoEngine`` then corrects the
+predictions per shape bucket by timing the compiled programs (its autotuning).
 """
 
 from __future__ import annotations

@@ -1,11 +1,15 @@
-"""engine="auto": FLOP counts, the cost model's choice and fit, and delegation."""
+"""engine="auto": FLOP counts, the cost model's choice and fit, delegation, and
+the per-bucket autotuning (with a fake timer: no assertion depends on real time)."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_equivalence import _engine, _model, reference, rel_errors
 from test_prefix_reuse import pr_engine
 
 from dtarl.engines import AutoEngine, RolloutBatch
+from dtarl.engines.auto import time_program
 from dtarl.engines.cost import (
     CostModel,
     EngineCoef,
@@ -104,31 +108,160 @@ def test_fit_cost_model_recovers_coefficients():
         CostModel(coefs={"dense": true["dense"]})
 
 
-def test_auto_delegates_and_reports():
-    """Auto runs the chosen engine's compiled program (shared with that engine) and
-    matches the reference; stats say which engine and why."""
-    model, params = _model(ModelFamily.QWEN3)
-    engines = {
+def _engines():
+    """Pre-sized engines shared with the equivalence tests (compiled once per loss)."""
+    return {
         "dense": _engine("dense", ModelFamily.QWEN3),
         "dfs": _engine("dfs", ModelFamily.QWEN3),
         "prefix_reuse": pr_engine(),
     }
-    auto = AutoEngine(model, engines=engines)
-    loss = MaskedNLLLoss()
-    batch = grpo_groups(num_groups=2, group_size=4, prompt_len=30, response_len=(3, 8), seed=2)
-    kind = auto.choose(batch)[0]
+
+
+def _batch():
+    return grpo_groups(num_groups=2, group_size=4, prompt_len=30, response_len=(3, 8), seed=2)
+
+
+def _check_reference(model, params, batch, loss, got_loss, got_grads, aux):
     want_loss, want_grads, want_logp = reference(model, params, batch, loss)
-    got_loss, got_grads, aux = auto.value_and_grad(params, batch, loss)
-    assert aux.stats["engine"] == "auto" and aux.stats["chosen_engine"] == kind
-    assert aux.stats["choice_reason"].startswith(kind)
     assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-5)
     assert max(rel_errors(got_grads, want_grads)) <= 1e-5
     for a, b in zip(aux.logprobs, want_logp, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+class FakeTimer:
+    """Fixed seconds per engine; records what it timed. Runs each program once
+    (compiling it, as the real timer's warm-up does)."""
+
+    def __init__(self, seconds):
+        self.seconds = dict(seconds)
+        self.calls = []
+
+    def __call__(self, kind, run):
+        self.calls.append(kind)
+        jax.block_until_ready(run())
+        return self.seconds[kind]
+
+
+def _model_predicting(auto, batch, loss, target):
+    """A cost model whose prediction for ``batch`` is exactly ``target[e]`` seconds."""
+    work, _ = auto.prepared_work(batch, loss)
+    return CostModel(
+        coefs={
+            e: EngineCoef(seconds_per_flop=target[e] / work[e].flops, seconds_per_step=0.0)
+            for e in work
+        }
+    )
+
+
+def test_auto_delegates_and_reports():
+    """autotune=False: auto runs the cost model's pick with the chosen engine's
+    compiled program (shared with that engine), matches the reference, never times;
+    stats say which engine and why."""
+    model, params = _model(ModelFamily.QWEN3)
+    engines = _engines()
+    timer = FakeTimer({})
+    auto = AutoEngine(model, engines=engines, autotune=False, timer=timer)
+    loss = MaskedNLLLoss()
+    batch = _batch()
+    kind = auto.choose(batch)[0]
+    got_loss, got_grads, aux = auto.value_and_grad(params, batch, loss)
+    assert aux.stats["engine"] == "auto" and aux.stats["chosen_engine"] == kind
+    assert aux.stats["choice_reason"].startswith(kind)
+    assert aux.stats["choice_basis"] == "predicted" and aux.stats["autotune_seconds"] == 0.0
+    assert timer.calls == [] and auto.timings == {} and aux.stats["measured_seconds"] == {}
+    _check_reference(model, params, batch, loss, got_loss, got_grads, aux)
     # The program is the inner engine's own: running it directly does not retrace.
     before = auto.trace_count
     engines[kind].value_and_grad(params, batch, loss)
     assert auto.trace_count == before
+
+
+def test_autotune_overrides_a_wrong_cost_model():
+    """Measurements beat a cost model that ranks the engines backwards; the run
+    still equals the dense reference; the next batch in the same buckets is neither
+    timed nor recompiled; prepare() (the sharded path) follows the measurements."""
+    model, params = _model(ModelFamily.QWEN3)
+    loss = MaskedNLLLoss()
+    batch = _batch()
+    fake = {"dense": 3e-3, "prefix_reuse": 2e-3, "dfs": 1e-3}
+    timer = FakeTimer(fake)
+    auto = AutoEngine(model, engines=_engines(), tune_margin=4.0, timer=timer)
+    auto.cost_model = _model_predicting(
+        auto, batch, loss, {"dense": 1e-3, "prefix_reuse": 2e-3, "dfs": 3e-3}
+    )
+    assert auto.choose(batch, loss)[0] == "dense"  # what the model alone would run
+    got_loss, got_grads, aux = auto.value_and_grad(params, batch, loss)
+    st = aux.stats
+    assert st["chosen_engine"] == "dfs" and st["choice_basis"] == "measured"
+    assert st["choice_reason"].startswith("dfs: measured 1 ms (vs dense measured 3 ms")
+    assert sorted(timer.calls) == sorted(fake) and sorted(st["autotuned"]) == sorted(fake)
+    assert st["measured_seconds"] == fake and st["autotune_seconds"] > 0
+    assert st["predicted_seconds"]["dense"] == pytest.approx(1e-3)
+    _check_reference(model, params, batch, loss, got_loss, got_grads, aux)
+
+    # Same buckets (same tokens, other advantages): no timing, no retrace.
+    again = RolloutBatch.create(tokens=batch.tokens, advantages=-batch.advantages)
+    traces = auto.trace_count
+    _, _, aux2 = auto.value_and_grad(params, again, loss)
+    assert len(timer.calls) == 3 and auto.trace_count == traces
+    assert aux2.stats["chosen_engine"] == "dfs" and aux2.stats["autotune_seconds"] == 0.0
+    assert aux2.stats["autotuned"] == [] and aux2.stats["choice_basis"] == "measured"
+    assert aux2.stats["choice_reason"].startswith("dfs: bucket-measured x")
+
+    # prepare() never times, but uses the corrected estimates.
+    prepared = auto.prepare(batch, loss)
+    assert prepared.static[0] == "dfs" and len(timer.calls) == 3
+    for e, s in fake.items():
+        assert prepared.stats["estimated_seconds"][e] == pytest.approx(s)
+    # The correction is measured / predicted against the current model: a refit
+    # that doubles every prediction leaves the timed buckets' estimates alone.
+    auto.cost_model = CostModel(
+        coefs={
+            e: EngineCoef(seconds_per_flop=2 * c.seconds_per_flop, seconds_per_step=0.0)
+            for e, c in auto.cost_model.coefs.items()
+        }
+    )
+    kind, _, est = auto.choose(batch, loss)
+    assert kind == "dfs" and est == pytest.approx(fake)
+
+
+def test_autotune_margin():
+    """Only candidates within tune_margin of the best estimate are timed; the margin
+    is checked again after each timing round (a predicted best that measures slow
+    brings the next candidate in), and a candidate far outside is never timed."""
+    model, params = _model(ModelFamily.QWEN3)
+    loss = MaskedNLLLoss()
+    batch = _batch()
+    timer = FakeTimer({"dense": 10e-3, "prefix_reuse": 4e-3, "dfs": 1e-3})
+    auto = AutoEngine(model, engines=_engines(), tune_margin=2.0, timer=timer)
+    auto.cost_model = _model_predicting(
+        auto, batch, loss, {"dense": 1e-3, "prefix_reuse": 3e-3, "dfs": 100e-3}
+    )
+    _, _, aux = auto.value_and_grad(params, batch, loss)
+    st = aux.stats
+    # Round 1 times dense (1 ms; prefix_reuse 3 ms > 2 x 1 ms); dense measures 10 ms,
+    # so round 2 times prefix_reuse (3 ms <= 2 x 3 ms); dfs (100 ms) never comes in.
+    assert timer.calls == ["dense", "prefix_reuse"]
+    assert st["chosen_engine"] == "prefix_reuse" and set(st["measured_seconds"]) == {
+        "dense",
+        "prefix_reuse",
+    }
+    assert st["estimated_seconds"]["dfs"] == pytest.approx(100e-3)
+    assert "dfs predicted 100 ms" in st["choice_reason"]
+    with pytest.raises(ValueError, match="tune_margin"):
+        AutoEngine(model, tune_margin=0.5)
+
+
+def test_time_program_warms_up_then_takes_the_minimum():
+    calls = []
+
+    def run():
+        calls.append(1)
+        return jnp.zeros(())
+
+    seconds = time_program("dense", run, repeats=3)
+    assert len(calls) == 4 and 0 <= seconds < float("inf")
 
 
 def test_prepared_work_counts_padding():
