@@ -39,7 +39,7 @@ from dtarl.engines.cost import ideal_ratio
 from dtarl.model import ModelConfig, init_model
 from dtarl.rl.losses import ClippedSurrogateLoss
 from dtarl.testing import grpo_groups
-from dtarl.tree import DFSOrder, build_tree
+from dtarl.tree import DFSOrder
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -263,7 +263,7 @@ def run(
         )
     for wl in all_w:
         batch = wl.make()
-        tree = build_tree(batch.tokens)
+        tree = batch.prefix_tree()
         ideal = ideal_ratio(cfg, tree)
         row = {
             "workload": wl.name,
@@ -293,6 +293,7 @@ def run(
             _, _, aux = engine.value_and_grad(params, batch, loss)  # compile (+ tune), warm up
             compile_s = time.perf_counter() - t0
             tune_s = aux.stats.get("autotune_seconds", 0.0)
+            first = aux.stats  # auto: the full choice (later steps may reuse it)
             times, stats = [], {}
             for _ in range(repeats):
                 t0 = time.perf_counter()
@@ -314,10 +315,11 @@ def run(
                 row["engines"][name]["auto"] = {
                     "picked": stats["chosen_engine"],
                     "basis": stats.get("choice_basis"),
-                    "reason": stats.get("choice_reason"),
+                    "first_pick": first.get("chosen_engine"),
+                    "reason": first.get("choice_reason"),
                     "autotune_seconds": tune_s,
-                    "predicted_seconds": stats.get("predicted_seconds"),
-                    "measured_seconds": stats.get("measured_seconds"),
+                    "predicted_seconds": first.get("predicted_seconds"),
+                    "measured_seconds": first.get("measured_seconds"),
                 }
             else:  # keep alive only auto and the fastest other engine so far
                 others = [n for n, e in row["engines"].items() if "auto" not in e]

@@ -53,7 +53,7 @@ from dtarl.engines.dfs import DFSEngine
 from dtarl.engines.prefix_reuse import PrefixActivations, PrefixReuseEngine
 from dtarl.model.decoder import Decoder
 from dtarl.rl.losses import MaskedNLLLoss
-from dtarl.tree.trie import build_tree
+from dtarl.tree.plan import bucket, fine_bucket
 
 Timer = Callable[[str, Callable[[], object]], float]
 
@@ -86,7 +86,7 @@ class Timing:
 class _Choice:
     kind: str
     reason: str
-    basis: str  # "measured" | "predicted"
+    basis: str  # "measured" | "predicted" | "reused" (a measured choice, same signature)
     predicted: dict[str, float]  # the cost model's
     estimated: dict[str, float]  # after the per-bucket corrections
     measured: dict[str, float]  # seconds of the candidates whose program was timed
@@ -139,6 +139,12 @@ class AutoEngine:
       timer: ``timer(kind, run) -> seconds``, where ``run()`` calls the compiled
         program once; default ``time_program`` with ``tune_repeats``. Tests inject
         fixed times here.
+      reuse_choices: in ``value_and_grad``, a batch with the same signature as an
+        earlier batch whose pick was measured (same loss; same buckets of sequences,
+        tokens, tree tokens, longest path and leaves; same depth) is given to that
+        engine directly, and only that engine prepares it, provided its program is
+        one already timed (otherwise the full choice runs). This removes the other
+        candidates' host work (about 1 ms a step) from steady-state training.
     """
 
     model: Decoder
@@ -152,6 +158,7 @@ class AutoEngine:
     tune_margin: float = 2.0
     tune_repeats: int = 3
     timer: Timer | None = None
+    reuse_choices: bool = True
     name: str = "auto"
 
     def __post_init__(self):
@@ -181,6 +188,8 @@ class AutoEngine:
         self.jit = _DelegatingJit(self)
         # (kind, inner static, loss) -> Timing: the autotuning table.
         self.timings: dict[tuple, Timing] = {}
+        # batch signature -> the engine a measured choice picked for it.
+        self.choices: dict[tuple, str] = {}
 
     @property
     def trace_count(self) -> int:
@@ -201,7 +210,7 @@ class AutoEngine:
         pr = self.engines["prefix_reuse"]
         return engine_work(
             self.cfg,
-            build_tree(batch.tokens),
+            batch.prefix_tree(),
             microbatch=self.engines["dense"].microbatch,
             suffix_microbatch=pr.microbatch,
             chunk_len=self.engines["dfs"].chunk_len,
@@ -247,13 +256,54 @@ class AutoEngine:
         then = self.cost_model.coefs[kind].predict(t.work)
         return t.measured if then <= 0 else pred * (t.measured / then)
 
+    @staticmethod
+    def signature(batch: RolloutBatch, loss) -> tuple:
+        """What ``reuse_choices`` compares: the loss and the batch's size buckets."""
+        st = batch.prefix_tree().stats
+        return (
+            loss,
+            bucket(st.num_sequences),
+            fine_bucket(st.num_tokens),
+            fine_bucket(st.tree_tokens),
+            bucket(st.longest_path),
+            bucket(st.num_leaves),
+            int(st.depth),
+        )
+
+    def _reuse(self, batch, loss, weights) -> _Choice | None:
+        """The remembered measured choice for this batch's signature, if its engine's
+        program for this batch is one already timed."""
+        kind = self.choices.get(self.signature(batch, loss))
+        if kind is None:
+            return None
+        prep = self.engines[kind].prepare(batch, loss, weights=weights)
+        timing = self.timings.get((kind, prep.static, loss))
+        if timing is None:  # a bucket grew: choose afresh
+            return None
+        return _Choice(
+            kind=kind,
+            reason=f"{kind}: measured {timing.measured * 1e3:.3g} ms on a batch with the "
+            "same signature (reused choice; the other candidates did not prepare)",
+            basis="reused",
+            predicted={},
+            estimated={},
+            measured={kind: timing.measured},
+            timed_now=(),
+            tune_seconds=0.0,
+            prepared={kind: prep},
+        )
+
     def _choose(self, batch, loss, weights, params=None) -> _Choice:
         """The choice; with ``params`` (and ``autotune``) it times the programs in margin."""
         loss = loss if loss is not None else MaskedNLLLoss()
+        tune = self.autotune and params is not None
+        if tune and self.reuse_choices:
+            reused = self._reuse(batch, loss, weights)
+            if reused is not None:
+                return reused
         work, prepared = self.prepared_work(batch, loss, weights=weights)
         pred = {e: self.cost_model.coefs[e].predict(w) for e, w in work.items()}
         keys = {e: (e, prepared[e].static, loss) for e in work}
-        tune = self.autotune and params is not None
         timed_now: list[str] = []
         t0 = time.perf_counter()
         while True:
@@ -276,6 +326,8 @@ class AutoEngine:
         tune_s = time.perf_counter() - t0 if timed_now else 0.0
         measured = {e: self.timings[keys[e]].measured for e in work if keys[e] in self.timings}
         basis = "measured" if best in measured else "predicted"
+        if tune and self.reuse_choices and basis == "measured":
+            self.choices[self.signature(batch, loss)] = best
         return _Choice(
             kind=best,
             reason=self._reason(best, work, pred, est, measured, timed_now),

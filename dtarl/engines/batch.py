@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dtarl.tree.trie import PrefixTree, build_tree
+
 
 class BatchError(ValueError):
     """A malformed training batch; the message names the field and sequence."""
@@ -181,6 +183,15 @@ class RolloutBatch:
             group_ids=gids,
             rewards=rw,
         )
+
+    def prefix_tree(self) -> PrefixTree:
+        """The batch's prefix tree, built on first use and kept with the batch, so
+        the engines that ``auto`` prepares (and the benchmark) share one."""
+        tree = self.__dict__.get("_prefix_tree")
+        if tree is None:
+            tree = build_tree(self.tokens)
+            object.__setattr__(self, "_prefix_tree", tree)
+        return tree
 
     @property
     def num_sequences(self) -> int:

@@ -25,7 +25,11 @@ plan; the model's segment mask keeps them apart), and a POP_ROWS step pops up to
 ``leaf_rows`` chunks of sibling leaves as a batch of rows over one shared stack
 prefix (the model attends every row to the single stack copy). Their sequences' losses are
 then evaluated on the path logprobs with that segment's chunk entries scattered
-in. Each step attends only to the first ``prefix_sizes[pbucket]`` stack rows: one
+in. A POP_WIDE step pops up to ``leaf_rows`` rows of ``wide_chunks`` chunks
+(leaves longer than a chunk, or a long leaf's tail) the same way, so a leaf
+that shares nothing is computed once forward and once backward, batched, as in
+dense training. Each step attends only
+to the first ``prefix_sizes[pbucket]`` stack rows: one
 ``lax.switch`` branch per (op, prefix bucket), all compiled into the same program.
 
 Letters: L layers, S path buffer, C chunk, K kv heads, D head dim, T steps.
@@ -48,7 +52,7 @@ from dtarl.model.config import AttentionBackend
 from dtarl.model.decoder import Decoder, KVCache, token_logprobs
 from dtarl.tree.order import DFSOrder
 from dtarl.tree.plan import Op, SegmentPlan, bucket, compile_plan
-from dtarl.tree.trie import PrefixTree, build_tree
+from dtarl.tree.trie import PrefixTree
 
 
 class _Step(NamedTuple):
@@ -105,6 +109,8 @@ class DFSEngine:
     order: DFSOrder = DFSOrder.GREEDY
     pack_leaves: bool = True
     leaf_rows: int = 2  # measured best on the tiny model on CPU (G=4/8/16: 2 > 1, 4, 8)
+    wide_chunks: int = 4  # POP_WIDE rows of up to this many chunks (0 or 1: none)
+    wide_slack: float = 0.25  # accepted extra FLOPs of a wide row over chunking it
     prefix_levels: int = 3
     name: str = "dfs"
 
@@ -115,6 +121,10 @@ class DFSEngine:
             raise ValueError(f"prefix_levels={self.prefix_levels} must be >= 1")
         if self.leaf_rows < 1:
             raise ValueError(f"leaf_rows={self.leaf_rows} must be >= 1")
+        if self.wide_chunks < 0:
+            raise ValueError(f"wide_chunks={self.wide_chunks} must be >= 0 (0 or 1: no wide pops)")
+        if not self.wide_slack >= 0:
+            raise ValueError(f"wide_slack={self.wide_slack} must be >= 0")
         self.graphdef, _ = base.split_model(self.model)
         self.cfg = self.model.cfg
         self.jit = base.JitCache(self)
@@ -124,7 +134,7 @@ class DFSEngine:
         )
         # Buckets only grow, so a smaller batch reuses the last program.
         # Loss slots are cheap (O(path) each); 8 covers most packed steps.
-        self._min = dict(steps=1, path=1, slots=8, seqs=1, flat=1, tree=1)
+        self._min = dict(steps=1, path=1, slots=8, seqs=1, flat=1, tree=1, wide=0)
 
     # ------------------------------------------------------------ device side
 
@@ -156,14 +166,16 @@ class DFSEngine:
         return self.jit.trace_count
 
     def device_fn(self, loss, static):
-        s, tree_size, sizes, rows = static
+        s, tree_size, sizes, rows, wide = static
         return lambda params, steps, seq: self._run_plan(
-            loss, s, tree_size, sizes, rows, params, steps, seq
+            loss, s, tree_size, sizes, rows, wide, params, steps, seq
         )
 
-    def _run_plan(self, loss, s, tree_size, sizes, rows, params, steps: _Step, seq: base.SeqData):
+    def _run_plan(
+        self, loss, s, tree_size, sizes, rows, wide, params, steps: _Step, seq: base.SeqData
+    ):
         cfg = self.cfg
-        c = steps.inputs.shape[1] // rows
+        c = steps.inputs.shape[1] // (rows * max(wide, 1))
         with_ent = bool(getattr(loss, "needs_entropy", False))
         buf = s + c
         cd = jnp.dtype(cfg.compute_dtype)
@@ -189,10 +201,12 @@ class DFSEngine:
         def noop(cr: _Carry, st: _Step) -> _Carry:
             return cr
 
-        def row0(st: _Step) -> _Step:
-            """A PUSH/POP step's first C entries (the rest are POP_ROWS padding)."""
+        def first(st: _Step, n: int) -> _Step:
+            """A step's first n entries (the rest are padding for wider ops)."""
             per_entry = ("positions", "inputs", "targets", "seg", "tree_idx")
-            return st._replace(**{f: getattr(st, f)[:c] for f in per_entry})
+            return st._replace(**{f: getattr(st, f)[:n] for f in per_entry})
+
+        row0 = functools.partial(first, n=c)  # PUSH / POP: one chunk
 
         def push(p: int, cr: _Carry, st: _Step) -> _Carry:
             st = row0(st)
@@ -292,11 +306,13 @@ class DFSEngine:
                 ),
             )
 
-        def pop_rows(p: int, cr: _Carry, st: _Step) -> _Carry:
-            # Only leaves: no descendant cotangents wait in dstack/dlogp past
-            # ``start``, and nothing stacked reads these rows' K/V.
+        def pop_rows(n_rows: int, width: int, p: int, cr: _Carry, st: _Step) -> _Carry:
+            # ``n_rows`` rows of ``width`` entries (POP_ROWS: R rows of C; POP_WIDE: R
+            # rows of W*C). Only leaves: no descendant cotangents wait in dstack/dlogp
+            # past ``start``, and nothing stacked reads these rows' K/V.
+            st = first(st, n_rows * width)
             valid = st.seg >= 0
-            fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, rows, with_ent)
+            fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, n_rows, with_ent)
             (logp, ent, k_new, v_new), vjp = jax.vjp(
                 fwd, params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p]
             )
@@ -325,13 +341,19 @@ class DFSEngine:
         branches = [noop]
         branches += [functools.partial(push, p) for p in sizes]
         branches += [functools.partial(pop, p) for p in sizes]
+        base_index = {Op.PUSH: 1, Op.POP: 1 + nb}
         if rows > 1:
-            branches += [functools.partial(pop_rows, p) for p in sizes]
-        first = {Op.PUSH: 1, Op.POP: 1 + nb, Op.POP_ROWS: 1 + 2 * nb}
+            base_index[Op.POP_ROWS] = len(branches)
+            branches += [functools.partial(pop_rows, rows, c, p) for p in sizes]
+        if wide > 1:
+            base_index[Op.POP_WIDE] = len(branches)
+            branches += [functools.partial(pop_rows, rows, wide * c, p) for p in sizes]
 
         def body(cr, st):
             index = jnp.select(
-                [st.op == op for op in first], [v + st.pbucket for v in first.values()], 0
+                [st.op == op for op in base_index],
+                [v + st.pbucket for v in base_index.values()],
+                0,
             )
             return jax.lax.switch(index, branches, cr, st), None
 
@@ -360,6 +382,9 @@ class DFSEngine:
             ("tree", tokens),
         ):
             self._min[key] = max(self._min[key], bucket(value))
+        if path > self.chunk_len and self.wide_chunks >= 2:  # leaves this long pop wide
+            need = min(self.wide_chunks, -(-path // self.chunk_len))
+            self._min["wide"] = max(self._min["wide"], need)
         return self
 
     def plan(self, tree: PrefixTree) -> SegmentPlan:
@@ -369,11 +394,16 @@ class DFSEngine:
             order=self.order,
             pack_leaves=not self._single_segment,
             rows=self.leaf_rows,
+            wide=self.wide_chunks,
+            token_flops=self.cfg.flops_per_token,
+            wide_slack=self.wide_slack,
             prefix_levels=self.prefix_levels,
             min_steps=self._min["steps"],
             min_path=self._min["path"],
             min_slots=self._min["slots"],
+            min_wide=self._min["wide"],
         )
+        self._min["wide"] = plan.wide
         self._min["steps"] = plan.op.shape[0]
         self._min["path"] = plan.path_len
         self._min["slots"] = plan.slots.shape[1]
@@ -387,7 +417,7 @@ class DFSEngine:
         flops = 0.0
         for t in range(plan.num_steps):
             op = Op(int(plan.op[t]))
-            width = c * (plan.rows if op is Op.POP_ROWS else 1)
+            width = c * {Op.POP_ROWS: plan.rows, Op.POP_WIDE: plan.rows * plan.wide}.get(op, 1)
             fwd = width * self.cfg.flops_per_token(sizes[int(plan.pbucket[t])] + (c + 1) / 2)
             flops += fwd if op is Op.PUSH else 3.0 * fwd  # pop: recompute + backward
         return dict(work_flops=flops, work_steps=plan.num_steps)
@@ -395,7 +425,7 @@ class DFSEngine:
     def prepare(self, batch: RolloutBatch, loss, *, weights=None) -> base.Prepared:
         base.check_batch(batch, loss, self.cfg.vocab_size)
         w = base.sequence_weights(batch, loss, weights)
-        tree = build_tree(batch.tokens)
+        tree = batch.prefix_tree()
         plan = self.plan(tree)
         n = batch.num_sequences
         self._min["seqs"] = n_pad = bucket(n, self._min["seqs"])
@@ -425,12 +455,13 @@ class DFSEngine:
             num_steps=plan.num_steps,
             packed_steps=plan.packed_steps,
             row_steps=plan.row_steps,
+            wide_steps=plan.wide_steps,
             padded_steps=int(plan.op.shape[0]),
             path_buffer=plan.path_len + plan.chunk_len,
             **self.work(plan),
         )
         return base.Prepared(
-            static=(plan.path_len, tree_size, plan.prefix_sizes, plan.rows),
+            static=(plan.path_len, tree_size, plan.prefix_sizes, plan.rows, plan.wide),
             args=(steps, seq),
             host=(tree, n),
             stats=stats,

@@ -479,7 +479,7 @@ class PrefixReuseEngine:
     def prepare(self, batch: RolloutBatch, loss, *, weights=None) -> base.Prepared:
         base.check_batch(batch, loss, self.cfg.vocab_size)
         w = base.sequence_weights(batch, loss, weights)
-        tree = build_tree(batch.tokens)
+        tree = batch.prefix_tree()
         if self._dfs is None:
             return self._prepare_rows(batch, loss, w, tree)
         deep = deep_sequences(tree)

@@ -261,17 +261,18 @@ def prepared_features(engine, prepared, cfg: ModelConfig) -> StepFeatures:
             program=engine.name,
         )
     if isinstance(engine, DFSEngine):
-        # static = (path_len, tree_size, prefix_sizes[, rows]); a step's entries are
-        # ``rows`` chunks of C (only POP_ROWS steps use more than the first chunk).
+        # static = (path_len, tree_size, prefix_sizes[, rows[, wide]]); a step's
+        # entries are rows * max(wide, 1) chunks of C: POP_ROWS steps run ``rows``
+        # chunks, POP_WIDE steps ``rows * wide`` chunks, PUSH/POP the first chunk.
         steps, static = prepared.args[0], prepared.static
         sizes = np.asarray(static[2], np.float64)
         n_rows = int(static[3]) if len(static) > 3 else 1
+        n_wide = int(static[4]) if len(static) > 4 else 0
         op = np.asarray(steps.op)
-        c = int(np.asarray(steps.inputs).shape[1]) // n_rows
+        c = int(np.asarray(steps.inputs).shape[1]) // (n_rows * max(n_wide, 1))
         width = np.where(op == Op.NOOP, 0.0, 1.0)
-        pop_rows = getattr(Op, "POP_ROWS", None)
-        if pop_rows is not None:
-            width = np.where(op == pop_rows, float(n_rows), width)
+        width = np.where(op == Op.POP_ROWS, float(n_rows), width)
+        width = np.where(op == Op.POP_WIDE, float(n_rows * n_wide), width)
         w = np.where(op == Op.PUSH, 1.0, 3.0) * width  # forward / recompute + backward
         ctx = sizes[np.asarray(steps.pbucket)] + c
         return StepFeatures(

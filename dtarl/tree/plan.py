@@ -32,6 +32,21 @@ rows without copying it. Every step's per-entry arrays are ``rows * C`` wide;
 PUSH and POP use the first C entries. Rows only ever hold leaves, so nothing
 has accumulated in the stack cotangents past their start and they leave none.
 
+Wide leaves. A leaf longer than a chunk costs, chunked, a forward of every chunk
+but its last at push time and again at pop time, and one sequential step per
+chunk. With ``wide`` = W > 1, sibling leaves of more than C but at most W*C
+input tokens are packed (first fit) into rows of W*C entries and popped R rows
+at a time as POP_WIDE steps over the shared stack prefix, when that computes at
+most (1 + ``wide_slack``) x the FLOPs of chunking them (``token_flops(keys)``: a
+token's forward FLOPs attending ``keys`` keys; every entry of a step attends its
+prefix bucket and its whole row, padding included; without ``token_flops`` every
+token costs 1). A leaf longer than W*C pushes chunks only until at most W*C
+entries are left and pops those as one POP_WIDE step (its "wide tail", the only
+row of its step). A wide row saves the second forward of the pushed chunks and
+runs as fewer, larger steps whose rows execute in parallel; chunking saves the
+masked half of a long row's attention. The slack prices the first against the
+second (the engine's default is measured).
+
 Runs. A chain of short nodes (multi-turn trees: one node per turn) would cost a
 step per node on the way down and on the way up. Consecutive steps over adjacent
 ranges of the same path are merged while they fit one chunk (``merge_runs``): a
@@ -54,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 
 import numpy as np
 
@@ -66,6 +82,7 @@ class Op(enum.IntEnum):
     PUSH = 1
     POP = 2
     POP_ROWS = 3  # a POP of up to ``rows`` rows of sibling leaves over one shared prefix
+    POP_WIDE = 4  # a POP of up to ``rows`` rows of ``wide`` * C entries of leaves
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -104,11 +121,12 @@ def prefix_bucket_sizes(path_len: int, chunk_len: int, levels: int) -> tuple[int
 class SegmentPlan:
     """Fixed-shape device program for one tree. Arrays are host numpy.
 
-    Per step t (padded to a step bucket with NOOP) and entry i < R*C (row i // C):
+    Per step t (padded to a step bucket with NOOP) and entry i < E = R*max(W, 1)*C
+    (row i // C of a POP_ROWS step, row i // (W*C) of a POP_WIDE step):
       op [T]; start [T]: stack prefix length the step reads (= path position of
       its first input); pbucket [T]: index into ``prefix_sizes``;
-      positions [T, R*C], inputs [T, R*C], targets [T, R*C]; seg [T, R*C]: segment
-      of the entry (unique within the step), -1 for padding; tree_idx [T, R*C]:
+      positions [T, E], inputs [T, E], targets [T, E]; seg [T, E]: segment
+      of the entry (unique within the step), -1 for padding; tree_idx [T, E]:
       where the target's logprob goes in the tree's flat token data, -1 for padding;
       slots [T, K]: sequences visited at this step (-1 = empty), slot_seg [T, K].
     PUSH steps are a single contiguous segment starting at ``start``; PUSH and
@@ -127,6 +145,7 @@ class SegmentPlan:
     slot_seg: np.ndarray
     chunk_len: int
     rows: int  # R: rows of a POP_ROWS step
+    wide: int  # W: a POP_WIDE step's R rows are W * C entries (0: no POP_WIDE steps)
     path_len: int  # S: padded path buffer for logprobs / sequence data
     prefix_sizes: tuple[int, ...]
     num_steps: int  # real steps (before padding)
@@ -134,6 +153,7 @@ class SegmentPlan:
     pushed_tokens: int  # tokens whose forward also runs at push time
     packed_steps: int  # pop steps with a row holding more than one leaf
     row_steps: int  # POP_ROWS steps
+    wide_steps: int  # POP_WIDE steps
     peak_path: int  # longest stacked prefix + chunk
 
     @property
@@ -143,6 +163,7 @@ class SegmentPlan:
             self.op.shape[0],
             self.chunk_len,
             self.rows,
+            self.wide,
             self.path_len,
             self.slots.shape[1],
             self.prefix_sizes,
@@ -197,11 +218,15 @@ def compile_plan(
     order: DFSOrder = DFSOrder.GREEDY,
     pack_leaves: bool = True,
     rows: int = 1,
+    wide: int = 0,
+    token_flops: Callable[[float], float] | None = None,
+    wide_slack: float = 0.0,
     merge_runs: bool = True,
     prefix_levels: int = 3,
     min_steps: int = 1,
     min_path: int = 1,
     min_slots: int = 1,
+    min_wide: int = 0,
 ) -> SegmentPlan:
     """Turns ``tree`` into a bucketed push/pop plan (see the module docstring)."""
     if chunk_len < 1:
@@ -210,6 +235,10 @@ def compile_plan(
         raise ValueError(f"prefix_levels={prefix_levels} must be >= 1")
     if rows < 1:
         raise ValueError(f"rows={rows} must be >= 1")
+    if wide < 0:
+        raise ValueError(f"wide={wide} must be >= 0 (0 or 1: no wide pops)")
+    if not wide_slack >= 0:
+        raise ValueError(f"wide_slack={wide_slack} must be >= 0")
     c, r = int(chunk_len), int(rows)
     children = child_order(tree, order, chunk_len=c)
     start_pos, length = tree.start, tree.length
@@ -230,28 +259,89 @@ def compile_plan(
                 "token (length-1 sequences are not trainable)"
             )
 
+    # W: the widest leaf in chunks, capped at ``wide`` (and never below the
+    # engine's previous W, so the program is reused).
+    longest_leaf = max(
+        (seg_range(x)[1] - seg_range(x)[0] for x in range(1, tree.num_nodes) if not children[x]),
+        default=0,
+    )
+    w_chunks = min(int(wide), -(-longest_leaf // c)) if longest_leaf > c else 0
+    w_chunks = max(w_chunks, int(min_wide))
+    w_chunks = w_chunks if w_chunks >= 2 else 0
+    wc = w_chunks * c
+
     steps: list[_Step] = []
     pushed = 0
 
-    def emit_leaves(leaves: list[int]) -> None:
-        # First-fit decreasing of whole leaf segments into chunks of C entries
-        # (one leaf per chunk without packing), then up to R chunks per step.
+    def first_fit(leaves: list[int], cap: int) -> list[list[int]]:
+        """First-fit decreasing of whole leaf segments into bins of ``cap`` entries
+        (one leaf per bin without packing)."""
         bins: list[tuple[int, list[int]]] = []
         for x in sorted(leaves, key=lambda y: -(seg_range(y)[1] - seg_range(y)[0])):
             size = seg_range(x)[1] - seg_range(x)[0]
             for i, (used, members) in enumerate(bins):
-                if pack_leaves and used + size <= c:
+                if pack_leaves and used + size <= cap:
                     bins[i] = (used + size, members + [x])
                     break
             else:
                 bins.append((size, [x]))
+        return [members for _, members in bins]
+
+    def pop_step(op: Op, group: list[list[int]]) -> _Step:
+        members = [(row, x) for row, xs in enumerate(group) for x in xs]
+        segs = [(x, *seg_range(x), row, j) for j, (row, x) in enumerate(members)]
+        slots = [(sid, j) for j, (_, x) in enumerate(members) for sid in tree.ends_at[x]]
+        return _Step(op, segs[0][1], segs, slots)
+
+    def emit_leaves(leaves: list[int]) -> None:
+        # Chunks of C entries, then up to R chunks per step.
+        bins = first_fit(leaves, c)
         for first in range(0, len(bins), r):
-            group = [members for _, members in bins[first : first + r]]
-            members = [(row, x) for row, xs in enumerate(group) for x in xs]
-            segs = [(x, *seg_range(x), row, j) for j, (row, x) in enumerate(members)]
-            slots = [(sid, j) for j, (_, x) in enumerate(members) for sid in tree.ends_at[x]]
-            op = Op.POP_ROWS if len(group) > 1 else Op.POP
-            steps.append(_Step(op, segs[0][1], segs, slots))
+            group = bins[first : first + r]
+            steps.append(pop_step(Op.POP_ROWS if len(group) > 1 else Op.POP, group))
+
+    s_pad = bucket(int(tree.stats.longest_path), min_path)
+    sizes = prefix_bucket_sizes(s_pad, c, prefix_levels)
+    flops = token_flops or (lambda keys: 1.0)
+
+    def step_flops(width: int, start: int) -> float:
+        """Forward FLOPs of a step of ``width`` entries reading the stack up to
+        ``start``: every entry attends the prefix bucket and the whole row."""
+        p = sizes[int(np.searchsorted(sizes, start))]
+        return width * flops(p + width)
+
+    def chunked_flops(s0: int, s1: int) -> float:
+        """Forward + backward FLOPs of [s0, s1) chunked: pushed (but for the last
+        chunk) and popped under the VJP (3x)."""
+        firsts = list(range(s0, s1, c))
+        return sum(step_flops(c, a) for a in firsts[:-1]) + 3 * sum(
+            step_flops(c, a) for a in firsts
+        )
+
+    def emit_wide(leaves: list[int]) -> list[int]:
+        """POP_WIDE steps (up to R rows of W*C) for the bins of leaves that cost at
+        most (1 + wide_slack) x their chunked FLOPs wide; returns the leaves left to
+        chunk."""
+        left, wide_bins = [], []
+        for members in first_fit(leaves, wc):
+            chunked = sum(chunked_flops(*seg_range(x)) for x in members)
+            if 3 * step_flops(wc, seg_range(members[0])[0]) <= (1 + wide_slack) * chunked:
+                wide_bins.append(members)
+            else:
+                left.extend(members)
+        for first in range(0, len(wide_bins), r):
+            steps.append(pop_step(Op.POP_WIDE, wide_bins[first : first + r]))
+        return left
+
+    def tail_start(x: int) -> int | None:
+        """Where a long leaf's wide tail starts (None: chunk the whole leaf)."""
+        s0, s1 = seg_range(x)
+        if not wc or children[x] or s1 - s0 <= wc:
+            return None
+        tail = s0 + -(-(s1 - s0 - wc) // c) * c
+        # Alone in its step: the step's other R - 1 rows are padding.
+        wide_cost = 3 * r * step_flops(wc, tail)
+        return tail if wide_cost <= (1 + wide_slack) * chunked_flops(tail, s1) else None
 
     # Iterative DFS: (leaving?, node).
     stack: list[tuple[bool, int]] = [(False, 0)]
@@ -263,16 +353,25 @@ def compile_plan(
             check_trainable(x)
             cks = chunks(x)
             leaf = len(children[x]) == 0
-            for s, e in cks[:-1] if leaf else cks:
+            tail = tail_start(x)
+            if tail is not None:
+                cks = [(s, e) for s, e in cks if s < tail]
+            for s, e in cks[:-1] if leaf and tail is None else cks:
                 steps.append(_Step(Op.PUSH, s, [(x, s, e, 0, 0)], []))
                 pushed += e - s
             stack.append((True, x))
             kids = children[x]
         else:
             cks = chunks(x)
+            tail = tail_start(x)
+            if tail is not None:
+                end = seg_range(x)[1]
+                ends = [(q, 0) for q in tree.ends_at[x]]
+                steps.append(_Step(Op.POP_WIDE, tail, [(x, tail, end, 0, 0)], ends))
+                cks = [(s, e) for s, e in cks if s < tail]
             for i in range(len(cks) - 1, -1, -1):
                 s, e = cks[i]
-                last = i == len(cks) - 1
+                last = i == len(cks) - 1 and tail is None
                 steps.append(
                     _Step(
                         Op.POP,
@@ -282,17 +381,20 @@ def compile_plan(
                     )
                 )
             continue
-        packable = []
-        rest = []
+        packable, wideable, rest = [], [], []
         for ch in kids:
             s0, s1 = seg_range(ch)
             if (pack_leaves or r > 1) and not children[ch] and 0 < s1 - s0 <= c:
                 check_trainable(ch)
                 packable.append(ch)
+            elif wc and not children[ch] and c < s1 - s0 <= wc:
+                wideable.append(ch)
             else:
                 rest.append(ch)
         if packable:
             emit_leaves(packable)
+        if wideable:
+            rest += emit_wide(wideable)
         stack.extend((False, ch) for ch in reversed(rest))
 
     if merge_runs:
@@ -300,12 +402,10 @@ def compile_plan(
     n_steps = len(steps)
     t_pad = fine_bucket(n_steps, min_steps)
     k_pad = bucket(max((len(st.slots) for st in steps), default=1), min_slots)
-    s_pad = bucket(int(tree.stats.longest_path), min_path)
-    sizes = prefix_bucket_sizes(s_pad, c, prefix_levels)
     op = np.zeros(t_pad, np.int32)
     start = np.zeros(t_pad, np.int32)
     pbucket = np.zeros(t_pad, np.int32)
-    w = r * c
+    w = r * max(w_chunks, 1) * c
     positions = np.zeros((t_pad, w), np.int32)
     inputs = np.zeros((t_pad, w), np.int32)
     targets = np.zeros((t_pad, w), np.int32)
@@ -313,11 +413,12 @@ def compile_plan(
     tree_idx = np.full((t_pad, w), -1, np.int32)
     slots = np.full((t_pad, k_pad), -1, np.int32)
     slot_seg = np.zeros((t_pad, k_pad), np.int32)
-    computed = packed = row_steps = peak = 0
+    computed = packed = row_steps = wide_steps = peak = 0
     for t, st in enumerate(steps):
         op[t], start[t] = int(st.op), st.start
         pbucket[t] = int(np.searchsorted(sizes, st.start))
         used = [0] * r
+        cap = wc if st.op is Op.POP_WIDE else c
         for x, s, e, row, j in st.segs:
             # Tokens at path positions [a-1, b): the parent's last token, then X's own.
             a = int(start_pos[x])
@@ -329,7 +430,7 @@ def compile_plan(
             else:
                 ext, base = own, 0
             n = e - s
-            col = row * c + used[row]
+            col = row * cap + used[row]
             sl = slice(col, col + n)
             positions[t, sl] = np.arange(s, e)
             inputs[t, sl] = ext[s - base : e - base]
@@ -337,12 +438,13 @@ def compile_plan(
             seg[t, sl] = j
             tree_idx[t, sl] = int(tree.offset[x]) + np.arange(s + 1, e + 1) - a
             used[row] += n
-            assert used[row] <= c
+            assert used[row] <= cap
             peak = max(peak, e)
-        if st.op in (Op.POP, Op.POP_ROWS):
+        if st.op in (Op.POP, Op.POP_ROWS, Op.POP_WIDE):
             computed += sum(used)
             packed += len({row for *_, row, _ in st.segs}) < len({j for *_, j in st.segs})
             row_steps += st.op is Op.POP_ROWS
+            wide_steps += st.op is Op.POP_WIDE
         for k, (sid, j) in enumerate(st.slots):
             slots[t, k], slot_seg[t, k] = sid, j
     return SegmentPlan(
@@ -358,6 +460,7 @@ def compile_plan(
         slot_seg=slot_seg,
         chunk_len=c,
         rows=r,
+        wide=w_chunks,
         path_len=s_pad,
         prefix_sizes=sizes,
         num_steps=n_steps,
@@ -365,5 +468,6 @@ def compile_plan(
         pushed_tokens=pushed,
         packed_steps=packed,
         row_steps=row_steps,
+        wide_steps=wide_steps,
         peak_path=peak,
     )

@@ -206,8 +206,21 @@ def test_autotune_overrides_a_wrong_cost_model():
     _, _, aux2 = auto.value_and_grad(params, again, loss)
     assert len(timer.calls) == 3 and auto.trace_count == traces
     assert aux2.stats["chosen_engine"] == "dfs" and aux2.stats["autotune_seconds"] == 0.0
-    assert aux2.stats["autotuned"] == [] and aux2.stats["choice_basis"] == "measured"
-    assert aux2.stats["choice_reason"].startswith("dfs: bucket-measured x")
+    # The same signature: the measured choice is reused, and only dfs prepared.
+    assert aux2.stats["autotuned"] == [] and aux2.stats["choice_basis"] == "reused"
+    assert aux2.stats["choice_reason"].startswith("dfs: measured 1 ms on a batch with the same")
+    assert aux2.stats["predicted_seconds"] == {}
+    _check_reference(model, params, again, loss, *aux2_run(auto, params, again, loss))
+    # Without reuse every candidate prepares, and the bucket's measurement decides.
+    auto.reuse_choices = False
+    _, _, aux3 = auto.value_and_grad(params, again, loss)
+    assert len(timer.calls) == 3 and auto.trace_count == traces
+    assert aux3.stats["chosen_engine"] == "dfs" and aux3.stats["choice_basis"] == "measured"
+    assert aux3.stats["choice_reason"].startswith("dfs: bucket-measured x")
+    # The same sizes without the shared prompts: another signature, no reuse.
+    unshared = RolloutBatch.create(tokens=[[3 + i, *t[1:]] for i, t in enumerate(batch.tokens)])
+    assert auto.signature(unshared, loss) != auto.signature(batch, loss)
+    assert auto._reuse(unshared, loss, None) is None
 
     # prepare() never times, but uses the corrected estimates.
     prepared = auto.prepare(batch, loss)
@@ -224,6 +237,12 @@ def test_autotune_overrides_a_wrong_cost_model():
     )
     kind, _, est = auto.choose(batch, loss)
     assert kind == "dfs" and est == pytest.approx(fake)
+
+
+def aux2_run(auto, params, batch, loss):
+    got_loss, got_grads, aux = auto.value_and_grad(params, batch, loss)
+    assert aux.stats["choice_basis"] == "reused"
+    return got_loss, got_grads, aux
 
 
 def test_autotune_margin():

@@ -38,14 +38,25 @@ def _model(family: ModelFamily, dtype: str = "float32"):
 
 @functools.cache
 def _engine(
-    kind: str, family: ModelFamily, chunk: int = 8, order=DFSOrder.GREEDY, levels=1, rows=4
+    kind: str,
+    family: ModelFamily,
+    chunk: int = 8,
+    order=DFSOrder.GREEDY,
+    levels=1,
+    rows=4,
+    wide=4,
 ):
     model, _ = _model(family)
     # Pre-sized buckets: one compilation per loss for the whole module. One prefix
     # level keeps compile time down; test_dfs_prefix_buckets covers several.
     if kind == "dfs":
         engine = DFSEngine(
-            model, chunk_len=chunk, order=order, prefix_levels=levels, leaf_rows=rows
+            model,
+            chunk_len=chunk,
+            order=order,
+            prefix_levels=levels,
+            leaf_rows=rows,
+            wide_chunks=wide,
         )
         return engine.reserve(steps=256, path=64, slots=8, sequences=64, tokens=2048)
     return DenseEngine(model, microbatch=4).reserve(length=64, sequences=64, tokens=2048)
@@ -117,9 +128,11 @@ def rel_errors(got, want):
     return jax.tree.leaves(errs)
 
 
-def check(engine_kind, family, batch, loss, chunk=8, order=DFSOrder.GREEDY, levels=1, rows=4):
+def check(
+    engine_kind, family, batch, loss, chunk=8, order=DFSOrder.GREEDY, levels=1, rows=4, wide=4
+):
     model, params = _model(family)
-    engine = _engine(engine_kind, family, chunk, order, levels, rows)
+    engine = _engine(engine_kind, family, chunk, order, levels, rows, wide)
     want_loss, want_grads, want_logp = reference(model, params, batch, loss)
     got_loss, got_grads, aux = engine.value_and_grad(params, batch, loss)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=RTOL, atol=1e-7)
@@ -256,6 +269,50 @@ def test_dfs_leaf_rows(rows):
         two_rows = compile_plan(build_tree(batch.tokens), chunk_len=8, rows=2)
         assert aux.stats["num_steps"] <= two_rows.num_steps <= one_row.num_steps - 3
         assert aux.stats["computed_tokens"] == one_row.computed_tokens
+
+
+@pytest.mark.parametrize("wide", [0, 2, 4])
+def test_dfs_wide_pops(wide):
+    """Leaves longer than a chunk popped as one row of up to ``wide`` chunks (POP_WIDE).
+
+    Unrelated sequences of up to W*C + 1 tokens are then never pushed: each is
+    computed once forward and once backward, like dense training. A leaf longer
+    than W*C pushes only what does not fit its wide tail. wide=0 is the chunked plan.
+    """
+    rs = np.random.RandomState(8)
+    # Distinct first tokens: nothing shared. Segments 32, 28, 16, 11.
+    alone = [
+        [first] + list(rs.randint(3, 256, n - 1))
+        for first, n in zip((3, 4, 5, 6), (33, 29, 17, 12), strict=True)
+    ]
+    stem = list(rs.randint(3, 256, 6))
+    group = [stem + list(rs.randint(3, 256, n)) for n in (20, 13, 9, 30)]
+    long_leaf = [stem[:3] + list(rs.randint(3, 256, 47))]  # segment 47 below a fork
+    seqs = alone + group + long_leaf
+    batch = with_logprob_data(RolloutBatch.create(tokens=seqs, advantages=rs.randn(len(seqs))))
+    aux = check("dfs", ModelFamily.QWEN3, batch, LOSSES["grpo_kl"], wide=wide)
+    tree = build_tree(batch.tokens)
+    chunked = compile_plan(tree, chunk_len=8, rows=4)
+    assert aux.stats["computed_tokens"] == chunked.computed_tokens
+    if wide == 0:
+        assert aux.stats["wide_steps"] == 0
+        assert aux.stats["pushed_tokens"] == chunked.pushed_tokens
+        return
+    assert aux.stats["wide_steps"] >= 1
+    assert aux.stats["pushed_tokens"] < chunked.pushed_tokens
+    # Unit token costs (no token_flops), W*C = 32: rows [32], [28], [16 + 11], each
+    # fewer FLOPs wide (3 x 32) than chunked (8 per push + 24 per pop: 120, 120,
+    # 56 + 56), all three in one 4-row step.
+    unrelated = compile_plan(build_tree(alone), chunk_len=8, rows=4, wide=4)
+    assert unrelated.pushed_tokens == 0 and unrelated.wide_steps == 1
+    assert unrelated.num_steps == 1
+    # One 50-token sequence (49 entries): 3 chunks pushed, the last 25 entries pop
+    # wide (96 against 120 chunked); chunked it pushes 6 chunks. With 4 rows the
+    # tail's step would be 3/4 padding (384 > 120): no wide tail.
+    one = compile_plan(build_tree(long_leaf), chunk_len=8, rows=1, wide=4)
+    assert one.wide_steps == 1 and one.pushed_tokens == 24
+    padded = compile_plan(build_tree(long_leaf), chunk_len=8, rows=4, wide=4)
+    assert padded.wide_steps == 0 and padded.pushed_tokens == 48
 
 
 def test_bf16_within_stated_bound():
