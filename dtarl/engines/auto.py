@@ -58,17 +58,22 @@ from dtarl.tree.plan import bucket, fine_bucket
 Timer = Callable[[str, Callable[[], object]], float]
 
 
-def time_program(kind: str, run: Callable[[], object], *, repeats: int = 3) -> float:
+def time_program(
+    kind: str, run: Callable[[], object], *, repeats: int = 3, min_seconds: float = 0.1
+) -> float:
     """Seconds of one ``run()`` (a compiled device program): one warm-up call
-    (compilation excluded), then the minimum of ``repeats`` blocked calls.
-    ``kind`` is the engine's name (unused here; fake timers in tests key on it)."""
+    (compilation excluded), then the minimum of at least ``repeats`` blocked calls,
+    repeated (up to 50 calls) until ``min_seconds`` have been timed, so that a short
+    program's minimum is not one noisy sample. ``kind`` is the engine's name
+    (unused here; fake timers in tests key on it)."""
     del kind
     jax.block_until_ready(run())
-    best = float("inf")
-    for _ in range(max(repeats, 1)):
+    best, spent, calls = float("inf"), 0.0, 0
+    while calls < max(repeats, 1) or (spent < min_seconds and calls < 50):
         t0 = time.perf_counter()
         jax.block_until_ready(run())
-        best = min(best, time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        best, spent, calls = min(best, dt), spent + dt, calls + 1
     return best
 
 
@@ -222,9 +227,11 @@ class AutoEngine:
     ) -> tuple[dict[str, EngineWork], dict[str, base.Prepared]]:
         """Each candidate prepares the batch; its padded work and its ``Prepared``."""
         loss = loss if loss is not None else MaskedNLLLoss()
-        prepared = {
-            k: self.engines[k].prepare(batch, loss, weights=weights) for k in self.candidates
-        }
+        prepared = {}
+        for k in self.candidates:
+            t0 = time.perf_counter()
+            prepared[k] = self.engines[k].prepare(batch, loss, weights=weights)
+            prepared[k].stats["prepare_seconds"] = time.perf_counter() - t0
         fallback = None
         work = {}
         for k, prep in prepared.items():
@@ -306,13 +313,17 @@ class AutoEngine:
         keys = {e: (e, prepared[e].static, loss) for e in work}
         timed_now: list[str] = []
         t0 = time.perf_counter()
+        # A step is host work (this engine's prepare, timed above) plus the device
+        # program: the choice compares both; the estimates are the device part.
+        host = {e: float(prepared[e].stats.get("prepare_seconds", 0.0)) for e in work}
         while True:
             est = {e: self._estimate(e, keys[e], pred[e]) for e in work}
-            best = min(est, key=lambda e: (est[e], ENGINES.index(e)))
+            total = {e: est[e] + host[e] for e in work}
+            best = min(total, key=lambda e: (total[e], ENGINES.index(e)))
             todo = [
                 e
                 for e in work
-                if keys[e] not in self.timings and est[e] <= self.tune_margin * est[best]
+                if keys[e] not in self.timings and total[e] <= self.tune_margin * total[best]
             ]
             if not tune or not todo:
                 break
@@ -330,7 +341,9 @@ class AutoEngine:
             self.choices[self.signature(batch, loss)] = best
         return _Choice(
             kind=best,
-            reason=self._reason(best, work, pred, est, measured, timed_now),
+            reason=self._reason(best, work, pred, est, measured, timed_now)
+            + "; host prepare "
+            + ", ".join(f"{e} {host[e] * 1e3:.2g} ms" for e in work),
             basis=basis,
             predicted=pred,
             estimated=est,

@@ -184,20 +184,20 @@ def test_autotune_overrides_a_wrong_cost_model():
     model, params = _model(ModelFamily.QWEN3)
     loss = MaskedNLLLoss()
     batch = _batch()
-    fake = {"dense": 3e-3, "prefix_reuse": 2e-3, "dfs": 1e-3}
+    fake = {"dense": 0.3, "prefix_reuse": 0.2, "dfs": 0.1}
     timer = FakeTimer(fake)
     auto = AutoEngine(model, engines=_engines(), tune_margin=4.0, timer=timer)
     auto.cost_model = _model_predicting(
-        auto, batch, loss, {"dense": 1e-3, "prefix_reuse": 2e-3, "dfs": 3e-3}
+        auto, batch, loss, {"dense": 0.1, "prefix_reuse": 0.2, "dfs": 0.3}
     )
     assert auto.choose(batch, loss)[0] == "dense"  # what the model alone would run
     got_loss, got_grads, aux = auto.value_and_grad(params, batch, loss)
     st = aux.stats
     assert st["chosen_engine"] == "dfs" and st["choice_basis"] == "measured"
-    assert st["choice_reason"].startswith("dfs: measured 1 ms (vs dense measured 3 ms")
+    assert st["choice_reason"].startswith("dfs: measured 100 ms (vs dense measured 300 ms")
     assert sorted(timer.calls) == sorted(fake) and sorted(st["autotuned"]) == sorted(fake)
     assert st["measured_seconds"] == fake and st["autotune_seconds"] > 0
-    assert st["predicted_seconds"]["dense"] == pytest.approx(1e-3)
+    assert st["predicted_seconds"]["dense"] == pytest.approx(0.1)
     _check_reference(model, params, batch, loss, got_loss, got_grads, aux)
 
     # Same buckets (same tokens, other advantages): no timing, no retrace.
@@ -208,7 +208,7 @@ def test_autotune_overrides_a_wrong_cost_model():
     assert aux2.stats["chosen_engine"] == "dfs" and aux2.stats["autotune_seconds"] == 0.0
     # The same signature: the measured choice is reused, and only dfs prepared.
     assert aux2.stats["autotuned"] == [] and aux2.stats["choice_basis"] == "reused"
-    assert aux2.stats["choice_reason"].startswith("dfs: measured 1 ms on a batch with the same")
+    assert aux2.stats["choice_reason"].startswith("dfs: measured 100 ms on a batch with the same")
     assert aux2.stats["predicted_seconds"] == {}
     _check_reference(model, params, again, loss, *aux2_run(auto, params, again, loss))
     # Without reuse every candidate prepares, and the bucket's measurement decides.
@@ -252,22 +252,24 @@ def test_autotune_margin():
     model, params = _model(ModelFamily.QWEN3)
     loss = MaskedNLLLoss()
     batch = _batch()
-    timer = FakeTimer({"dense": 10e-3, "prefix_reuse": 4e-3, "dfs": 1e-3})
+    timer = FakeTimer({"dense": 1.0, "prefix_reuse": 0.4, "dfs": 0.1})
     auto = AutoEngine(model, engines=_engines(), tune_margin=2.0, timer=timer)
     auto.cost_model = _model_predicting(
-        auto, batch, loss, {"dense": 1e-3, "prefix_reuse": 3e-3, "dfs": 100e-3}
+        auto, batch, loss, {"dense": 0.1, "prefix_reuse": 0.3, "dfs": 10.0}
     )
     _, _, aux = auto.value_and_grad(params, batch, loss)
     st = aux.stats
-    # Round 1 times dense (1 ms; prefix_reuse 3 ms > 2 x 1 ms); dense measures 10 ms,
-    # so round 2 times prefix_reuse (3 ms <= 2 x 3 ms); dfs (100 ms) never comes in.
+    # Round 1 times dense (0.1 s; prefix_reuse 0.3 s > 2 x 0.1 s); dense measures
+    # 1 s, so round 2 times prefix_reuse (0.3 s <= 2 x 0.3 s); dfs (10 s) never
+    # comes in. (Fake times are large against the host prepare time, which the
+    # choice adds.)
     assert timer.calls == ["dense", "prefix_reuse"]
     assert st["chosen_engine"] == "prefix_reuse" and set(st["measured_seconds"]) == {
         "dense",
         "prefix_reuse",
     }
-    assert st["estimated_seconds"]["dfs"] == pytest.approx(100e-3)
-    assert "dfs predicted 100 ms" in st["choice_reason"]
+    assert st["estimated_seconds"]["dfs"] == pytest.approx(10.0)
+    assert "dfs predicted 1e+04 ms" in st["choice_reason"]
     with pytest.raises(ValueError, match="tune_margin"):
         AutoEngine(model, tune_margin=0.5)
 
@@ -279,8 +281,12 @@ def test_time_program_warms_up_then_takes_the_minimum():
         calls.append(1)
         return jnp.zeros(())
 
-    seconds = time_program("dense", run, repeats=3)
+    seconds = time_program("dense", run, repeats=3, min_seconds=0.0)
     assert len(calls) == 4 and 0 <= seconds < float("inf")
+    # A program far shorter than min_seconds is repeated, at most 50 timed calls.
+    calls.clear()
+    time_program("dense", run, repeats=3, min_seconds=60.0)
+    assert len(calls) == 1 + 50
 
 
 def test_prepared_work_counts_padding():
