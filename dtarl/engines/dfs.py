@@ -28,9 +28,9 @@ then evaluated on the path logprobs with that segment's chunk entries scattered
 in. A POP_WIDE step pops up to ``leaf_rows`` rows of ``wide_chunks`` chunks
 (leaves longer than a chunk, or a long leaf's tail) the same way, so a leaf
 that shares nothing is computed once forward and once backward, batched, as in
-dense training. Each step attends only
-to the first ``prefix_sizes[pbucket]`` stack rows: one
-``lax.switch`` branch per (op, prefix bucket), all compiled into the same program.
+dense training. Each step attends only to the first ``prefix_sizes[pbucket]``
+stack rows: one ``lax.switch`` branch per (op, prefix bucket), all compiled into
+the same program.
 
 Letters: L layers, S path buffer, C chunk, K kv heads, D head dim, T steps.
 """
