@@ -11,11 +11,13 @@ a fresh auto engine per workload then autotunes in its warm-up call (it times th
 programs of the candidates within its margin, compiling them), so its step time
 excludes the tuning, which is reported separately (``autotune_seconds``). Per
 workload the bench reports ``auto_vs_best``: auto's step time over that of the
-fastest other engine in the table (1.05 = 5% slower), re-timed in ``repeats``
-interleaved rounds of the two (the table's engines are timed one after another,
-so a load drift between them would otherwise land in the ratio), and at the end
-on how many workloads auto was within 5%. auto's step includes its host work:
-every candidate prepares the batch (about 1 ms per step on the tiny workloads).
+fastest other engine (1.05 = 5% slower), re-timed side by side: ``repeats``
+rounds that each time auto and every engine within 1.5x of the table's fastest
+(the table's engines are timed one after another, so a load drift between them
+would otherwise land in the ratio, and could make the wrong engine look
+fastest), and at the end on how many workloads auto was within 5%. auto's step
+includes its host work: the chosen engine's prepare, and every candidate's on a
+batch whose choice is not reused (about 1 ms per step on the tiny workloads).
 
 The ideal ratio counts forward+backward FLOPs of every token at its context
 length: dense = sum over sequences and positions, tree = sum over distinct
@@ -321,12 +323,9 @@ def run(
                     "predicted_seconds": first.get("predicted_seconds"),
                     "measured_seconds": first.get("measured_seconds"),
                 }
-            else:  # keep alive only auto and the fastest other engine so far
-                others = [n for n, e in row["engines"].items() if "auto" not in e]
-                fastest = min(others, key=lambda n: row["engines"][n]["step_seconds"])
-                live = {
-                    n: x for n, x in live.items() if n == fastest or "auto" in row["engines"][n]
-                }
+            else:  # keep alive only auto and the contenders for the fastest so far
+                keep = set(_contenders(row))
+                live = {n: x for n, x in live.items() if n in keep or "auto" in row["engines"][n]}
         base_t = row["engines"].get("dense", {}).get("step_seconds")
         remat_t = row["engines"].get("dense_remat", {}).get("step_seconds")
         for e in row["engines"].values():
@@ -349,28 +348,57 @@ def _step_seconds(engine, params, batch, loss) -> float:
     return time.perf_counter() - t0 - aux.stats.get("autotune_seconds", 0.0)
 
 
-def _auto_vs_best(row: dict, live: dict, params, batch, loss, repeats: int) -> None:
-    """Adds to every auto entry of ``row``: ``best_engine`` (the fastest other engine
-    in the table), ``auto_vs_best`` (the median over ``repeats`` interleaved rounds,
-    alternating which goes first, of auto's step time / best's: a timing drift hits
-    both) and ``auto_vs_best_table`` (the ratio of the two table medians)."""
+CONTENDER_MARGIN = 1.5  # engines this close to the table's fastest are re-timed with auto
+
+
+def _contenders(row: dict) -> list[str]:
+    """The non-auto engines whose table step is within ``CONTENDER_MARGIN`` of the
+    fastest: the ones a drift of the table's one-after-another timing could have
+    put behind it."""
     others = {n: e["step_seconds"] for n, e in row["engines"].items() if "auto" not in e}
-    best = min(others, key=others.get) if others else None
+    if not others:
+        return []
+    fastest = min(others.values())
+    return [n for n, t in others.items() if t <= CONTENDER_MARGIN * fastest]
+
+
+def _auto_vs_best(row: dict, live: dict, params, batch, loss, repeats: int) -> None:
+    """Adds to every auto entry of ``row``:
+
+    - ``auto_vs_best``: auto's step time over the best engine's, both timed side by
+      side. Each of ``repeats`` rounds times auto and every contender (the engines
+      within ``CONTENDER_MARGIN`` of the table's fastest) once, in an order that
+      rotates from round to round; per contender the ratio is the median over the
+      rounds of auto's time / its time in the same round (a drift hits both), and
+      ``auto_vs_best`` is the largest of them: auto against the contender that is
+      fastest side by side, ``best_engine``.
+    - ``vs_contenders``: those medians per contender.
+    - ``auto_vs_best_table``: auto's table median over the fastest table median.
+    """
+    others = {n: e["step_seconds"] for n, e in row["engines"].items() if "auto" not in e}
+    contenders = [n for n in _contenders(row) if n in live]
     for n, e in row["engines"].items():
         if "auto" not in e:
             continue
         a = e["auto"]
-        a["best_engine"] = best
-        a["auto_vs_best"] = a["auto_vs_best_table"] = None
-        if best is None:
+        a["best_engine"] = a["auto_vs_best"] = a["auto_vs_best_table"] = None
+        a["vs_contenders"] = {}
+        if not contenders:
             continue
-        a["auto_vs_best_table"] = e["step_seconds"] / others[best]
-        ratios = []
+        a["auto_vs_best_table"] = e["step_seconds"] / min(others.values())
+        ratios: dict[str, list[float]] = {c: [] for c in contenders}
+        names = [n, *contenders]
         for r in range(repeats):
-            pair = (live[n], live[best]) if r % 2 == 0 else (live[best], live[n])
-            t = [_step_seconds(x, params, batch, loss) for x in pair]
-            ratios.append(t[0] / t[1] if r % 2 == 0 else t[1] / t[0])
-        a["auto_vs_best"] = statistics.median(ratios)
+            k = r % len(names)
+            order = names[k:] + names[:k]
+            if r % 2:
+                order.reverse()
+            t = {x: _step_seconds(live[x], params, batch, loss) for x in order}
+            for c in contenders:
+                ratios[c].append(t[n] / t[c])
+        a["vs_contenders"] = {c: statistics.median(v) for c, v in ratios.items()}
+        a["best_engine"] = max(a["vs_contenders"], key=a["vs_contenders"].get)
+        a["auto_vs_best"] = a["vs_contenders"][a["best_engine"]]
 
 
 def _auto_summary(results: dict, log: Callable[[str], None]) -> None:
@@ -423,8 +451,9 @@ def _format_rows(row: dict) -> str:
             continue
         a = e["auto"]
         vs = (
-            f"auto/best {a['auto_vs_best']:.3f} interleaved, "
-            f"{a['auto_vs_best_table']:.3f} from the table (best: {a['best_engine']})"
+            f"auto/best {a['auto_vs_best']:.3f} side by side (best: {a['best_engine']}; "
+            + ", ".join(f"vs {c} {r:.3f}" for c, r in a["vs_contenders"].items())
+            + f"), {a['auto_vs_best_table']:.3f} from the table"
             if a.get("auto_vs_best") is not None
             else "no other engine to compare"
         )

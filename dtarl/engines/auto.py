@@ -17,10 +17,14 @@ the best on some shapes (small batches, unshared sequences, GRPO G=4 in
 XLA's autotuner, per compiled program. A program is fixed by
 ``(engine, prepared.static, loss)`` (its shape bucket). Every candidate whose
 estimate is within ``tune_margin`` times the best estimate and whose program has
-not been timed yet is timed on this batch (``timer``: one warm-up call, which
-compiles, then the minimum of ``tune_repeats`` calls). The measurement and the
-prediction for that batch are kept, and from then on a batch whose candidate has
-a timed program gets the estimate
+not been timed yet is timed on this batch, side by side with the candidates in
+margin whose programs were timed before (``timer``, default ``time_programs``:
+one warm-up call each, which compiles, then interleaved rounds; each program's
+time is the minimum of at least ``tune_repeats`` calls). Interleaving matters
+because two engines are often within a few percent of each other while the
+machine drifts by more than that between consecutive timings. The measurements and
+the predictions for that batch are kept, and from then on a batch whose candidate
+has a timed program gets the estimate
 
     estimate = predicted * measured_then / predicted_then        (per-bucket correction)
 
@@ -55,26 +59,56 @@ from dtarl.model.decoder import Decoder
 from dtarl.rl.losses import MaskedNLLLoss
 from dtarl.tree.plan import bucket, fine_bucket
 
-Timer = Callable[[str, Callable[[], object]], float]
+Timer = Callable[[dict[str, Callable[[], object]]], dict[str, float]]
+
+
+def time_programs(
+    runs: dict[str, Callable[[], object]],
+    *,
+    repeats: int = 3,
+    min_seconds: float = 0.1,
+    max_calls: int = 50,
+) -> dict[str, float]:
+    """Seconds of one call of each program in ``runs`` (name -> ``run()``, a
+    compiled device program), timed side by side.
+
+    Each program gets one warm-up call (compilation excluded); then rounds call
+    every program once, blocked, in an order that alternates from round to round,
+    and each program's time is the minimum of its calls. Rounds go on until every
+    program has had ``repeats`` calls; a program with less than ``min_seconds``
+    timed so far stays in the rounds (up to ``max_calls`` calls), so a short
+    program's minimum is not one noisy sample. Interleaving is what lets a close
+    pick stand: a machine that drifts by 10-30% over seconds moves every
+    candidate's samples alike, where timing one program after another hands the
+    drift to whichever ran in the slow stretch.
+    """
+    for run in runs.values():
+        jax.block_until_ready(run())
+    best = {k: float("inf") for k in runs}
+    spent = dict.fromkeys(runs, 0.0)
+    calls = dict.fromkeys(runs, 0)
+
+    def wanted(k):
+        return calls[k] < max(repeats, 1) or (spent[k] < min_seconds and calls[k] < max_calls)
+
+    order = list(runs)
+    while live := [k for k in order if wanted(k)]:
+        for k in live:
+            t0 = time.perf_counter()
+            jax.block_until_ready(runs[k]())
+            dt = time.perf_counter() - t0
+            best[k], spent[k], calls[k] = min(best[k], dt), spent[k] + dt, calls[k] + 1
+        order.reverse()
+    return best
 
 
 def time_program(
     kind: str, run: Callable[[], object], *, repeats: int = 3, min_seconds: float = 0.1
 ) -> float:
-    """Seconds of one ``run()`` (a compiled device program): one warm-up call
-    (compilation excluded), then the minimum of at least ``repeats`` blocked calls,
-    repeated (up to 50 calls) until ``min_seconds`` have been timed, so that a short
-    program's minimum is not one noisy sample. ``kind`` is the engine's name
-    (unused here; fake timers in tests key on it)."""
-    del kind
-    jax.block_until_ready(run())
-    best, spent, calls = float("inf"), 0.0, 0
-    while calls < max(repeats, 1) or (spent < min_seconds and calls < 50):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run())
-        dt = time.perf_counter() - t0
-        best, spent, calls = min(best, dt), spent + dt, calls + 1
-    return best
+    """``time_programs`` of one program: one warm-up call, then the minimum of at
+    least ``repeats`` calls, repeated (up to 50 calls) until ``min_seconds`` have
+    been timed."""
+    return time_programs({kind: run}, repeats=repeats, min_seconds=min_seconds)[kind]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,9 +175,9 @@ class AutoEngine:
       tune_margin: a candidate is timed when its estimate is at most this many times
         the best estimate (>= 1; 1 times only the predicted best).
       tune_repeats: timed calls per program after its warm-up (the minimum counts).
-      timer: ``timer(kind, run) -> seconds``, where ``run()`` calls the compiled
-        program once; default ``time_program`` with ``tune_repeats``. Tests inject
-        fixed times here.
+      timer: ``timer({kind: run}) -> {kind: seconds}``, where each ``run()`` calls
+        a compiled program once; default ``time_programs`` (side by side) with
+        ``tune_repeats``. Tests inject fixed times here.
       reuse_choices: in ``value_and_grad``, a batch with the same signature as an
         earlier batch whose pick was measured (same loss; same buckets of sequences,
         tokens, tree tokens, longest path and leaves; same depth) is given to that
@@ -320,20 +354,20 @@ class AutoEngine:
             est = {e: self._estimate(e, keys[e], pred[e]) for e in work}
             total = {e: est[e] + host[e] for e in work}
             best = min(total, key=lambda e: (total[e], ENGINES.index(e)))
-            todo = [
-                e
-                for e in work
-                if keys[e] not in self.timings and total[e] <= self.tune_margin * total[best]
-            ]
+            in_margin = [e for e in work if total[e] <= self.tune_margin * total[best]]
+            todo = [e for e in in_margin if keys[e] not in self.timings]
             if not tune or not todo:
                 break
-            for e in todo:
+            # The new programs are timed side by side with the programs in margin
+            # that were timed before (those are timed again, on this batch), so that
+            # a close pick compares samples from one stretch of the machine's time.
+            seconds = self._time({e: prepared[e] for e in in_margin}, loss, params)
+            for e in in_margin:
                 self.timings[keys[e]] = Timing(
-                    measured=self._time(e, prepared[e], loss, params),
-                    predicted=pred[e],
-                    work=work[e],
+                    measured=float(seconds[e]), predicted=pred[e], work=work[e]
                 )
-                timed_now.append(e)
+                if e not in timed_now:
+                    timed_now.append(e)
         tune_s = time.perf_counter() - t0 if timed_now else 0.0
         measured = {e: self.timings[keys[e]].measured for e in work if keys[e] in self.timings}
         basis = "measured" if best in measured else "predicted"
@@ -353,10 +387,14 @@ class AutoEngine:
             prepared=prepared,
         )
 
-    def _time(self, kind: str, prepared: base.Prepared, loss, params) -> float:
-        fn = self.engines[kind].jit.get(loss, prepared.static)
-        timer = self.timer or (lambda k, run: time_program(k, run, repeats=self.tune_repeats))
-        return float(timer(kind, lambda: fn(params, *prepared.args)))
+    def _time(self, prepared: dict[str, base.Prepared], loss, params) -> dict[str, float]:
+        """Seconds of each engine's program on its prepared batch, timed side by side."""
+        runs = {}
+        for kind, prep in prepared.items():
+            fn = self.engines[kind].jit.get(loss, prep.static)
+            runs[kind] = lambda fn=fn, prep=prep: fn(params, *prep.args)
+        timer = self.timer or (lambda r: time_programs(r, repeats=self.tune_repeats))
+        return timer(runs)
 
     def _reason(self, best, work, pred, est, measured, timed_now) -> str:
         """``"<pick>: <basis> <ms> (vs <others>); <FLOP ratios>; steps ..."``, where a
@@ -430,21 +468,21 @@ class AutoEngine:
     def calibrate(
         self, params, batches: Sequence[RolloutBatch], loss, *, repeats: int = 2
     ) -> CostModel:
-        """Times every candidate on ``batches`` (after one warm-up call each, so
-        compilation is excluded) and refits ``self.cost_model``; returns it."""
+        """Times every candidate on ``batches``, side by side per batch (after one
+        warm-up call each, so compilation is excluded), and refits
+        ``self.cost_model``; returns it."""
         samples = []
         for batch in batches:
-            work, prepared_by_kind = self.prepared_work(batch, loss)
-            for kind in self.candidates:
-                prepared = prepared_by_kind[kind]
-                fn = self.engines[kind].jit.get(loss, prepared.static)
-                seconds = time_program(
-                    kind, lambda fn=fn, p=prepared: fn(params, *p.args), repeats=repeats
-                )
-                samples.append((kind, work[kind], seconds))
+            work, prepared = self.prepared_work(batch, loss)
+            runs = {}
+            for kind, p in prepared.items():
+                fn = self.engines[kind].jit.get(loss, p.static)
+                runs[kind] = lambda fn=fn, p=p: fn(params, *p.args)
+            seconds = time_programs(runs, repeats=repeats)
+            samples += [(kind, work[kind], seconds[kind]) for kind in prepared]
         self.cost_model = fit_cost_model(samples, self.cost_model)
         self.calibration_samples = samples
         return self.cost_model
 
 
-__all__ = ["AutoEngine", "Timing", "time_program"]
+__all__ = ["AutoEngine", "Timing", "time_program", "time_programs"]

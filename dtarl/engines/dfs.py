@@ -417,8 +417,9 @@ class DFSEngine:
         flops = 0.0
         for t in range(plan.num_steps):
             op = Op(int(plan.op[t]))
-            width = c * {Op.POP_ROWS: plan.rows, Op.POP_WIDE: plan.rows * plan.wide}.get(op, 1)
-            fwd = width * self.cfg.flops_per_token(sizes[int(plan.pbucket[t])] + (c + 1) / 2)
+            row = c * plan.wide if op is Op.POP_WIDE else c  # the causal in-row context
+            width = row * (plan.rows if op in (Op.POP_ROWS, Op.POP_WIDE) else 1)
+            fwd = width * self.cfg.flops_per_token(sizes[int(plan.pbucket[t])] + (row + 1) / 2)
             flops += fwd if op is Op.PUSH else 3.0 * fwd  # pop: recompute + backward
         return dict(work_flops=flops, work_steps=plan.num_steps)
 

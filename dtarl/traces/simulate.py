@@ -274,7 +274,8 @@ def prepared_features(engine, prepared, cfg: ModelConfig) -> StepFeatures:
         width = np.where(op == Op.POP_ROWS, float(n_rows), width)
         width = np.where(op == Op.POP_WIDE, float(n_rows * n_wide), width)
         w = np.where(op == Op.PUSH, 1.0, 3.0) * width  # forward / recompute + backward
-        ctx = sizes[np.asarray(steps.pbucket)] + c
+        # Every entry attends its prefix bucket and its whole row (W chunks wide).
+        ctx = sizes[np.asarray(steps.pbucket)] + np.where(op == Op.POP_WIDE, c * n_wide, c)
         return StepFeatures(
             lin_flops=float(c * f0 * w.sum()),
             attn_flops=float(c * fa * (w * ctx).sum()),

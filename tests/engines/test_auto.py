@@ -9,7 +9,8 @@ from test_equivalence import _engine, _model, reference, rel_errors
 from test_prefix_reuse import pr_engine
 
 from dtarl.engines import AutoEngine, RolloutBatch
-from dtarl.engines.auto import time_program
+from dtarl.engines import auto as auto_lib
+from dtarl.engines.auto import time_program, time_programs
 from dtarl.engines.cost import (
     CostModel,
     EngineCoef,
@@ -135,12 +136,15 @@ class FakeTimer:
 
     def __init__(self, seconds):
         self.seconds = dict(seconds)
-        self.calls = []
+        self.calls = []  # every program timed, in order
+        self.rounds = []  # the programs timed together, per call
 
-    def __call__(self, kind, run):
-        self.calls.append(kind)
-        jax.block_until_ready(run())
-        return self.seconds[kind]
+    def __call__(self, runs):
+        self.rounds.append(sorted(runs))
+        for kind, run in runs.items():
+            self.calls.append(kind)
+            jax.block_until_ready(run())
+        return {kind: self.seconds[kind] for kind in runs}
 
 
 def _model_predicting(auto, batch, loss, target):
@@ -270,6 +274,18 @@ def test_autotune_margin():
     }
     assert st["estimated_seconds"]["dfs"] == pytest.approx(10.0)
     assert "dfs predicted 1e+04 ms" in st["choice_reason"]
+    assert timer.rounds == [["dense"], ["prefix_reuse"]]
+    # A program timed in an earlier round that is still in margin is timed again,
+    # side by side with the new one: dense measures 0.5 s, inside 2 x 0.3 s.
+    timer = FakeTimer({"dense": 0.5, "prefix_reuse": 0.4, "dfs": 0.1})
+    auto = AutoEngine(model, engines=auto.engines, tune_margin=2.0, timer=timer)
+    auto.cost_model = _model_predicting(
+        auto, batch, loss, {"dense": 0.1, "prefix_reuse": 0.3, "dfs": 10.0}
+    )
+    _, _, aux = auto.value_and_grad(params, batch, loss)
+    assert timer.rounds == [["dense"], ["dense", "prefix_reuse"]]
+    assert aux.stats["chosen_engine"] == "prefix_reuse"
+    assert aux.stats["autotuned"] == ["dense", "prefix_reuse"]
     with pytest.raises(ValueError, match="tune_margin"):
         AutoEngine(model, tune_margin=0.5)
 
@@ -287,6 +303,30 @@ def test_time_program_warms_up_then_takes_the_minimum():
     calls.clear()
     time_program("dense", run, repeats=3, min_seconds=60.0)
     assert len(calls) == 1 + 50
+
+
+def test_time_programs_interleaves(monkeypatch):
+    """Programs are timed in alternating rounds; each stays in the rounds until it
+    has ``repeats`` calls and ``min_seconds`` timed (a fake clock: program a takes
+    1 s a call, b 0.03 s)."""
+    now = [0.0]
+    order = []
+
+    def program(name, seconds):
+        def run():
+            order.append(name)
+            now[0] += seconds
+            return jnp.zeros(())
+
+        return run
+
+    monkeypatch.setattr(auto_lib.time, "perf_counter", lambda: now[0])
+    got = time_programs(
+        {"a": program("a", 1.0), "b": program("b", 0.03)}, repeats=3, min_seconds=0.1
+    )
+    # Warm-ups, three alternating rounds, then b alone until 0.12 s >= 0.1 s.
+    assert "".join(order) == "ab" + "ab" + "ba" + "ab" + "b"
+    assert got == pytest.approx({"a": 1.0, "b": 0.03})
 
 
 def test_prepared_work_counts_padding():

@@ -306,6 +306,12 @@ def test_dfs_wide_pops(wide):
     unrelated = compile_plan(build_tree(alone), chunk_len=8, rows=4, wide=4)
     assert unrelated.pushed_tokens == 0 and unrelated.wide_steps == 1
     assert unrelated.num_steps == 1
+    # auto's FLOP count of that step: 4 rows of 32 entries, each attending its
+    # prefix bucket and (causally) its 32-entry row; pop = recompute + backward.
+    engine = DFSEngine(_model(ModelFamily.QWEN3)[0], chunk_len=8)
+    p0 = unrelated.prefix_sizes[int(unrelated.pbucket[0])]
+    want = 3 * 4 * 32 * engine.cfg.flops_per_token(p0 + 33 / 2)
+    assert engine.work(unrelated)["work_flops"] == pytest.approx(want, rel=1e-12)
     # One 50-token sequence (49 entries): 3 chunks pushed, the last 25 entries pop
     # wide (96 against 120 chunked); chunked it pushes 6 chunks. With 4 rows the
     # tail's step would be 3/4 padding (384 > 120): no wide tail.

@@ -114,19 +114,37 @@ def test_prefix_reuse_features_by_hand():
     assert f.attn_flops == pytest.approx(FA * (3 * 1 * 1 + 3 * 2 * (1 + 1)))
 
 
-def test_dfs_features_follow_the_plan():
+@pytest.mark.parametrize("shape", ["grpo", "unshared"])
+def test_dfs_features_follow_the_plan(shape):
+    """Every step's entries, by op: PUSH/POP one chunk, POP_ROWS ``rows`` chunks,
+    POP_WIDE ``rows`` rows of W chunks; each entry attends its prefix bucket and
+    its whole row (W chunks for a wide step)."""
     from dtarl.tree.plan import Op
 
-    b = grpo_groups(num_groups=2, group_size=3, prompt_len=70, response_len=(5, 90), seed=1)
+    if shape == "grpo":
+        b = grpo_groups(num_groups=2, group_size=3, prompt_len=70, response_len=(5, 90), seed=1)
+    else:  # unrelated sequences of 20-60 tokens: rows of wide leaves
+        rs = np.random.RandomState(3)
+        b = RolloutBatch.create(
+            tokens=[[3 + i] + list(rs.randint(3, 256, rs.randint(20, 60))) for i in range(6)],
+            advantages=rs.randn(6),
+        )
     f = engine_features("dfs", b, CFG, chunk_len=16)
     prep = _real_engine("dfs", chunk_len=16).prepare(b, _loss())
-    steps, sizes = prep.args[0], prep.static[2]
+    steps, (_, _, sizes, rows, wide) = prep.args[0], prep.static
     op = np.asarray(steps.op)
-    n_push, n_pop = int((op == Op.PUSH).sum()), int((op == Op.POP).sum())
-    ctx = np.asarray(sizes)[np.asarray(steps.pbucket)] + 16
-    w = np.where(op == Op.PUSH, 1, np.where(op == Op.POP, 3, 0))
-    assert f.steps == op.shape[0] and f.tokens == 16 * (n_push + n_pop)
-    assert f.lin_flops == pytest.approx(16 * (n_push + 3 * n_pop) * F0)
+    chunks = np.select(
+        [op == Op.PUSH, op == Op.POP, op == Op.POP_ROWS, op == Op.POP_WIDE],
+        [1, 1, rows, rows * wide],
+        0,
+    )
+    row = np.where(op == Op.POP_WIDE, 16 * wide, 16)
+    ctx = np.asarray(sizes)[np.asarray(steps.pbucket)] + row
+    w = np.where(op == Op.PUSH, 1, 3) * chunks
+    if shape == "unshared":
+        assert (op == Op.POP_WIDE).any() and wide >= 2
+    assert f.steps == op.shape[0] and f.tokens == 16 * chunks.sum()
+    assert f.lin_flops == pytest.approx(16 * F0 * float(w.sum()))
     assert f.attn_flops == pytest.approx(16 * FA * float((w * ctx).sum()))
 
 
