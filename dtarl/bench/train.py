@@ -1,23 +1,26 @@
 """``dtarl bench train``: training engines side by side on one set of workloads.
 
 For every workload the same batch goes through each engine (same parameters,
-same loss); each engine is warmed up (compiled) once, then timed over
-``repeats`` steps (median). Printed per engine: step time, tokens/s, speedup
-vs dense and vs dense+remat, the ideal ratio (dense FLOPs / tree FLOPs with
-attention's quadratic part), measured / ideal, and XLA's compiled peak memory.
+same loss); each engine is warmed up (compiled) once, then all are timed side by
+side: ``repeats`` rounds, each of which gives every engine one turn (one step,
+or the mean of as many as fit in 0.25 s for a short one), in an order that
+rotates from round to round (a machine that drifts by 10-30% over a
+minute would otherwise hand its drift to whichever engine ran in the slow
+stretch). Printed per engine: the median step time, tokens/s, the speedup vs
+dense and vs dense+remat (the median over rounds of the two steps' ratio in the
+same round), the ideal ratio (dense FLOPs / tree FLOPs with attention's
+quadratic part), measured / ideal, and XLA's compiled peak memory.
 
 auto: its cost model is first calibrated on other batches (``calibration_batches``);
 a fresh auto engine per workload then autotunes in its warm-up call (it times the
 programs of the candidates within its margin, compiling them), so its step time
 excludes the tuning, which is reported separately (``autotune_seconds``). Per
 workload the bench reports ``auto_vs_best``: auto's step time over that of the
-fastest other engine (1.05 = 5% slower), re-timed side by side: ``repeats``
-rounds that each time auto and every engine within 1.5x of the table's fastest
-(the table's engines are timed one after another, so a load drift between them
-would otherwise land in the ratio, and could make the wrong engine look
-fastest), and at the end on how many workloads auto was within 5%. auto's step
-includes its host work: the chosen engine's prepare, and every candidate's on a
-batch whose choice is not reused (about 1 ms per step on the tiny workloads).
+fastest other engine (1.05 = 5% slower), as the largest over the other engines of
+the median over rounds of auto's step / that engine's in the same round, and at
+the end on how many workloads auto was within 5%. auto's step includes its host
+work: the chosen engine's prepare, and every candidate's on a batch whose choice
+is not reused (about 1 ms per step on the tiny workloads).
 
 The ideal ratio counts forward+backward FLOPs of every token at its context
 length: dense = sum over sequences and positions, tree = sum over distinct
@@ -281,7 +284,7 @@ def run(
             f"\n== {wl.name} ({wl.note}): {batch.num_sequences} seqs, {batch.num_tokens} tokens, "
             f"{tree.stats.tree_tokens} tree tokens, ideal x{ideal:.2f}"
         )
-        live = {}  # this workload's engines, for the auto-vs-best rounds
+        live, first = {}, {}  # this workload's engines; auto's first (full) choice
         for name, (kind, extra) in specs.items():
             kw = _kwargs_for(kind, extra, chunk_len, microbatch)
             if kind is EngineKind.AUTO:
@@ -293,48 +296,40 @@ def run(
             live[name] = engine
             t0 = time.perf_counter()
             _, _, aux = engine.value_and_grad(params, batch, loss)  # compile (+ tune), warm up
-            compile_s = time.perf_counter() - t0
-            tune_s = aux.stats.get("autotune_seconds", 0.0)
-            first = aux.stats  # auto: the full choice (later steps may reuse it)
-            times, stats = [], {}
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                _, _, aux = engine.value_and_grad(params, batch, loss)
-                # The batch's buckets were tuned in the warm-up; never count tuning.
-                times.append(time.perf_counter() - t0 - aux.stats.get("autotune_seconds", 0.0))
-                stats = aux.stats
-            step = statistics.median(times)
+            first[name] = aux.stats
             row["engines"][name] = {
-                "step_seconds": step,
-                "device_seconds": stats.get("seconds"),
-                "host_seconds": stats.get("host_seconds"),
-                "compile_seconds": compile_s,
-                "tokens_per_second": batch.num_tokens / step,
+                "compile_seconds": time.perf_counter() - t0,
                 "peak_bytes": _peak_bytes(engine, params, batch, loss),
-                "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
             }
-            if "chosen_engine" in stats:
-                row["engines"][name]["auto"] = {
-                    "picked": stats["chosen_engine"],
-                    "basis": stats.get("choice_basis"),
-                    "first_pick": first.get("chosen_engine"),
-                    "reason": first.get("choice_reason"),
-                    "autotune_seconds": tune_s,
-                    "predicted_seconds": first.get("predicted_seconds"),
-                    "measured_seconds": first.get("measured_seconds"),
+        # Side by side: every round times each engine once, in an order that rotates.
+        times, stats = _rounds(live, params, batch, loss, repeats)
+        for name, e in row["engines"].items():
+            step = statistics.median(times[name])
+            e.update(
+                step_seconds=step,
+                device_seconds=stats[name].get("seconds"),
+                host_seconds=stats[name].get("host_seconds"),
+                tokens_per_second=batch.num_tokens / step,
+                stats={k: v for k, v in stats[name].items() if isinstance(v, (int, float, str))},
+            )
+            if "chosen_engine" in stats[name]:
+                f = first[name]
+                e["auto"] = {
+                    "picked": stats[name]["chosen_engine"],
+                    "basis": stats[name].get("choice_basis"),
+                    "first_pick": f.get("chosen_engine"),
+                    "reason": f.get("choice_reason"),
+                    "autotune_seconds": f.get("autotune_seconds", 0.0),
+                    "predicted_seconds": f.get("predicted_seconds"),
+                    "measured_seconds": f.get("measured_seconds"),
                 }
-            else:  # keep alive only auto and the contenders for the fastest so far
-                keep = set(_contenders(row))
-                live = {n: x for n, x in live.items() if n in keep or "auto" in row["engines"][n]}
-        base_t = row["engines"].get("dense", {}).get("step_seconds")
-        remat_t = row["engines"].get("dense_remat", {}).get("step_seconds")
-        for e in row["engines"].values():
-            e["speedup_vs_dense"] = base_t / e["step_seconds"] if base_t else None
-            e["speedup_vs_dense_remat"] = remat_t / e["step_seconds"] if remat_t else None
+        for name, e in row["engines"].items():
+            e["speedup_vs_dense"] = _paired(times, "dense", name)
+            e["speedup_vs_dense_remat"] = _paired(times, "dense_remat", name)
             e["measured_over_ideal"] = (
                 e["speedup_vs_dense"] / ideal if e["speedup_vs_dense"] else None
             )
-        _auto_vs_best(row, live, params, batch, loss, repeats)
+        _auto_vs_best(row, times)
         del live
         log(_format_rows(row))
         results["workloads"].append(row)
@@ -342,61 +337,63 @@ def run(
     return results
 
 
-def _step_seconds(engine, params, batch, loss) -> float:
-    t0 = time.perf_counter()
-    _, _, aux = engine.value_and_grad(params, batch, loss)
-    return time.perf_counter() - t0 - aux.stats.get("autotune_seconds", 0.0)
+ROUND_SECONDS = 0.25  # an engine's turn in a round lasts at least this long ...
+ROUND_CALLS = 20  # ... or this many steps
 
 
-CONTENDER_MARGIN = 1.5  # engines this close to the table's fastest are re-timed with auto
+def _rounds(live: dict, params, batch, loss, repeats: int) -> tuple[dict, dict]:
+    """``repeats`` rounds, each giving every engine one turn; the order rotates
+    from round to round and every other round runs backwards, so no engine always
+    follows the same one. A turn is one step, or as many as fit in
+    ``ROUND_SECONDS`` (at most ``ROUND_CALLS``) for a short step, whose mean
+    counts: a 10 ms step's single sample is as noisy as the differences measured.
+    Returns (seconds per step, per engine per round; each engine's last stats)."""
+    names = list(live)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    stats: dict[str, dict] = {}
+    for r in range(repeats):
+        k = r % len(names)
+        order = names[k:] + names[:k]
+        if r % 2:
+            order.reverse()
+        for n in order:
+            spent, calls = 0.0, 0
+            while calls == 0 or (spent < ROUND_SECONDS and calls < ROUND_CALLS):
+                t0 = time.perf_counter()
+                _, _, aux = live[n].value_and_grad(params, batch, loss)
+                # The batch's buckets were tuned in the warm-up; never count tuning.
+                spent += time.perf_counter() - t0 - aux.stats.get("autotune_seconds", 0.0)
+                calls += 1
+            times[n].append(spent / calls)
+            stats[n] = aux.stats
+    return times, stats
 
 
-def _contenders(row: dict) -> list[str]:
-    """The non-auto engines whose table step is within ``CONTENDER_MARGIN`` of the
-    fastest: the ones a drift of the table's one-after-another timing could have
-    put behind it."""
+def _paired(times: dict, base: str, name: str) -> float | None:
+    """The median over rounds of ``base``'s step / ``name``'s in the same round
+    (a speedup of ``name`` over ``base``; a drift between rounds cancels)."""
+    if base not in times:
+        return None
+    return statistics.median(b / t for b, t in zip(times[base], times[name], strict=True))
+
+
+def _auto_vs_best(row: dict, times: dict) -> None:
+    """Adds to every auto entry of ``row``: ``vs_contenders`` (per other engine, the
+    median over the rounds of auto's step / that engine's in the same round),
+    ``auto_vs_best`` (the largest: auto against the engine fastest side by side,
+    ``best_engine``) and ``auto_vs_best_table`` (auto's median step over the fastest
+    other median)."""
     others = {n: e["step_seconds"] for n, e in row["engines"].items() if "auto" not in e}
-    if not others:
-        return []
-    fastest = min(others.values())
-    return [n for n, t in others.items() if t <= CONTENDER_MARGIN * fastest]
-
-
-def _auto_vs_best(row: dict, live: dict, params, batch, loss, repeats: int) -> None:
-    """Adds to every auto entry of ``row``:
-
-    - ``auto_vs_best``: auto's step time over the best engine's, both timed side by
-      side. Each of ``repeats`` rounds times auto and every contender (the engines
-      within ``CONTENDER_MARGIN`` of the table's fastest) once, in an order that
-      rotates from round to round; per contender the ratio is the median over the
-      rounds of auto's time / its time in the same round (a drift hits both), and
-      ``auto_vs_best`` is the largest of them: auto against the contender that is
-      fastest side by side, ``best_engine``.
-    - ``vs_contenders``: those medians per contender.
-    - ``auto_vs_best_table``: auto's table median over the fastest table median.
-    """
-    others = {n: e["step_seconds"] for n, e in row["engines"].items() if "auto" not in e}
-    contenders = [n for n in _contenders(row) if n in live]
     for n, e in row["engines"].items():
         if "auto" not in e:
             continue
         a = e["auto"]
         a["best_engine"] = a["auto_vs_best"] = a["auto_vs_best_table"] = None
         a["vs_contenders"] = {}
-        if not contenders:
+        if not others:
             continue
         a["auto_vs_best_table"] = e["step_seconds"] / min(others.values())
-        ratios: dict[str, list[float]] = {c: [] for c in contenders}
-        names = [n, *contenders]
-        for r in range(repeats):
-            k = r % len(names)
-            order = names[k:] + names[:k]
-            if r % 2:
-                order.reverse()
-            t = {x: _step_seconds(live[x], params, batch, loss) for x in order}
-            for c in contenders:
-                ratios[c].append(t[n] / t[c])
-        a["vs_contenders"] = {c: statistics.median(v) for c, v in ratios.items()}
+        a["vs_contenders"] = {c: _paired(times, n, c) for c in others}
         a["best_engine"] = max(a["vs_contenders"], key=a["vs_contenders"].get)
         a["auto_vs_best"] = a["vs_contenders"][a["best_engine"]]
 
@@ -453,7 +450,7 @@ def _format_rows(row: dict) -> str:
         vs = (
             f"auto/best {a['auto_vs_best']:.3f} side by side (best: {a['best_engine']}; "
             + ", ".join(f"vs {c} {r:.3f}" for c, r in a["vs_contenders"].items())
-            + f"), {a['auto_vs_best_table']:.3f} from the table"
+            + f"), {a['auto_vs_best_table']:.3f} as a ratio of medians"
             if a.get("auto_vs_best") is not None
             else "no other engine to compare"
         )

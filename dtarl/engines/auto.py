@@ -19,18 +19,21 @@ XLA's autotuner, per compiled program. A program is fixed by
 estimate is within ``tune_margin`` times the best estimate and whose program has
 not been timed yet is timed on this batch, side by side with the candidates in
 margin whose programs were timed before (``timer``, default ``time_programs``:
-one warm-up call each, which compiles, then interleaved rounds; each program's
-time is the minimum of at least ``tune_repeats`` calls). Interleaving matters
+one warm-up call each, which compiles, then interleaved rounds; each time is the
+minimum of at least ``tune_repeats`` calls). What is timed is a whole training
+step with that engine (its ``value_and_grad``: host prepare, device program,
+finish), since on small batches the host work decides. Interleaving matters
 because two engines are often within a few percent of each other while the
-machine drifts by more than that between consecutive timings. The measurements and
-the predictions for that batch are kept, and from then on a batch whose candidate
-has a timed program gets the estimate
+machine drifts by more than that between consecutive timings. The measurements
+and the predictions for that batch are kept, and from then on a batch whose
+candidate has a timed program gets the estimate
 
     estimate = predicted * measured_then / predicted_then        (per-bucket correction)
 
 (predicted_then: the current model's prediction of the timed batch's work, so a
 refit of the model keeps the timed buckets' estimates), and the others keep the
-cost model's prediction. The margin is checked again
+cost model's prediction of the device program plus the host prepare time of
+this batch (measured). The margin is checked again
 after every timing round, so the pick in ``value_and_grad`` is always a measured
 program. Tuning happens once per bucket; later batches in the same buckets are
 neither timed nor recompiled. ``prepare`` (what the sharded runner calls) uses the
@@ -261,6 +264,7 @@ class AutoEngine:
     ) -> tuple[dict[str, EngineWork], dict[str, base.Prepared]]:
         """Each candidate prepares the batch; its padded work and its ``Prepared``."""
         loss = loss if loss is not None else MaskedNLLLoss()
+        batch.prefix_tree()  # built once, before the candidates' prepare is timed
         prepared = {}
         for k in self.candidates:
             t0 = time.perf_counter()
@@ -347,12 +351,14 @@ class AutoEngine:
         keys = {e: (e, prepared[e].static, loss) for e in work}
         timed_now: list[str] = []
         t0 = time.perf_counter()
-        # A step is host work (this engine's prepare, timed above) plus the device
-        # program: the choice compares both; the estimates are the device part.
+        # A step is host work (prepare, finish) plus the device program. A timed
+        # candidate was timed a whole step at a time, so its (bucket-corrected)
+        # estimate is a step's; an untimed one's estimate is the device program's,
+        # to which its prepare time, measured above, is added.
         host = {e: float(prepared[e].stats.get("prepare_seconds", 0.0)) for e in work}
         while True:
             est = {e: self._estimate(e, keys[e], pred[e]) for e in work}
-            total = {e: est[e] + host[e] for e in work}
+            total = {e: est[e] + (0.0 if keys[e] in self.timings else host[e]) for e in work}
             best = min(total, key=lambda e: (total[e], ENGINES.index(e)))
             in_margin = [e for e in work if total[e] <= self.tune_margin * total[best]]
             todo = [e for e in in_margin if keys[e] not in self.timings]
@@ -361,7 +367,7 @@ class AutoEngine:
             # The new programs are timed side by side with the programs in margin
             # that were timed before (those are timed again, on this batch), so that
             # a close pick compares samples from one stretch of the machine's time.
-            seconds = self._time({e: prepared[e] for e in in_margin}, loss, params)
+            seconds = self._time(in_margin, batch, loss, weights, params)
             for e in in_margin:
                 self.timings[keys[e]] = Timing(
                     measured=float(seconds[e]), predicted=pred[e], work=work[e]
@@ -387,12 +393,16 @@ class AutoEngine:
             prepared=prepared,
         )
 
-    def _time(self, prepared: dict[str, base.Prepared], loss, params) -> dict[str, float]:
-        """Seconds of each engine's program on its prepared batch, timed side by side."""
+    def _time(self, kinds, batch, loss, weights, params) -> dict[str, float]:
+        """Seconds of a whole step (prepare, device program, finish: what a training
+        step with that engine costs) of each engine in ``kinds`` on ``batch``,
+        timed side by side. The programs are the ones just prepared (same buckets)."""
         runs = {}
-        for kind, prep in prepared.items():
-            fn = self.engines[kind].jit.get(loss, prep.static)
-            runs[kind] = lambda fn=fn, prep=prep: fn(params, *prep.args)
+        for kind in kinds:
+            engine = self.engines[kind]
+            runs[kind] = lambda engine=engine: engine.value_and_grad(
+                params, batch, loss, weights=weights
+            )[1]
         timer = self.timer or (lambda r: time_programs(r, repeats=self.tune_repeats))
         return timer(runs)
 
@@ -424,10 +434,9 @@ class AutoEngine:
         )
 
     def _prepared(self, c: _Choice) -> base.Prepared:
-        inner = c.prepared[c.kind]
-        stats = dict(
-            inner.stats,
-            chosen_engine=c.kind,
+        return self.delegated(
+            c.kind,
+            c.prepared[c.kind],
             choice_reason=c.reason,
             choice_basis=c.basis,
             predicted_seconds=c.predicted,
@@ -436,9 +445,22 @@ class AutoEngine:
             autotuned=list(c.timed_now),
             autotune_seconds=c.tune_seconds,
         )
+
+    def delegated(self, kind: str, inner: base.Prepared, **stats) -> base.Prepared:
+        """``inner`` (a batch prepared by ``self.engines[kind]``) as auto's own
+        ``Prepared``: it runs that engine's program and is finished by it."""
         return base.Prepared(
-            static=(c.kind, inner.static), args=inner.args, host=(c.kind, inner), stats=stats
+            static=(kind, inner.static),
+            args=inner.args,
+            host=(kind, inner),
+            stats=dict(inner.stats, chosen_engine=kind, **stats),
         )
+
+    def shard_choice(self, batch: RolloutBatch, loss, *, weights=None) -> str:
+        """The engine every dp rank of a sharded run uses (``ShardedEngine`` asks):
+        the pick for the whole batch from the corrected estimates, never timed. One
+        engine for all ranks keeps one program on the mesh."""
+        return self._choose(batch, loss, weights).kind
 
     # --------------------------------------------------------- engine contract
 

@@ -44,11 +44,15 @@ so the host work is split like the devices. The shapes are agreed with one small
 all-gather of the engines' bucket minimums per pass (elementwise max, then the
 local ranks are prepared again; a digest of every process's ``static`` and arg
 shapes must match). ``finish`` decodes the local ranks' logprobs and all-gathers
-them as one flat buffer, so every process returns all N. An engine without
-monotone buckets (no ``_min`` dict, e.g. ``AutoEngine``) falls back to preparing
-every rank on every process. A collective that fails because another process
-died raises ``PeerLostError`` naming this process; JAX's heartbeat bounds the
-rest (see ``dtarl.parallel.launch``).
+them as one flat buffer, so every process returns all N. The buckets agreed
+include those of an engine run inside another (prefix_reuse's DFS engine for
+deep groups). ``AutoEngine`` picks one engine for all ranks from the whole batch
+(``shard_choice``; process 0's pick when several processes run), whose ranks are
+then prepared and agreed as above. Any other engine without monotone buckets
+(no ``_min`` dict) falls back to preparing every rank on every process. A
+collective that fails because another process died raises ``PeerLostError``
+naming this process; JAX's heartbeat bounds the rest (see
+``dtarl.parallel.launch``).
 
 Letters: R = dp ranks, N = sequences.
 """
@@ -141,6 +145,19 @@ class ShardedPrepared:
     num_sequences: int
     host_seconds: float
     local_ranks: tuple[int, ...] = ()
+
+
+def _bucket_tables(engine, name: str = "") -> list[tuple[str, dict]]:
+    """The monotone bucket minimums (``_min`` dicts) of ``engine`` and of the engines
+    it runs inside its program (prefix_reuse's ``_dfs``), named by their path."""
+    tables = []
+    mins = getattr(engine, "_min", None)
+    if isinstance(mins, dict):
+        tables.append((name, mins))
+    inner = getattr(engine, "_dfs", None)
+    if inner is not None:
+        tables += _bucket_tables(inner, f"{name}_dfs.")
+    return tables
 
 
 def _shapes(tree) -> list:
@@ -248,8 +265,18 @@ class ShardedEngine:
             keep_groups=self.keep_groups,
         )
         multi = jax.process_count() > 1
-        buckets = getattr(self.engine, "_min", None)
-        agree = multi and isinstance(buckets, dict)
+        # An engine that delegates (auto) picks one engine for every rank, from the
+        # whole batch; the ranks are then prepared by that engine, like any other.
+        engine, kind = self.engine, None
+        if callable(getattr(engine, "shard_choice", None)):
+            kind = engine.shard_choice(batch, loss)
+            if multi:  # the choice times host work: process 0's decides for all
+                kinds = tuple(engine.engines)
+                with _collective("agreeing on auto's engine (ShardedEngine.prepare)"):
+                    i = multihost_utils.broadcast_one_to_all(np.int32(kinds.index(kind)))
+                kind = kinds[int(i)]
+            engine = engine.engines[kind]
+        agree = multi and bool(_bucket_tables(engine))
         local = self.local_ranks() if agree else tuple(range(k))
         if not local:
             raise ShardingError(
@@ -272,23 +299,23 @@ class ShardedEngine:
         # (and, should a bucket still move, a third) gives every rank one shape.
         # Across processes the buckets are agreed by an all-gather (max) per pass.
         for _ in range(3):
-            ranks = [
-                self.engine.prepare(sb, loss, weights=w) for sb, w in zip(subs, sub_w, strict=True)
-            ]
+            ranks = [engine.prepare(sb, loss, weights=w) for sb, w in zip(subs, sub_w, strict=True)]
             statics = {r.static for r in ranks}
             shapes = [_shapes(r.args) for r in ranks]
             same = len(statics) == 1 and all(s == shapes[0] for s in shapes)
             if agree:
-                if self._agree_buckets(ranks[0], shapes[0], same):
+                if self._agree_buckets(engine, ranks[0], shapes[0], same):
                     break
             elif same:
                 break
         else:
             raise ShardingError(
-                f"engine {type(self.engine).__name__}: per-rank shapes still differ after 3 "
+                f"engine {type(engine).__name__}: per-rank shapes still differ after 3 "
                 f"prepare passes (static keys {sorted(map(str, statics))}); its buckets must "
                 "only grow (see DFSEngine.reserve)"
             )
+        if kind is not None:
+            ranks = [self.engine.delegated(kind, r) for r in ranks]
         args = jax.tree.map(lambda *xs: np.stack(xs), *[r.args for r in ranks])
         return ShardedPrepared(
             static=ranks[0].static,
@@ -301,23 +328,26 @@ class ShardedEngine:
             local_ranks=local,
         )
 
-    def _agree_buckets(self, first, shapes, same: bool) -> bool:
+    def _agree_buckets(self, engine, first, shapes, same: bool) -> bool:
         """One all-gather of (bucket minimums, shape digest, ok) over the processes.
 
-        Sets the engine's buckets to the elementwise max. True (on every process
-        alike: the decision uses only gathered values) when every process already
-        had those buckets, its local ranks agree, and all digests are equal.
+        Sets the engine's buckets (its own and those of the engines it runs inside,
+        e.g. prefix_reuse's DFS engine for deep groups) to the elementwise max. True
+        (on every process alike: the decision uses only gathered values) when every
+        process already had those buckets, its local ranks agree, and all digests
+        are equal.
         """
-        mins = self.engine._min
-        keys = sorted(mins)
+        tables = _bucket_tables(engine)
+        entries = [(name, table, key) for name, table in tables for key in sorted(table)]
+        keys = [f"{name}{key}" for name, _, key in entries]
         text = repr((keys, first.static, shapes)).encode()
         digest = int.from_bytes(hashlib.sha256(text).digest()[:4], "little") & 0x7FFFFFFF
-        row = np.array([int(mins[key]) for key in keys] + [digest, int(same)], np.int32)
+        row = np.array([int(t[k]) for _, t, k in entries] + [digest, int(same)], np.int32)
         with _collective("agreeing on the per-rank shapes (ShardedEngine.prepare)"):
             table = np.asarray(multihost_utils.process_allgather(row))  # [P, len(keys) + 2]
         top = table[:, : len(keys)].max(axis=0)
-        for key, v in zip(keys, top.tolist(), strict=True):
-            mins[key] = max(int(mins[key]), int(v))
+        for (_, t, key), v in zip(entries, top.tolist(), strict=True):
+            t[key] = max(int(t[key]), int(v))
         return bool(
             np.all(table[:, : len(keys)] == top)
             and np.all(table[:, -2] == table[0, -2])

@@ -25,7 +25,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dtarl.engines import DFSEngine
+from dtarl.engines import DFSEngine, RolloutBatch
+from dtarl.engines.prefix_reuse import PrefixReuseEngine
 from dtarl.model import ModelConfig, init_model
 from dtarl.rl.losses import ClippedSurrogateLoss
 from dtarl.testing import grpo_groups
@@ -33,7 +34,19 @@ from dtarl.testing import grpo_groups
 LOSS = ClippedSurrogateLoss.dapo()
 
 
-def problem():
+def deep_and_shallow_groups(rs):
+    # Group 0: a prompt and 4 responses. Group 1: a prompt, 2 first turns, 2
+    # second turns below each (a deep group: prefix_reuse runs it with DFS).
+    p0, p1 = list(rs.randint(3, 256, 6)), list(rs.randint(3, 256, 6))
+    shallow = [p0 + list(rs.randint(3, 256, rs.randint(3, 9))) for _ in range(4)]
+    turns = [p1 + list(rs.randint(3, 256, 5)) for _ in range(2)]
+    deep = [t + list(rs.randint(3, 256, rs.randint(3, 6))) for t in turns for _ in range(2)]
+    return RolloutBatch.create(
+        tokens=shallow + deep, advantages=rs.randn(8), group_ids=[0] * 4 + [1] * 4
+    )
+
+
+def problem(kind="dfs"):
     cfg = ModelConfig.tiny(num_layers=1, hidden_size=32, intermediate_size=64, head_dim=8)
     model = nnx.eval_shape(lambda: init_model(cfg, seed=0))
     _, abstract = nnx.split(model, nnx.Param)
@@ -41,6 +54,8 @@ def problem():
     params = jax.tree.map(
         lambda a: (rs.standard_normal(a.shape) / np.sqrt(a.shape[0])).astype(a.dtype), abstract
     )
+    if kind == "prefix_reuse_deep":  # one process gets the deep group, one the shallow
+        return PrefixReuseEngine(model), params, deep_and_shallow_groups(rs)
     batch = grpo_groups(num_groups=4, group_size=4, prompt_len=6, response_len=(3, 9), seed=0)
     return DFSEngine(model, chunk_len=8), params, batch
 
@@ -65,8 +80,9 @@ from dtarl.parallel.sharded import ShardedEngine, to_host
 exec(open(sys.argv[2]).read())
 assert jax.process_count() == 2 and jax.device_count() == 4, (
     jax.process_count(), jax.device_count())
-engine, params, batch = problem()
-sharded = ShardedEngine(engine, make_mesh(2, 2))  # dp spans the processes, tp within one
+engine, params, batch = problem(sys.argv[3])
+# dp spans the processes, tp within one; groups stay whole (one per process).
+sharded = ShardedEngine(engine, make_mesh(2, 2), keep_groups=sys.argv[3] != "dfs")
 total, grads, aux = sharded.value_and_grad(params, batch, LOSS)
 total, grads = to_host((total, grads))  # one gather for both
 # Each process prepared only its own dp rank (dp spans the processes).
@@ -155,11 +171,14 @@ def _env():
     return env
 
 
-def test_two_processes_equal_one(tmp_path, capsys):
+@pytest.mark.parametrize("kind", ["dfs", "prefix_reuse_deep"])
+def test_two_processes_equal_one(tmp_path, capsys, kind):
+    """prefix_reuse_deep: the process with the deep group grows the inner DFS
+    engine's buckets, and the other must agree on them for one program."""
     (tmp_path / "problem.py").write_text(PROBLEM)
     (tmp_path / "worker.py").write_text(WORKER)
     res = launch_lib.launch(
-        [str(tmp_path / "worker.py"), str(tmp_path), str(tmp_path / "problem.py")],
+        [str(tmp_path / "worker.py"), str(tmp_path), str(tmp_path / "problem.py"), kind],
         2,
         devices_per_proc=2,
         init_timeout=60,
@@ -171,8 +190,10 @@ def test_two_processes_equal_one(tmp_path, capsys):
 
     ns: dict = {}
     exec(PROBLEM, ns)
-    engine, params, batch = ns["problem"]()
+    engine, params, batch = ns["problem"](kind)
     total, grads, aux = engine.value_and_grad(params, batch, ns["LOSS"])
+    if kind == "prefix_reuse_deep":
+        assert aux.stats["deep_sequences"] == 4  # the deep group ran through DFS
     ref = ns["flat"](jax.tree.map(np.asarray, grads))
     local = []
     for rank in (0, 1):

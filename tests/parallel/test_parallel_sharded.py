@@ -109,6 +109,32 @@ def test_sharded_equals_single_device(kind, dp, tp):
     assert sharded.trace_count == 1
 
 
+def test_auto_runs_one_engine_on_every_rank(monkeypatch):
+    """auto under ShardedEngine: one choice for the whole batch (asked once), every
+    rank prepared by that engine, its buckets agreed like the engine's own; the
+    result equals that engine on one device."""
+    from dtarl.engines import AutoEngine
+
+    model, params, batch = _problem()
+    engines = {k: _engine(k) for k in ("dense", "dfs", "prefix_reuse")}
+    auto = AutoEngine(model, engines=engines)
+    kind = auto.choose(batch, LOSS)[0]
+    asked = []
+    real = auto.shard_choice
+    monkeypatch.setattr(auto, "shard_choice", lambda *a, **k: asked.append(1) or real(*a, **k))
+    sharded = ShardedEngine(auto, make_mesh(4, 2))
+    prep = sharded.prepare(batch, LOSS)
+    assert asked == [1] and prep.static[0] == kind
+    assert {r.static for r in prep.ranks} == {prep.static}
+    assert all(r.stats["chosen_engine"] == kind for r in prep.ranks)
+    ref_loss, ref_grads, ref_logp = _reference(kind)
+    total, grads, aux = sharded.value_and_grad(params, batch, LOSS)
+    np.testing.assert_allclose(float(total), ref_loss, rtol=1e-6)
+    assert _max_rel(grads, ref_grads) <= RTOL
+    for lp, rlp in zip(aux.logprobs, ref_logp, strict=True):
+        np.testing.assert_allclose(lp, rlp, atol=1e-5, rtol=0)
+
+
 def test_jit_strategy_matches():
     """The NamedSharding + vmap alternative gives the same numbers (it is just slower)."""
     _, params, batch = _problem()
