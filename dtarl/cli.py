@@ -24,11 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     rl_cli.register(sub)
 
-    bench = sub.add_parser("bench", help="benchmarks (train engines, DP partition)")
+    bench = sub.add_parser("bench", help="benchmarks (train engines, memory, DP partition)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     from dtarl.bench import train as bench_train
 
     bench_train.register(bench_sub)
+    from dtarl.bench import memory as bench_memory
+
+    bench_memory.register(bench_sub)
     from dtarl.parallel import bench_partition
 
     bench_partition.register(bench_sub)

@@ -1,5 +1,6 @@
 """The `dtarl` command: lists working subcommands, reports bad input in one line."""
 
+import json
 import subprocess
 import sys
 
@@ -27,3 +28,24 @@ def test_entry_point_runs_as_module():
         [sys.executable, "-m", "dtarl.cli", "trace", "--help"], capture_output=True, text=True
     )
     assert out.returncode == 0 and "replay" in out.stdout
+
+
+def test_bench_memory_tables(capsys, tmp_path):
+    """`dtarl bench memory` on tiny shapes: the peak table and the frontier (compiles
+    only). Every frontier row fits its budget; dense is the gain's baseline."""
+    path = tmp_path / "memory.json"
+    args = ["bench", "memory", "--group-sizes", "4", "--prompt", "32", "--response", "8"]
+    args += ["--budget-mib", "4", "--frontier-group", "4", "--max-response", "64"]
+    assert cli.main([*args, "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Compiled peak memory" in out and "Capacity frontier" in out
+    res = json.loads(path.read_text())
+    (peak,) = res["peaks"]
+    assert peak["G"] == 4 and peak["tokens"] == 4 * 40
+    assert 0 < peak["suffix_phase_MiB"] <= peak["prefix_reuse_MiB"]
+    assert [r["engine"] for r in res["frontier"]] == ["dense", "prefix_reuse"]
+    for r in res["frontier"]:
+        assert r["peak_MiB"] <= 4 and r["total_tokens"] == 4 * 5 * r["response_len"]
+    assert res["frontier"][0]["gain"] == 1.0
+    assert cli.main(["bench", "memory", "--budget-mib", "0"]) == 2
+    assert "--budget-mib=[0.0]: each must be > 0" in capsys.readouterr().err

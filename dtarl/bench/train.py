@@ -2,9 +2,9 @@
 
 For every workload the same batch goes through each engine (same parameters,
 same loss); each engine is warmed up (compiled) once, then all are timed side by
-side: ``repeats`` rounds, each of which gives every engine one turn (one step,
-or the mean of as many as fit in 0.25 s for a short one), in an order that
-rotates from round to round (a machine that drifts by 10-30% over a
+side: ``repeats`` rounds, each of which gives every engine one turn (an untimed
+step, then one timed step, or the mean of as many as fit in 0.4 s for a short
+one), in a random order per round (a machine that drifts by 10-30% over a
 minute would otherwise hand its drift to whichever engine ran in the slow
 stretch). Printed per engine: the median step time, tokens/s, the speedup vs
 dense and vs dense+remat (the median over rounds of the two steps' ratio in the
@@ -337,26 +337,26 @@ def run(
     return results
 
 
-ROUND_SECONDS = 0.25  # an engine's turn in a round lasts at least this long ...
-ROUND_CALLS = 20  # ... or this many steps
+ROUND_SECONDS = 0.4  # an engine's turn in a round times steps for at least this long ...
+ROUND_CALLS = 40  # ... or this many steps
 
 
 def _rounds(live: dict, params, batch, loss, repeats: int) -> tuple[dict, dict]:
-    """``repeats`` rounds, each giving every engine one turn; the order rotates
-    from round to round and every other round runs backwards, so no engine always
-    follows the same one. A turn is one step, or as many as fit in
-    ``ROUND_SECONDS`` (at most ``ROUND_CALLS``) for a short step, whose mean
-    counts: a 10 ms step's single sample is as noisy as the differences measured.
-    Returns (seconds per step, per engine per round; each engine's last stats)."""
+    """``repeats`` rounds, each giving every engine one turn, in a random order
+    (seeded per round) so that no engine always follows the same one. A turn is
+    one untimed step (the engine's first step after another engine's, whose
+    caches and allocations that one left behind) and then timed steps: one, or
+    as many as fit in ``ROUND_SECONDS`` (at most ``ROUND_CALLS``) for a short
+    step, whose mean counts. Training runs one engine step after step, so that
+    steady state is what is timed. Returns (seconds per step, per engine per
+    round; each engine's last stats)."""
     names = list(live)
     times: dict[str, list[float]] = {n: [] for n in names}
     stats: dict[str, dict] = {}
     for r in range(repeats):
-        k = r % len(names)
-        order = names[k:] + names[:k]
-        if r % 2:
-            order.reverse()
-        for n in order:
+        for i in np.random.RandomState(r).permutation(len(names)):
+            n = names[i]
+            live[n].value_and_grad(params, batch, loss)
             spent, calls = 0.0, 0
             while calls == 0 or (spent < ROUND_SECONDS and calls < ROUND_CALLS):
                 t0 = time.perf_counter()

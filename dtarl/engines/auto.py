@@ -20,7 +20,7 @@ estimate is within ``tune_margin`` times the best estimate and whose program has
 not been timed yet is timed on this batch, side by side with the candidates in
 margin whose programs were timed before (``timer``, default ``time_programs``:
 one warm-up call each, which compiles, then interleaved rounds; each time is the
-minimum of at least ``tune_repeats`` calls). What is timed is a whole training
+median of at least ``tune_repeats`` calls). What is timed is a whole training
 step with that engine (its ``value_and_grad``: host prepare, device program,
 finish), since on small batches the host work decides. Interleaving matters
 because two engines are often within a few percent of each other while the
@@ -69,25 +69,27 @@ def time_programs(
     runs: dict[str, Callable[[], object]],
     *,
     repeats: int = 3,
-    min_seconds: float = 0.1,
+    min_seconds: float = 0.25,
     max_calls: int = 50,
 ) -> dict[str, float]:
-    """Seconds of one call of each program in ``runs`` (name -> ``run()``, a
-    compiled device program), timed side by side.
+    """Seconds of one call of each ``run()`` in ``runs`` (name -> a call of a
+    compiled program, or a whole training step), timed side by side.
 
     Each program gets one warm-up call (compilation excluded); then rounds call
     every program once, blocked, in an order that alternates from round to round,
-    and each program's time is the minimum of its calls. Rounds go on until every
-    program has had ``repeats`` calls; a program with less than ``min_seconds``
-    timed so far stays in the rounds (up to ``max_calls`` calls), so a short
-    program's minimum is not one noisy sample. Interleaving is what lets a close
+    and each program's time is the median of its calls (what a step typically
+    costs: the host part of a short step has a long tail that a minimum would
+    hide). Rounds go on until every program has had ``repeats`` calls; a program
+    with less than ``min_seconds`` timed so far stays in the rounds (up to
+    ``max_calls`` calls), so a short program's median is not of a few noisy
+    samples. Interleaving is what lets a close
     pick stand: a machine that drifts by 10-30% over seconds moves every
     candidate's samples alike, where timing one program after another hands the
     drift to whichever ran in the slow stretch.
     """
     for run in runs.values():
         jax.block_until_ready(run())
-    best = {k: float("inf") for k in runs}
+    samples: dict[str, list[float]] = {k: [] for k in runs}
     spent = dict.fromkeys(runs, 0.0)
     calls = dict.fromkeys(runs, 0)
 
@@ -100,15 +102,16 @@ def time_programs(
             t0 = time.perf_counter()
             jax.block_until_ready(runs[k]())
             dt = time.perf_counter() - t0
-            best[k], spent[k], calls[k] = min(best[k], dt), spent[k] + dt, calls[k] + 1
+            samples[k].append(dt)
+            spent[k], calls[k] = spent[k] + dt, calls[k] + 1
         order.reverse()
-    return best
+    return {k: float(np.median(v)) for k, v in samples.items()}
 
 
 def time_program(
-    kind: str, run: Callable[[], object], *, repeats: int = 3, min_seconds: float = 0.1
+    kind: str, run: Callable[[], object], *, repeats: int = 3, min_seconds: float = 0.25
 ) -> float:
-    """``time_programs`` of one program: one warm-up call, then the minimum of at
+    """``time_programs`` of one program: one warm-up call, then the median of at
     least ``repeats`` calls, repeated (up to 50 calls) until ``min_seconds`` have
     been timed."""
     return time_programs({kind: run}, repeats=repeats, min_seconds=min_seconds)[kind]
@@ -177,16 +180,21 @@ class AutoEngine:
         best estimate, once per shape bucket, in ``value_and_grad`` (module docstring).
       tune_margin: a candidate is timed when its estimate is at most this many times
         the best estimate (>= 1; 1 times only the predicted best).
-      tune_repeats: timed calls per program after its warm-up (the minimum counts).
-      timer: ``timer({kind: run}) -> {kind: seconds}``, where each ``run()`` calls
-        a compiled program once; default ``time_programs`` (side by side) with
-        ``tune_repeats``. Tests inject fixed times here.
+      tune_repeats: timed calls per program after its warm-up (the median counts).
+      timer: ``timer({kind: run}) -> {kind: seconds}``, where each ``run()`` is one
+        whole step with that engine on the batch; default ``time_programs`` (side
+        by side) with ``tune_repeats``. Tests inject fixed times here.
       reuse_choices: in ``value_and_grad``, a batch with the same signature as an
         earlier batch whose pick was measured (same loss; same buckets of sequences,
         tokens, tree tokens, longest path and leaves; same depth) is given to that
         engine directly, and only that engine prepares it, provided its program is
         one already timed (otherwise the full choice runs). This removes the other
         candidates' host work (about 1 ms a step) from steady-state training.
+      recheck_every: with ``reuse_choices``, every this many batches of one
+        signature go through the full choice again (every candidate prepares; the
+        timed buckets' corrected estimates decide; a new bucket in margin is
+        timed), so batches that share a signature but not a best engine are caught;
+        0 never re-checks.
     """
 
     model: Decoder
@@ -198,9 +206,10 @@ class AutoEngine:
     engines: dict | None = None
     autotune: bool = True
     tune_margin: float = 2.0
-    tune_repeats: int = 3
+    tune_repeats: int = 5
     timer: Timer | None = None
     reuse_choices: bool = True
+    recheck_every: int = 64
     name: str = "auto"
 
     def __post_init__(self):
@@ -211,6 +220,8 @@ class AutoEngine:
             raise ValueError(f"tune_margin={self.tune_margin}: must be >= 1 (a ratio of seconds)")
         if self.tune_repeats < 1:
             raise ValueError(f"tune_repeats={self.tune_repeats}: must be >= 1")
+        if self.recheck_every < 0:
+            raise ValueError(f"recheck_every={self.recheck_every}: must be >= 0 (0: never)")
         self.cost_model = self.cost_model or CostModel.default()
         self.cfg = self.model.cfg
         given = dict(self.engines or {})
@@ -232,6 +243,7 @@ class AutoEngine:
         self.timings: dict[tuple, Timing] = {}
         # batch signature -> the engine a measured choice picked for it.
         self.choices: dict[tuple, str] = {}
+        self._reused: dict[tuple, int] = {}  # signature -> batches given the reused pick
 
     @property
     def trace_count(self) -> int:
@@ -318,9 +330,13 @@ class AutoEngine:
     def _reuse(self, batch, loss, weights) -> _Choice | None:
         """The remembered measured choice for this batch's signature, if its engine's
         program for this batch is one already timed."""
-        kind = self.choices.get(self.signature(batch, loss))
+        sig = self.signature(batch, loss)
+        kind = self.choices.get(sig)
         if kind is None:
             return None
+        self._reused[sig] = n = self._reused.get(sig, 0) + 1
+        if self.recheck_every and n % self.recheck_every == 0:
+            return None  # the full choice, from the candidates' corrected estimates
         prep = self.engines[kind].prepare(batch, loss, weights=weights)
         timing = self.timings.get((kind, prep.static, loss))
         if timing is None:  # a bucket grew: choose afresh

@@ -46,13 +46,13 @@ local ranks are prepared again; a digest of every process's ``static`` and arg
 shapes must match). ``finish`` decodes the local ranks' logprobs and all-gathers
 them as one flat buffer, so every process returns all N. The buckets agreed
 include those of an engine run inside another (prefix_reuse's DFS engine for
-deep groups). ``AutoEngine`` picks one engine for all ranks from the whole batch
-(``shard_choice``; process 0's pick when several processes run), whose ranks are
-then prepared and agreed as above. Any other engine without monotone buckets
-(no ``_min`` dict) falls back to preparing every rank on every process. A
-collective that fails because another process died raises ``PeerLostError``
-naming this process; JAX's heartbeat bounds the rest (see
-``dtarl.parallel.launch``).
+deep groups). ``AutoEngine`` picks one engine for all ranks, from the rank with
+the most tokens (``shard_choice``; process 0's pick when several processes run),
+and the ranks are then prepared by that engine and agreed as above. Any other
+engine without monotone buckets (no ``_min`` dict) falls back to preparing every
+rank on every process. A collective that fails because another process died
+raises ``PeerLostError`` naming this process; JAX's heartbeat bounds the rest
+(see ``dtarl.parallel.launch``).
 
 Letters: R = dp ranks, N = sequences.
 """
@@ -265,11 +265,15 @@ class ShardedEngine:
             keep_groups=self.keep_groups,
         )
         multi = jax.process_count() > 1
+        weights = batch.sequence_weights(loss.norm, getattr(loss, "norm_constant", None))
         # An engine that delegates (auto) picks one engine for every rank, from the
-        # whole batch; the ranks are then prepared by that engine, like any other.
+        # rank with the most tokens (what the step waits for; choosing on the whole
+        # batch would also grow the candidates' buckets to its size); the ranks are
+        # then prepared by that engine, like any other.
         engine, kind = self.engine, None
         if callable(getattr(engine, "shard_choice", None)):
-            kind = engine.shard_choice(batch, loss)
+            ix = max(part.indices, key=lambda ix: int(batch.lengths[ix].sum()))
+            kind = engine.shard_choice(batch.select(ix), loss, weights=weights[ix])
             if multi:  # the choice times host work: process 0's decides for all
                 kinds = tuple(engine.engines)
                 with _collective("agreeing on auto's engine (ShardedEngine.prepare)"):
@@ -283,7 +287,6 @@ class ShardedEngine:
                 f"process {jax.process_index()} has no device in the mesh; build the mesh "
                 "from every process's devices (dtarl.parallel.make_mesh does)"
             )
-        weights = batch.sequence_weights(loss.norm, getattr(loss, "norm_constant", None))
         subs, sub_w, dummy = [], [], []
         for r, ix in enumerate(part.indices):
             dummy.append(ix.shape[0] == 0)

@@ -221,6 +221,12 @@ def test_autotune_overrides_a_wrong_cost_model():
     assert len(timer.calls) == 3 and auto.trace_count == traces
     assert aux3.stats["chosen_engine"] == "dfs" and aux3.stats["choice_basis"] == "measured"
     assert aux3.stats["choice_reason"].startswith("dfs: bucket-measured x")
+    # With reuse, every recheck_every-th batch of a signature is chosen in full.
+    auto.reuse_choices, auto.recheck_every = True, 2
+    auto._reused.clear()
+    bases = [auto.value_and_grad(params, again, loss)[2].stats["choice_basis"] for _ in range(4)]
+    assert bases == ["reused", "measured", "reused", "measured"] and len(timer.calls) == 3
+    auto.reuse_choices = False
     # The same sizes without the shared prompts: another signature, no reuse.
     unshared = RolloutBatch.create(tokens=[[3 + i, *t[1:]] for i, t in enumerate(batch.tokens)])
     assert auto.signature(unshared, loss) != auto.signature(batch, loss)
@@ -290,7 +296,7 @@ def test_autotune_margin():
         AutoEngine(model, tune_margin=0.5)
 
 
-def test_time_program_warms_up_then_takes_the_minimum():
+def test_time_program_warms_up_then_takes_the_median():
     calls = []
 
     def run():

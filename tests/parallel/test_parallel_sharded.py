@@ -110,21 +110,27 @@ def test_sharded_equals_single_device(kind, dp, tp):
 
 
 def test_auto_runs_one_engine_on_every_rank(monkeypatch):
-    """auto under ShardedEngine: one choice for the whole batch (asked once), every
-    rank prepared by that engine, its buckets agreed like the engine's own; the
-    result equals that engine on one device."""
+    """auto under ShardedEngine: one choice (asked once, on the rank with the most
+    tokens), every rank prepared by that engine, its buckets agreed like the
+    engine's own; the result equals that engine on one device."""
     from dtarl.engines import AutoEngine
 
     model, params, batch = _problem()
     engines = {k: _engine(k) for k in ("dense", "dfs", "prefix_reuse")}
     auto = AutoEngine(model, engines=engines)
-    kind = auto.choose(batch, LOSS)[0]
     asked = []
     real = auto.shard_choice
-    monkeypatch.setattr(auto, "shard_choice", lambda *a, **k: asked.append(1) or real(*a, **k))
+
+    def spy(b, *a, **k):
+        asked.append(b.num_tokens)
+        return real(b, *a, **k)
+
+    monkeypatch.setattr(auto, "shard_choice", spy)
     sharded = ShardedEngine(auto, make_mesh(4, 2))
     prep = sharded.prepare(batch, LOSS)
-    assert asked == [1] and prep.static[0] == kind
+    kind = prep.static[0]
+    most = max(int(batch.lengths[ix].sum()) for ix in prep.partition.indices)
+    assert asked == [most] and most < batch.num_tokens
     assert {r.static for r in prep.ranks} == {prep.static}
     assert all(r.stats["chosen_engine"] == kind for r in prep.ranks)
     ref_loss, ref_grads, ref_logp = _reference(kind)
