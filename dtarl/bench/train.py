@@ -16,9 +16,10 @@ a fresh auto engine per workload then autotunes in its warm-up call (it times th
 programs of the candidates within its margin, compiling them), so its step time
 excludes the tuning, which is reported separately (``autotune_seconds``). Per
 workload the bench reports ``auto_vs_best``: auto's step time over that of the
-fastest other engine (1.05 = 5% slower), as the largest over the other engines of
-the median over rounds of auto's step / that engine's in the same round, and at
-the end on how many workloads auto was within 5%. auto's step includes its host
+fastest other engine (1.05 = 5% slower), measured pairwise against every engine
+within 1.25x of the fastest median (15 rounds of short alternating turns of the
+two; the median of the per-round ratios), the largest of those, and at the end on
+how many workloads auto was within 5%. auto's step includes its host
 work: the chosen engine's prepare, and every candidate's on a batch whose choice
 is not reused (about 1 ms per step on the tiny workloads).
 
@@ -329,7 +330,7 @@ def run(
             e["measured_over_ideal"] = (
                 e["speedup_vs_dense"] / ideal if e["speedup_vs_dense"] else None
             )
-        _auto_vs_best(row, times)
+        _auto_vs_best(row, live, params, batch, loss)
         del live
         log(_format_rows(row))
         results["workloads"].append(row)
@@ -377,13 +378,43 @@ def _paired(times: dict, base: str, name: str) -> float | None:
     return statistics.median(b / t for b, t in zip(times[base], times[name], strict=True))
 
 
-def _auto_vs_best(row: dict, times: dict) -> None:
-    """Adds to every auto entry of ``row``: ``vs_contenders`` (per other engine, the
-    median over the rounds of auto's step / that engine's in the same round),
-    ``auto_vs_best`` (the largest: auto against the engine fastest side by side,
-    ``best_engine``) and ``auto_vs_best_table`` (auto's median step over the fastest
-    other median)."""
+PAIR_ROUNDS = 15  # auto against each contender: rounds of one turn each ...
+PAIR_SECONDS = 0.15  # ... whose timed steps last at least this long (at most 20 steps)
+CONTENDER_MARGIN = 1.25  # contenders: engines within this factor of the fastest median
+
+
+def _pairwise(a, b, params, batch, loss) -> float:
+    """The median over ``PAIR_ROUNDS`` rounds of a's step / b's in the same round.
+    Each round gives a and b one turn (the order alternates): one untimed step,
+    then timed steps for ``PAIR_SECONDS`` (at least one), whose mean counts.
+    Short turns of two engines keep the pair's samples close in time, which is
+    what makes a few percent measurable on a machine whose speed moves by 10-30%
+    over seconds."""
+    ratios = []
+    for r in range(PAIR_ROUNDS):
+        t = {}
+        for name, e in ((0, a), (1, b)) if r % 2 == 0 else ((1, b), (0, a)):
+            e.value_and_grad(params, batch, loss)
+            spent, calls = 0.0, 0
+            while calls == 0 or (spent < PAIR_SECONDS and calls < 20):
+                t0 = time.perf_counter()
+                e.value_and_grad(params, batch, loss)
+                spent += time.perf_counter() - t0
+                calls += 1
+            t[name] = spent / calls
+        ratios.append(t[0] / t[1])
+    return statistics.median(ratios)
+
+
+def _auto_vs_best(row: dict, live: dict, params, batch, loss) -> None:
+    """Adds to every auto entry of ``row``: ``vs_contenders`` (auto's step over each
+    contender's, measured pairwise by ``_pairwise``; the contenders are the other
+    engines whose median step is within ``CONTENDER_MARGIN`` of the fastest),
+    ``auto_vs_best`` (the largest: auto against the contender that is fastest
+    side by side, ``best_engine``) and ``auto_vs_best_table`` (auto's median step
+    over the fastest other median, from the rounds)."""
     others = {n: e["step_seconds"] for n, e in row["engines"].items() if "auto" not in e}
+    fastest = min(others.values()) if others else None
     for n, e in row["engines"].items():
         if "auto" not in e:
             continue
@@ -392,8 +423,10 @@ def _auto_vs_best(row: dict, times: dict) -> None:
         a["vs_contenders"] = {}
         if not others:
             continue
-        a["auto_vs_best_table"] = e["step_seconds"] / min(others.values())
-        a["vs_contenders"] = {c: _paired(times, n, c) for c in others}
+        a["auto_vs_best_table"] = e["step_seconds"] / fastest
+        for c, t in others.items():
+            if t <= CONTENDER_MARGIN * fastest:
+                a["vs_contenders"][c] = _pairwise(live[n], live[c], params, batch, loss)
         a["best_engine"] = max(a["vs_contenders"], key=a["vs_contenders"].get)
         a["auto_vs_best"] = a["vs_contenders"][a["best_engine"]]
 

@@ -75,35 +75,41 @@ def time_programs(
     """Seconds of one call of each ``run()`` in ``runs`` (name -> a call of a
     compiled program, or a whole training step), timed side by side.
 
-    Each program gets one warm-up call (compilation excluded); then rounds call
-    every program once, blocked, in an order that alternates from round to round,
-    and each program's time is the median of its calls (what a step typically
-    costs: the host part of a short step has a long tail that a minimum would
-    hide). Rounds go on until every program has had ``repeats`` calls; a program
-    with less than ``min_seconds`` timed so far stays in the rounds (up to
-    ``max_calls`` calls), so a short program's median is not of a few noisy
-    samples. Interleaving is what lets a close
-    pick stand: a machine that drifts by 10-30% over seconds moves every
-    candidate's samples alike, where timing one program after another hands the
-    drift to whichever ran in the slow stretch.
+    Each program gets one warm-up call (compilation excluded); then rounds time
+    every program once, blocked, in an order that alternates from round to round.
+    A program whose turn follows another program's first gets one untimed call:
+    the first call after a switch pays for the caches and allocations the other
+    one left, while training runs one engine step after step. Each program's
+    time is the median of its timed calls (what a step typically costs: the host
+    part of a short step has a long tail that a minimum would hide). Rounds go on
+    until every program has had ``repeats`` timed calls; a program with less than
+    ``min_seconds`` timed so far stays in the rounds (up to ``max_calls`` timed
+    calls), so a short program's median is not of a few noisy samples.
+    Interleaving is what lets a close pick stand: this machine's speed moves by
+    10-30% over seconds, which would land on whichever program ran in the slow
+    stretch if they were timed one after another.
     """
     for run in runs.values():
         jax.block_until_ready(run())
     samples: dict[str, list[float]] = {k: [] for k in runs}
     spent = dict.fromkeys(runs, 0.0)
-    calls = dict.fromkeys(runs, 0)
+    last = list(runs)[-1]
 
     def wanted(k):
-        return calls[k] < max(repeats, 1) or (spent[k] < min_seconds and calls[k] < max_calls)
+        n = len(samples[k])
+        return n < max(repeats, 1) or (spent[k] < min_seconds and n < max_calls)
 
     order = list(runs)
     while live := [k for k in order if wanted(k)]:
         for k in live:
+            if k != last:  # settle after a switch (untimed)
+                jax.block_until_ready(runs[k]())
+                last = k
             t0 = time.perf_counter()
             jax.block_until_ready(runs[k]())
             dt = time.perf_counter() - t0
             samples[k].append(dt)
-            spent[k], calls[k] = spent[k] + dt, calls[k] + 1
+            spent[k] += dt
         order.reverse()
     return {k: float(np.median(v)) for k, v in samples.items()}
 

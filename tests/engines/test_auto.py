@@ -313,8 +313,8 @@ def test_time_program_warms_up_then_takes_the_median():
 
 def test_time_programs_interleaves(monkeypatch):
     """Programs are timed in alternating rounds; each stays in the rounds until it
-    has ``repeats`` calls and ``min_seconds`` timed (a fake clock: program a takes
-    1 s a call, b 0.03 s)."""
+    has ``repeats`` timed calls and ``min_seconds`` timed (a fake clock: program a
+    takes 1 s a call, b 0.03 s; untimed calls advance it too)."""
     now = [0.0]
     order = []
 
@@ -330,8 +330,9 @@ def test_time_programs_interleaves(monkeypatch):
     got = time_programs(
         {"a": program("a", 1.0), "b": program("b", 0.03)}, repeats=3, min_seconds=0.1
     )
-    # Warm-ups, three alternating rounds, then b alone until 0.12 s >= 0.1 s.
-    assert "".join(order) == "ab" + "ab" + "ba" + "ab" + "b"
+    # Warm-ups, three alternating rounds (an untimed call first in a turn that
+    # follows the other program's), then b alone until 0.12 s >= 0.1 s.
+    assert "".join(order) == "ab" + "aabb" + "baa" + "abb" + "b"
     assert got == pytest.approx({"a": 1.0, "b": 0.03})
 
 
