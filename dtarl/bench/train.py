@@ -123,7 +123,12 @@ def polytrace_workloads(
 def calibration_batches(quick: bool = False) -> list[RolloutBatch]:
     """The short timed run that fits auto's cost model: synthetic batches of other
     shapes than the workloads (GRPO groups of several sizes and prompt/response
-    ratios, unrelated sequences, a branching multi-turn tree)."""
+    ratios, unrelated sequences, a branching multi-turn tree, and a tiny batch).
+
+    The tiny batch (16 sequences of 16-28 tokens, a few ms a step) pins down the
+    per-step term: fitted on large batches alone, dense's came out anywhere from
+    0 to 64 ms a step, and auto's tuning margin then left dense untimed on small
+    batches where it is the fastest engine."""
     s = 0.25 if quick else 1.0
 
     def n(x):
@@ -146,6 +151,9 @@ def calibration_batches(quick: bool = False) -> list[RolloutBatch]:
             advantages=rs.randn(6),
         ),
     ]
+    out.append(
+        grpo_groups(num_groups=4, group_size=4, prompt_len=12, response_len=(4, 16), seed=104)
+    )
     if not quick:
         seqs = [list(rs.randint(3, 256, 64))]
         for _ in range(3):
