@@ -186,6 +186,11 @@ class AutoEngine:
         best estimate, once per shape bucket, in ``value_and_grad`` (module docstring).
       tune_margin: a candidate is timed when its estimate is at most this many times
         the best estimate (>= 1; 1 times only the predicted best).
+      tune_all_below: when the best estimate is at most this many seconds, every
+        candidate is timed, whatever its estimate: small batches are where host
+        work and fixed costs decide and a FLOP model is least reliable (a fitted
+        per-step term of 18-64 ms made dense look 3x slower than prefix_reuse on
+        a batch where it was 15% faster), and their programs are cheap to time.
       tune_repeats: timed calls per program after its warm-up (the median counts).
       timer: ``timer({kind: run}) -> {kind: seconds}``, where each ``run()`` is one
         whole step with that engine on the batch; default ``time_programs`` (side
@@ -213,6 +218,7 @@ class AutoEngine:
     autotune: bool = True
     tune_margin: float = 2.0
     tune_repeats: int = 5
+    tune_all_below: float = 0.05
     timer: Timer | None = None
     reuse_choices: bool = True
     recheck_every: int = 64
@@ -222,6 +228,8 @@ class AutoEngine:
         bad = [c for c in self.candidates if c not in ENGINES]
         if bad or not self.candidates:
             raise ValueError(f"candidates={self.candidates!r}: each must be one of {ENGINES}")
+        if not self.tune_all_below >= 0:
+            raise ValueError(f"tune_all_below={self.tune_all_below}: must be >= 0 (seconds)")
         if not self.tune_margin >= 1.0:
             raise ValueError(f"tune_margin={self.tune_margin}: must be >= 1 (a ratio of seconds)")
         if self.tune_repeats < 1:
@@ -382,7 +390,8 @@ class AutoEngine:
             est = {e: self._estimate(e, keys[e], pred[e]) for e in work}
             total = {e: est[e] + (0.0 if keys[e] in self.timings else host[e]) for e in work}
             best = min(total, key=lambda e: (total[e], ENGINES.index(e)))
-            in_margin = [e for e in work if total[e] <= self.tune_margin * total[best]]
+            cheap = total[best] <= self.tune_all_below  # time every candidate
+            in_margin = [e for e in work if cheap or total[e] <= self.tune_margin * total[best]]
             todo = [e for e in in_margin if keys[e] not in self.timings]
             if not tune or not todo:
                 break

@@ -292,8 +292,19 @@ def test_autotune_margin():
     assert timer.rounds == [["dense"], ["dense", "prefix_reuse"]]
     assert aux.stats["chosen_engine"] == "prefix_reuse"
     assert aux.stats["autotuned"] == ["dense", "prefix_reuse"]
+    # A batch whose best estimate is under tune_all_below times every candidate.
+    timer = FakeTimer({"dense": 0.01, "prefix_reuse": 0.02, "dfs": 0.03})
+    auto = AutoEngine(model, engines=auto.engines, tune_all_below=0.05, timer=timer)
+    auto.cost_model = _model_predicting(
+        auto, batch, loss, {"dense": 0.1, "prefix_reuse": 0.004, "dfs": 0.04}
+    )
+    _, _, aux = auto.value_and_grad(params, batch, loss)
+    assert timer.rounds == [["dense", "dfs", "prefix_reuse"]]
+    assert aux.stats["chosen_engine"] == "dense"
     with pytest.raises(ValueError, match="tune_margin"):
         AutoEngine(model, tune_margin=0.5)
+    with pytest.raises(ValueError, match="tune_all_below"):
+        AutoEngine(model, tune_all_below=-1)
 
 
 def test_time_program_warms_up_then_takes_the_median():
