@@ -49,3 +49,5 @@ def test_bench_memory_tables(capsys, tmp_path):
     assert res["frontier"][0]["gain"] == 1.0
     assert cli.main(["bench", "memory", "--budget-mib", "0"]) == 2
     assert "--budget-mib=[0.0]: each must be > 0" in capsys.readouterr().err
+    assert cli.main(["bench", "memory", "--frontier-group", "0"]) == 2
+    assert "--frontier-group=0: must be >= 1" in capsys.readouterr().err

@@ -46,7 +46,16 @@ def run(
     log: Callable[[str], None] = print,
 ) -> dict:
     """Both tables (module docstring); returns them as lists of rows."""
-    for name, v in (("prompt", prompt), ("response", response), ("resolution", resolution)):
+    checks = (
+        ("prompt", prompt),
+        ("response", response),
+        ("resolution", resolution),
+        ("frontier-group", frontier_group),
+        ("prompt-ratio", prompt_ratio),
+        ("max-response", max_response),
+        ("microbatch", 1 if microbatch is None else microbatch),
+    )
+    for name, v in checks:
         if v < 1:
             raise ValueError(f"--{name}={v}: must be >= 1")
     if not group_sizes or min(group_sizes) < 1:

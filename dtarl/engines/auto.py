@@ -89,6 +89,8 @@ def time_programs(
     10-30% over seconds, which would land on whichever program ran in the slow
     stretch if they were timed one after another.
     """
+    if not runs:
+        raise ValueError("time_programs: runs is empty (need at least one name -> run())")
     for run in runs.values():
         jax.block_until_ready(run())
     samples: dict[str, list[float]] = {k: [] for k in runs}

@@ -345,6 +345,8 @@ def test_time_programs_interleaves(monkeypatch):
     # follows the other program's), then b alone until 0.12 s >= 0.1 s.
     assert "".join(order) == "ab" + "aabb" + "baa" + "abb" + "b"
     assert got == pytest.approx({"a": 1.0, "b": 0.03})
+    with pytest.raises(ValueError, match="runs is empty"):
+        time_programs({})
 
 
 def test_prepared_work_counts_padding():
