@@ -35,7 +35,7 @@ def test_bench_memory_tables(capsys, tmp_path):
     only). Every frontier row fits its budget; dense is the gain's baseline."""
     path = tmp_path / "memory.json"
     args = ["bench", "memory", "--group-sizes", "4", "--prompt", "32", "--response", "8"]
-    args += ["--budget-mib", "4", "--frontier-group", "4", "--max-response", "64"]
+    args += ["--budget-mib", "4", "--frontier-group", "4", "--max-response", "24"]
     assert cli.main([*args, "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "Compiled peak memory" in out and "Capacity frontier" in out
@@ -47,6 +47,7 @@ def test_bench_memory_tables(capsys, tmp_path):
     for r in res["frontier"]:
         assert r["peak_MiB"] <= 4 and r["total_tokens"] == 4 * 5 * r["response_len"]
     assert res["frontier"][0]["gain"] == 1.0
+    assert res["frontier"][1]["response_len"] < 24  # found by the budget, not the cap
     assert cli.main(["bench", "memory", "--budget-mib", "0"]) == 2
     assert "--budget-mib=[0.0]: each must be > 0" in capsys.readouterr().err
     assert cli.main(["bench", "memory", "--frontier-group", "0"]) == 2

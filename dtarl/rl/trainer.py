@@ -42,7 +42,6 @@ from dtarl.rl.rewards import RewardErrorPolicy, RewardFn, compute_rewards
 from dtarl.rl.tasks import Problem, Role, Task, make_task
 from dtarl.rollout.sampler import FinishReason, Sampler, SamplingParams
 from dtarl.tree.plan import bucket
-from dtarl.tree.trie import build_tree
 
 _PHASE_SFT, _PHASE_RL, _PHASE_EVAL = 1, 2, 3
 # optax >= 0.2.5 renamed tree_l2_norm to tree_norm (the old name warns).
@@ -352,6 +351,25 @@ def build_model(cfg: TrainerConfig):
     return model, tokenizer
 
 
+def _engine_metrics(stats: dict) -> dict:
+    """What a step's engine stats add to its metrics: the engine auto ran (``chosen_engine``),
+    the compiled programs so far (``trace_count``: it grows only when a batch needs a new
+    shape bucket) and auto's tuning time for the step (``autotune_seconds``)."""
+    out = {}
+    if "chosen_engine" in stats:
+        out["chosen_engine"] = stats["chosen_engine"]
+    for key in ("trace_count", "autotune_seconds"):
+        if key in stats:
+            out[key] = stats[key]
+    return out
+
+
+def _accepted(fn, kwargs: dict) -> dict:
+    """The entries of ``kwargs`` that ``fn`` takes as keywords."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
 class Trainer:
     """Runs a ``TrainerConfig``. ``reward_fn`` (sync or async) replaces the task's verifier."""
 
@@ -436,7 +454,12 @@ class Trainer:
             return make_engine(a.fallback_engine, self.model)
 
     def _reserve(self):
-        """Pre-sizes sampler and engine buckets so no step recompiles."""
+        """Pre-sizes sampler and engine buckets to the run's largest batch, so that
+        the sampler, dense and dfs never recompile after their first step (auto's
+        candidates are sized as if each ran alone). prefix_reuse's group buckets
+        (groups, prefix and suffix lengths, rows) are left to grow: their bound is
+        the longest sequence, and padding every group to it would cost more than
+        the few compiles early in a run."""
         cfg, r = self.cfg, self.cfg.rollout
         probe = self.task.generate(np.random.default_rng(0), 64)
         plen = max(len(encode_prompt(self.tokenizer, p.prompt)) for p in probe)
@@ -461,10 +484,12 @@ class Trainer:
             steps=2 * n + 2 * r.prompts_per_step,
             slots=r.group_size,
         )
-        reserve = getattr(self.engine, "reserve", None)
-        if reserve is not None:
-            accepted = inspect.signature(reserve).parameters
-            reserve(**{k: v for k, v in want.items() if k in accepted})
+        want["dfs_steps"] = want["steps"]  # prefix_reuse's deep groups run a DFS program
+        inner = getattr(self.engine, "engines", None)
+        if inner is not None:  # auto: each candidate as if it ran alone (same programs)
+            self.engine.reserve(**{k: _accepted(e.reserve, want) for k, e in inner.items()})
+        elif getattr(self.engine, "reserve", None) is not None:
+            self.engine.reserve(**_accepted(self.engine.reserve, want))
 
     def _update_fn(self, tx):
         if id(tx) not in self._updates:
@@ -557,6 +582,8 @@ class Trainer:
             train_tokens_per_s=batch.num_tokens / max(secs, 1e-9),
             train_seconds=secs,
             skipped=int(not applied),
+            engine=aux.stats.get("engine", getattr(self.engine, "name", "?")),
+            **_engine_metrics(aux.stats),
         )
         if not applied:
             self.skipped += 1
@@ -649,7 +676,7 @@ class Trainer:
             rewards=rewards,
         )
         m["advantage_abs_mean"] = float(np.abs(advs).mean())
-        tree = build_tree(list(batch.tokens))
+        tree = batch.prefix_tree()  # built once: the engine reuses it
         m["tree_token_ratio"] = tree.stats.ideal_token_ratio
         m["num_tokens"] = batch.num_tokens
         m["tree_tokens"] = tree.stats.tree_tokens
@@ -668,6 +695,7 @@ class Trainer:
             loss=float(loss),
             grad_norm=gnorm,
             engine=aux.stats.get("engine", getattr(self.engine, "name", "?")),
+            **_engine_metrics(aux.stats),
             train_seconds=train_s,
             train_tokens_per_s=batch.num_tokens * cfg.algo.updates_per_batch / max(train_s, 1e-9),
             skipped=int(not applied_all),

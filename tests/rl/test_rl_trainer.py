@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from dtarl.engines.cost import ENGINES
 from dtarl.model.tokenizer import ByteTokenizer
 from dtarl.rl.cli import main as cli_main
 from dtarl.rl.config import load_config
@@ -44,15 +45,18 @@ def leaves(params):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """An uninterrupted 3-step run (A) and one resumed from A's step-2 checkpoint (B)."""
+    """An uninterrupted 3-step run (A) and one resumed from A's step-2 checkpoint (B).
+
+    A fixed engine: auto's pick is timed, so two runs may pick engines that agree
+    to fp32 tolerance but not bit for bit."""
     a_dir = tmp_path_factory.mktemp("a")
     b_dir = tmp_path_factory.mktemp("b")
-    a = Trainer(tiny_config(a_dir))
+    a = Trainer(tiny_config(a_dir, "algo.engine=dfs"))
     res_a = a.run()
     # "Kill after step 2": B starts from nothing but the checkpoint written after step 2.
     step2 = "checkpoints/step_00000002"
     shutil.copytree(a_dir / step2, b_dir / step2)
-    b = Trainer(tiny_config(b_dir))
+    b = Trainer(tiny_config(b_dir, "algo.engine=dfs"))
     res_b = b.run()
     return a, res_a, b, res_b
 
@@ -81,6 +85,9 @@ def test_run_writes_metrics_and_checkpoints(runs):
         assert np.isfinite(rl[key]), key
     assert rl["tree_token_ratio"] > 1.0  # G samples share their prompt
     assert rl["skipped"] == 0
+    # Buckets were reserved for the run's largest batch: the second RL step
+    # compiles nothing new.
+    assert rl["engine"] == "dfs" and rl["trace_count"] == recs[-2]["trace_count"] > 0
 
 
 def test_resume_reproduces_the_uninterrupted_run(runs):
@@ -208,3 +215,20 @@ def test_hf_checkpoint_with_ppo_and_kl(tmp_path):
     res = Trainer(cfg).run()
     rec = res.history[-1]
     assert rec["skipped"] == 0 and np.isfinite(rec["value_loss"]) and np.isfinite(rec["kl"])
+    # The default engine is auto: the metrics say what it ran and what tuning cost.
+    assert rec["engine"] == "auto" and rec["chosen_engine"] in ENGINES
+    assert rec["autotune_seconds"] >= 0 and rec["trace_count"] > 0
+
+
+def test_auto_candidates_get_the_buckets_they_would_get_alone(tmp_path):
+    """The trainer pre-sizes auto's candidates exactly as it sizes each engine run
+    alone, so auto compares (and runs) the programs a fixed engine would run."""
+    auto = Trainer(tiny_config(tmp_path / "auto")).engine
+    assert auto.name == "auto"
+    for kind in ("dense", "dfs", "prefix_reuse"):
+        alone = Trainer(tiny_config(tmp_path / kind, f"algo.engine={kind}")).engine
+        assert alone._min == auto.engines[kind]._min, kind
+        assert alone._min != type(alone)(alone.model)._min, kind  # something was reserved
+    deep = Trainer(tiny_config(tmp_path / "pr", "algo.engine=prefix_reuse")).engine._dfs
+    assert deep._min == auto.engines["prefix_reuse"]._dfs._min
+    assert deep._min["steps"] > 1  # the deep groups' DFS program is sized too
