@@ -46,7 +46,9 @@ def _engine(kind: str, mode: PrefixActivations = PrefixActivations.OFFLOAD):
     if kind == "dense":
         return DenseEngine(model, microbatch=4).reserve(length=48, sequences=16, tokens=512)
     if kind == "prefix_reuse":
-        engine = PrefixReuseEngine(model, microbatch=4, prefix_activations=mode)
+        engine = PrefixReuseEngine(
+            model, microbatch=4, prefix_activations=mode, offload_on_cpu=True
+        )
         return engine.reserve(
             groups=2, prefix=24, rows=8, row_len=32, slots=4, path=48, sequences=16, tokens=512
         )
@@ -244,8 +246,8 @@ def test_entropy_dense(loss_name, batch_name):
 @pytest.mark.parametrize("batch_name", sorted(BATCHES))
 @pytest.mark.parametrize(
     "loss_name,mode",
-    # One compilation each: the default mode (OFFLOAD; KEEP where the backend has no
-    # pinned_host), and REMAT, which re-runs the prefix forward (entropy included)
+    # One compilation each: the default mode (OFFLOAD, offloading on a CPU too; KEEP
+    # where the backend has no pinned_host), and REMAT, which re-runs the prefix forward (entropy included)
     # for its VJP.
     [("grpo", PrefixActivations.OFFLOAD), ("dapo", PrefixActivations.REMAT)],
 )

@@ -37,6 +37,7 @@ from dtarl.engines.prefix_reuse import (
     fine_bucket,
     group_plan,
     memory_report,
+    offload_supported,
 )
 from dtarl.model import ModelFamily
 from dtarl.rl.losses import MaskedNLLLoss
@@ -63,7 +64,11 @@ def pr_engine(
     """Pre-sized: one compilation per loss for the whole module."""
     model, _ = _model(family)
     engine = PrefixReuseEngine(
-        model, microbatch=microbatch, prefix_activations=mode, deep_trees=deep
+        model,
+        microbatch=microbatch,
+        prefix_activations=mode,
+        deep_trees=deep,
+        offload_on_cpu=True,  # the offload program itself, also on a CPU
     )
     return engine.reserve(**RESERVE)
 
@@ -199,12 +204,23 @@ def test_microbatch_sizes_and_prefix_modes_agree():
     for mb, mode in ((1, PrefixActivations.REMAT), (g // 2, PrefixActivations.KEEP), (g, None)):
         kw = dict(microbatch=mb) if mode is None else dict(microbatch=mb, mode=mode)
         grads[mb], aux = check_pr(batch, loss, **kw)
+        assert aux.stats["offloaded"] == (mode is None and offload_supported())
         assert aux.stats["microbatch"] == mb
         assert aux.stats["microbatches_per_group"] == -(-RESERVE["rows"] // mb)
     # Not bitwise: fp32 sums over rows and microbatches run in different orders
     # (measured ~1e-6); the contract's fp32 tolerance.
     for mb in (1, g // 2):
         assert max(rel_errors(grads[mb], grads[g])) <= RTOL
+
+
+def test_offload_is_keep_on_a_cpu():
+    """On a CPU host memory is device memory: OFFLOAD runs as KEEP unless forced."""
+    model, _ = _model(ModelFamily.QWEN3)
+    on_cpu = jax.devices()[0].platform == "cpu"
+    assert PrefixReuseEngine(model).offloads == (offload_supported() and not on_cpu)
+    assert PrefixReuseEngine(model, offload_on_cpu=True).offloads == offload_supported()
+    keep = PrefixReuseEngine(model, prefix_activations=PrefixActivations.KEEP, offload_on_cpu=True)
+    assert not keep.offloads
 
 
 def test_adamw_run_tracks_dense():

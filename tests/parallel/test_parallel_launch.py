@@ -25,7 +25,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dtarl.engines import DFSEngine, RolloutBatch
+from dtarl.engines import AutoEngine, DFSEngine, RolloutBatch
+from dtarl.engines.cost import ENGINES, CostModel, EngineCoef
 from dtarl.engines.prefix_reuse import PrefixReuseEngine
 from dtarl.model import ModelConfig, init_model
 from dtarl.rl.losses import ClippedSurrogateLoss
@@ -56,8 +57,20 @@ def problem(kind="dfs"):
     )
     if kind == "prefix_reuse_deep":  # one process gets the deep group, one the shallow
         return PrefixReuseEngine(model), params, deep_and_shallow_groups(rs)
+    if kind == "auto":
+        return AutoEngine(model, chunk_len=8), params, deep_and_shallow_groups(rs)
     batch = grpo_groups(num_groups=4, group_size=4, prompt_len=6, response_len=(3, 9), seed=0)
     return DFSEngine(model, chunk_len=8), params, batch
+
+
+def favouring(kind):
+    # A cost model under which ``kind`` is by far the cheapest engine.
+    return CostModel(
+        coefs={
+            e: EngineCoef(seconds_per_flop=1e-15 if e == kind else 1e-3, seconds_per_step=0.0)
+            for e in ENGINES
+        }
+    )
 
 
 def flat(tree):
@@ -81,6 +94,8 @@ exec(open(sys.argv[2]).read())
 assert jax.process_count() == 2 and jax.device_count() == 4, (
     jax.process_count(), jax.device_count())
 engine, params, batch = problem(sys.argv[3])
+if sys.argv[3] == "auto":  # the processes' own estimates disagree: process 0's pick rules
+    engine.cost_model = favouring("dense" if jax.process_index() == 0 else "dfs")
 # dp spans the processes, tp within one; groups stay whole (one per process).
 sharded = ShardedEngine(engine, make_mesh(2, 2), keep_groups=sys.argv[3] != "dfs")
 total, grads, aux = sharded.value_and_grad(params, batch, LOSS)
@@ -89,6 +104,7 @@ total, grads = to_host((total, grads))  # one gather for both
 assert len(aux.stats["rank_stats"]) == 1, aux.stats["local_ranks"]
 out = dict(flat(grads), __loss__=np.asarray(total), __local__=np.asarray(aux.stats["local_ranks"]))
 out.update({f"__logp{i}__": lp for i, lp in enumerate(aux.logprobs)})
+out["__chosen__"] = np.asarray(aux.stats["rank_stats"][0].get("chosen_engine", ""))
 np.savez(os.path.join(sys.argv[1], f"rank{jax.process_index()}.npz"), **out)
 print("rank", jax.process_index(), "loss", float(out["__loss__"]))
 """
@@ -171,10 +187,12 @@ def _env():
     return env
 
 
-@pytest.mark.parametrize("kind", ["dfs", "prefix_reuse_deep"])
+@pytest.mark.parametrize("kind", ["dfs", "prefix_reuse_deep", "auto"])
 def test_two_processes_equal_one(tmp_path, capsys, kind):
     """prefix_reuse_deep: the process with the deep group grows the inner DFS
-    engine's buckets, and the other must agree on them for one program."""
+    engine's buckets, and the other must agree on them for one program. auto: the
+    two processes' cost models favour different engines (dense on process 0, dfs
+    on 1); both must run process 0's pick, and match it run on one process."""
     (tmp_path / "problem.py").write_text(PROBLEM)
     (tmp_path / "worker.py").write_text(WORKER)
     res = launch_lib.launch(
@@ -191,6 +209,8 @@ def test_two_processes_equal_one(tmp_path, capsys, kind):
     ns: dict = {}
     exec(PROBLEM, ns)
     engine, params, batch = ns["problem"](kind)
+    if kind == "auto":
+        engine = engine.engines["dense"]  # process 0's pick, run alone
     total, grads, aux = engine.value_and_grad(params, batch, ns["LOSS"])
     if kind == "prefix_reuse_deep":
         assert aux.stats["deep_sequences"] == 4  # the deep group ran through DFS
@@ -199,6 +219,7 @@ def test_two_processes_equal_one(tmp_path, capsys, kind):
     for rank in (0, 1):
         got = dict(np.load(tmp_path / f"rank{rank}.npz"))
         local += got.pop("__local__").tolist()
+        assert str(got.pop("__chosen__")) == ("dense" if kind == "auto" else ""), rank
         np.testing.assert_allclose(got.pop("__loss__"), float(total), rtol=1e-6)
         for i, lp in enumerate(aux.logprobs):
             np.testing.assert_allclose(got.pop(f"__logp{i}__"), lp, atol=1e-5, rtol=0)
