@@ -354,7 +354,8 @@ def build_model(cfg: TrainerConfig):
 def _engine_metrics(stats: dict) -> dict:
     """What a step's engine stats add to its metrics: the engine auto ran (``chosen_engine``),
     the compiled programs so far (``trace_count``: it grows only when a batch needs a new
-    shape bucket) and auto's tuning time for the step (``autotune_seconds``)."""
+    shape bucket) and auto's tuning time for the step (``autotune_seconds``; 0 for a fixed
+    engine in RL steps)."""
     out = {}
     if "chosen_engine" in stats:
         out["chosen_engine"] = stats["chosen_engine"]
@@ -680,12 +681,13 @@ class Trainer:
         m["tree_token_ratio"] = tree.stats.ideal_token_ratio
         m["num_tokens"] = batch.num_tokens
         m["tree_tokens"] = tree.stats.tree_tokens
-        train_s, applied_all, why = 0.0, True, ""
+        train_s, tune_s, applied_all, why = 0.0, 0.0, True, ""
         for _ in range(cfg.algo.updates_per_batch):
             t0 = time.perf_counter()
             loss, grads, aux = self.engine.value_and_grad(self.params, batch, self.loss)
             applied, gnorm, why = self._apply(self.rl_tx, grads, loss)
             train_s += time.perf_counter() - t0
+            tune_s += float(aux.stats.get("autotune_seconds", 0.0))
             applied_all &= applied
             if not applied:
                 break
@@ -695,7 +697,7 @@ class Trainer:
             loss=float(loss),
             grad_norm=gnorm,
             engine=aux.stats.get("engine", getattr(self.engine, "name", "?")),
-            **_engine_metrics(aux.stats),
+            **_engine_metrics(aux.stats | {"autotune_seconds": tune_s}),
             train_seconds=train_s,
             train_tokens_per_s=batch.num_tokens * cfg.algo.updates_per_batch / max(train_s, 1e-9),
             skipped=int(not applied_all),

@@ -247,8 +247,8 @@ def test_entropy_dense(loss_name, batch_name):
 @pytest.mark.parametrize(
     "loss_name,mode",
     # One compilation each: the default mode (OFFLOAD, offloading on a CPU too; KEEP
-    # where the backend has no pinned_host), and REMAT, which re-runs the prefix forward (entropy included)
-    # for its VJP.
+    # where the backend has no pinned_host), and REMAT, which re-runs the prefix
+    # forward (entropy included) for its VJP.
     [("grpo", PrefixActivations.OFFLOAD), ("dapo", PrefixActivations.REMAT)],
 )
 def test_entropy_prefix_reuse(loss_name, mode, batch_name):
