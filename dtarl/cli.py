@@ -12,6 +12,13 @@ import argparse
 import os
 import sys
 
+from dtarl.bench import memory as bench_memory
+from dtarl.bench import partition as bench_partition
+from dtarl.bench import train as bench_train
+from dtarl.commands import launch as launch_cmd
+from dtarl.commands import trace as trace_cmd
+from dtarl.commands import train as train_cmd
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -20,29 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    from dtarl.rl import cli as rl_cli
-
-    rl_cli.register(sub)
-
+    train_cmd.register(sub)
     bench = sub.add_parser("bench", help="benchmarks (train engines, memory, DP partition)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
-    from dtarl.bench import train as bench_train
-
     bench_train.register(bench_sub)
-    from dtarl.bench import memory as bench_memory
-
     bench_memory.register(bench_sub)
-    from dtarl.parallel import bench_partition
-
     bench_partition.register(bench_sub)
-
-    from dtarl.parallel import launch
-
-    launch.register(sub)
-
-    from dtarl.traces import cli as trace_cli
-
-    trace_cli.register(sub)  # adds `trace` with report / sample / replay / simulate
+    launch_cmd.register(sub)
+    trace_cmd.register(sub)  # adds `trace` with report / sample / replay / simulate
     return parser
 
 

@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from flax import nnx
 
 from dtarl.engines.prefix_reuse import capacity_frontier, format_table, memory_report
+from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
-from dtarl.rl.losses import ClippedSurrogateLoss
 from dtarl.testing import grpo_groups
 
 MiB = 2**20

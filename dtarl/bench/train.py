@@ -43,8 +43,8 @@ from flax import nnx
 
 from dtarl.engines import EngineKind, RolloutBatch, make_engine
 from dtarl.engines.cost import ideal_ratio
+from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
-from dtarl.rl.losses import ClippedSurrogateLoss
 from dtarl.testing import grpo_groups
 from dtarl.tree import DFSOrder
 

@@ -3,9 +3,9 @@ prefix_reuse (schedule-level, papers/001) and auto (cost-model choice per batch)
 
 import enum
 
+from dtarl.batch import BatchError, LossNorm, RolloutBatch
 from dtarl.engines.auto import AutoEngine
 from dtarl.engines.base import Engine, EngineAux
-from dtarl.engines.batch import BatchError, LossNorm, RolloutBatch
 from dtarl.engines.dense import DenseEngine
 from dtarl.engines.dfs import DFSEngine
 from dtarl.engines.prefix_reuse import DeepTrees, PrefixActivations, PrefixReuseEngine

@@ -52,14 +52,14 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from dtarl.batch import RolloutBatch
 from dtarl.engines import base
-from dtarl.engines.batch import RolloutBatch
 from dtarl.engines.cost import ENGINES, CostModel, EngineWork, engine_work, fit_cost_model
 from dtarl.engines.dense import DenseEngine
 from dtarl.engines.dfs import DFSEngine
 from dtarl.engines.prefix_reuse import PrefixActivations, PrefixReuseEngine
+from dtarl.losses import MaskedNLLLoss
 from dtarl.model.decoder import Decoder
-from dtarl.rl.losses import MaskedNLLLoss
 from dtarl.tree.plan import bucket, fine_bucket
 
 Timer = Callable[[dict[str, Callable[[], object]]], dict[str, float]]

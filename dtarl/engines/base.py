@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dtarl.engines.batch import BatchError, RolloutBatch
+from dtarl.batch import BatchError, RolloutBatch
+from dtarl.losses import SequenceData, TokenData
 from dtarl.model.decoder import Decoder
-from dtarl.rl.losses import SequenceData, TokenData
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)

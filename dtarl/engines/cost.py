@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from dtarl.engines.batch import RolloutBatch
+from dtarl.batch import RolloutBatch
 from dtarl.model.config import ModelConfig
 from dtarl.tree.trie import PrefixTree, build_tree
 

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dtarl.batch import RolloutBatch
 from dtarl.engines import base
-from dtarl.engines.batch import RolloutBatch
 from dtarl.engines.cost import run_flops
 from dtarl.model.decoder import Decoder, token_logprobs
 from dtarl.tree.plan import bucket, fine_bucket

@@ -79,8 +79,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dtarl.batch import RolloutBatch
 from dtarl.engines import base
-from dtarl.engines.batch import RolloutBatch
 from dtarl.engines.cost import run_flops
 from dtarl.model.decoder import Decoder, KVCache, token_logprobs
 from dtarl.tree.plan import bucket

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -89,8 +90,9 @@ __all__ = [
     "LaunchResult",
     "initialize",
     "launch",
+    "add_arguments",
     "main",
-    "register",
+    "run",
 ]
 
 
@@ -248,17 +250,27 @@ def _run_target(target: Sequence[str]) -> None:
         sys.argv = [head, *rest]
         runpy.run_module(head, run_name="__main__", alter_sys=True)
     else:
-        try:
-            from dtarl import cli  # noqa: PLC0415 (wired by the dtarl CLI)
-        except ImportError:
+        entry = _console_script("dtarl")
+        if entry is None:
             raise LaunchError(
-                f"target {head!r} is not a module or script, and the dtarl CLI (dtarl.cli) "
-                "is not available to run it as a dtarl command"
-            ) from None
+                f"target {head!r} is not a module or script, and the `dtarl` command "
+                "is not installed to run it as a dtarl command"
+            )
         sys.argv = ["dtarl", *target]
-        code = cli.main(list(target))
+        code = entry(list(target))
         if code:
             raise SystemExit(code)
+
+
+def _console_script(name: str):
+    """The function behind the installed console script ``name``, or None.
+
+    Resolved through the package metadata, so the launcher (a library module) never
+    imports the CLI that drives it.
+    """
+    for ep in importlib.metadata.entry_points(group="console_scripts", name=name):
+        return ep.load()
+    return None
 
 
 def _find_module(name: str) -> bool:
@@ -524,7 +536,7 @@ def launch(
 # --------------------------------------------------------------------------- CLI
 
 
-def _add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, required=True, help="number of processes to start")
     p.add_argument(
         "--devices-per-proc",
@@ -548,7 +560,7 @@ def _raise_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)  # unwinds through launch(), which stops the ranks
 
 
-def _main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_on_sigterm)
     target = list(args.target)
@@ -571,19 +583,6 @@ def _main(args: argparse.Namespace) -> int:
     return res.returncode
 
 
-def register(subparsers) -> argparse.ArgumentParser:
-    """Adds ``launch`` to the ``dtarl`` command's subparsers (handler in ``func``).
-
-    ``args.func(args)`` returns the exit code.
-    """
-    p = subparsers.add_parser(
-        "launch", help="run a program on P local processes under jax.distributed"
-    )
-    _add_arguments(p)
-    p.set_defaults(func=_main)
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--worker":
@@ -593,8 +592,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _worker(rest)
         return 0
     p = argparse.ArgumentParser(prog="python -m dtarl.parallel.launch")
-    _add_arguments(p)
-    return _main(p.parse_args(argv))
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -73,8 +73,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dtarl.batch import RolloutBatch
 from dtarl.engines.base import EngineAux
-from dtarl.engines.batch import RolloutBatch
 from dtarl.parallel import mesh as mesh_lib
 from dtarl.parallel.launch import PEER_LOST_PATTERN
 from dtarl.parallel.partition import CostModel, Partition, PartitionMethod, partition

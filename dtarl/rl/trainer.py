@@ -28,15 +28,15 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dtarl.batch import LossNorm
 from dtarl.engines import RolloutBatch, make_engine
-from dtarl.engines.batch import LossNorm
+from dtarl.losses import ClippedSurrogateLoss, MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model, load_hf
 from dtarl.model.decoder import token_logprobs
 from dtarl.model.tokenizer import ByteTokenizer, load_tokenizer
 from dtarl.rl import advantages as adv_fns
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import Algorithm, ConfigError, Schedule, TrainerConfig, to_dict
-from dtarl.rl.losses import ClippedSurrogateLoss, MaskedNLLLoss
 from dtarl.rl.metrics import MetricsLogger, length_stats, ratio_stats
 from dtarl.rl.rewards import RewardErrorPolicy, RewardFn, compute_rewards
 from dtarl.rl.tasks import Problem, Role, Task, make_task

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtarl.engines.batch import RolloutBatch
+from dtarl.batch import RolloutBatch
 from dtarl.model.config import ModelConfig, ModelFamily
 
 

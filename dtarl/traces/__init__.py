@@ -6,8 +6,9 @@ sample_workload(source, *, batch_size, ...) -> RolloutBatch with the real prefix
 generate_workload(...)      + WorkloadInfo (groups, lengths, truncation, tree tokens)
 ToolLatencySampler          empirical search_r1 tool latencies (seeded)
 write_report(path, out_dir) Markdown/HTML + PNG characterization (dtarl.traces.report)
-replay(specs, ReplayConfig)  rollout/tool/train stage times per engine (dtarl.traces.replay)
-profile_engines / predict_step / validate   step-time simulator (dtarl.traces.simulate)
+
+Data only: no JAX is imported here. Replay and the step-time simulator, which run
+the engines, are measurement and live in ``dtarl.bench``.
 """
 
 from dtarl.traces.fitted import FittedWorkload, load_fitted
@@ -30,23 +31,6 @@ from dtarl.traces.records import (
     Trajectory,
     Turn,
 )
-from dtarl.traces.replay import (
-    ReplayConfig,
-    ReplayResult,
-    ToolClock,
-    WorkloadSpec,
-    default_suite,
-    replay,
-)
-from dtarl.traces.simulate import (
-    ClusterSpec,
-    CostProfile,
-    EngineCost,
-    predict_step,
-    predict_workload,
-    profile_engines,
-    validate,
-)
 from dtarl.traces.workload import (
     GroupSpec,
     ToolLatencySampler,
@@ -59,21 +43,15 @@ from dtarl.traces.workload import (
 )
 
 __all__ = [
-    "ClusterSpec",
-    "CostProfile",
     "DapoFilterBatch",
-    "EngineCost",
     "FileKind",
     "FittedWorkload",
     "GroupSpec",
     "PromptGroup",
-    "ReplayConfig",
-    "ReplayResult",
     "RewardTiming",
     "RunKind",
     "RunTrace",
     "ToolCall",
-    "ToolClock",
     "ToolLatencySampler",
     "TraceFormatError",
     "Trajectory",
@@ -81,20 +59,13 @@ __all__ = [
     "Workload",
     "WorkloadInfo",
     "WorkloadMode",
-    "WorkloadSpec",
     "build_workload",
     "default_polytrace_root",
-    "default_suite",
     "detect_file",
     "find_traces",
     "generate_workload",
     "iter_jsonl",
     "load_fitted",
     "load_trace",
-    "predict_step",
-    "predict_workload",
-    "profile_engines",
-    "replay",
     "sample_workload",
-    "validate",
 ]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dtarl.engines.batch import RolloutBatch
+from dtarl.batch import RolloutBatch
 from dtarl.traces.fitted import (
     MATH_MAX_LEN,
     FittedWorkload,

@@ -22,8 +22,8 @@ from dtarl.engines.cost import (
     run_flops,
     tree_flops,
 )
+from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelConfig, ModelFamily
-from dtarl.rl.losses import MaskedNLLLoss
 from dtarl.testing import grpo_groups
 from dtarl.tree import build_tree
 

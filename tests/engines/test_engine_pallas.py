@@ -5,8 +5,8 @@ import numpy as np
 from flax import nnx
 
 from dtarl.engines import DenseEngine, DFSEngine
+from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import AttentionBackend, ModelConfig, init_model
-from dtarl.rl.losses import ClippedSurrogateLoss
 from dtarl.testing import grpo_groups
 
 

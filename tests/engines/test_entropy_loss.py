@@ -15,11 +15,11 @@ import pytest
 from flax import nnx
 from test_equivalence import rel_errors, with_logprob_data
 
+from dtarl.batch import LossNorm
 from dtarl.engines import DenseEngine, DFSEngine, PrefixReuseEngine, RolloutBatch
-from dtarl.engines.batch import LossNorm
 from dtarl.engines.prefix_reuse import PrefixActivations
+from dtarl.losses import ClippedSurrogateLoss, MaskedNLLLoss, SequenceData, TokenData
 from dtarl.model import ModelConfig, ModelFamily, init_model
-from dtarl.rl.losses import ClippedSurrogateLoss, MaskedNLLLoss, SequenceData, TokenData
 from dtarl.testing import grpo_groups
 
 RTOL = 1e-5  # fp32, max over parameter tensors of ||a - b|| / ||b||; never loosen

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dtarl.engines import DenseEngine, DFSEngine, RolloutBatch
+from dtarl.losses import ClippedSurrogateLoss, MaskedNLLLoss, SequenceData, TokenData
 from dtarl.model import ModelConfig, ModelFamily, init_model
-from dtarl.rl.losses import ClippedSurrogateLoss, MaskedNLLLoss, SequenceData, TokenData
 from dtarl.testing import grpo_groups
 from dtarl.tree import DFSOrder, build_tree, compile_plan
 

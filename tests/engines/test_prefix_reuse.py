@@ -39,8 +39,8 @@ from dtarl.engines.prefix_reuse import (
     memory_report,
     offload_supported,
 )
+from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelFamily
-from dtarl.rl.losses import MaskedNLLLoss
 from dtarl.testing import grpo_groups
 from dtarl.tree import build_tree
 

@@ -5,8 +5,8 @@ import pytest
 from flax import nnx
 
 from dtarl.engines import BatchError, DenseEngine, DFSEngine, RolloutBatch
+from dtarl.losses import ClippedSurrogateLoss, MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model
-from dtarl.rl.losses import ClippedSurrogateLoss, MaskedNLLLoss
 from dtarl.testing import grpo_groups
 
 

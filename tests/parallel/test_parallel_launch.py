@@ -29,7 +29,7 @@ from dtarl.engines import AutoEngine, DFSEngine, RolloutBatch
 from dtarl.engines.cost import ENGINES, CostModel, EngineCoef
 from dtarl.engines.prefix_reuse import PrefixReuseEngine
 from dtarl.model import ModelConfig, init_model
-from dtarl.rl.losses import ClippedSurrogateLoss
+from dtarl.losses import ClippedSurrogateLoss
 from dtarl.testing import grpo_groups
 
 LOSS = ClippedSurrogateLoss.dapo()
@@ -160,7 +160,7 @@ from dtarl.engines import DFSEngine
 from dtarl.model import ModelConfig, init_model
 from dtarl.parallel import make_mesh
 from dtarl.parallel.sharded import PeerLostError, ShardedEngine
-from dtarl.rl.losses import ClippedSurrogateLoss
+from dtarl.losses import ClippedSurrogateLoss
 from dtarl.testing import grpo_groups
 
 cfg = ModelConfig.tiny(num_layers=1, hidden_size=32, intermediate_size=64, head_dim=8)
@@ -395,8 +395,10 @@ def test_launch_bad_arguments():
 def test_register_adds_launch_subcommand():
     import argparse
 
+    from dtarl.commands import launch as launch_cmd
+
     parser = argparse.ArgumentParser(prog="dtarl")
-    launch_lib.register(parser.add_subparsers(dest="command"))
+    launch_cmd.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["launch", "--nproc", "2", "--", "-m", "pkg.mod", "--flag"])
     assert args.nproc == 2 and args.target[-3:] == ["-m", "pkg.mod", "--flag"]
     assert callable(args.func)

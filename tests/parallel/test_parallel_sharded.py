@@ -17,11 +17,11 @@ from jax.sharding import PartitionSpec as P
 
 from dtarl import axes
 from dtarl.engines import DenseEngine, DFSEngine, RolloutBatch
+from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
 from dtarl.parallel.mesh import MeshConfig, MeshError, logical_to_spec, make_mesh, param_specs
 from dtarl.parallel.partition import PartitionMethod
 from dtarl.parallel.sharded import ShardedEngine, ShardingError, Strategy
-from dtarl.rl.losses import ClippedSurrogateLoss
 from dtarl.testing import grpo_groups
 
 RTOL = 1e-5  # fp32, per parameter tensor: ||g - g_ref|| / ||g_ref||
@@ -263,7 +263,7 @@ def test_bad_engine_and_weights():
 
 def test_bench_measured_helpers():
     """Scaling and the measured summary (the timed runs themselves are exercised by the CLI)."""
-    from dtarl.parallel import bench_partition as bp
+    from dtarl.bench import partition as bp
 
     sb = bp.StepBatch(workload="math", step=0, prompt_lens=(64, 3), response_lens=((128, 1), (40,)))
     small = bp.scale_step(sb, 1 / 32)

@@ -253,7 +253,7 @@ def test_keep_groups_hand_case():
 
 
 def test_partition_batch_uses_group_ids_and_splits():
-    from dtarl.engines.batch import RolloutBatch
+    from dtarl.batch import RolloutBatch
 
     toks = [np.array([1, 2, 3]), np.array([1, 2, 4]), np.array([5, 6]), np.array([5, 7, 8])]
     batch = RolloutBatch.create(tokens=toks, group_ids=[0, 0, 1, 1])
@@ -449,7 +449,7 @@ def test_bench_synthetic_smoke_and_cli(tmp_path):
     import argparse
     import json
 
-    from dtarl.parallel import bench_partition as bp
+    from dtarl.bench import partition as bp
 
     res = bp.run(None, ks=(2,), workloads=("coding", "search"), max_steps=1)
     assert res["config"]["synthetic"]
@@ -489,7 +489,7 @@ def test_bench_synthetic_smoke_and_cli(tmp_path):
 
 
 def test_bench_summary_pairs_steps_by_hand():
-    from dtarl.parallel import bench_partition as bp
+    from dtarl.bench import partition as bp
 
     def row(variant, step, makespan, dup=0):
         return dict(workload="math", k=2, cost="tree_tokens", variant=variant, step=step) | dict(
@@ -514,7 +514,7 @@ def test_bench_summary_pairs_steps_by_hand():
 
 
 def test_bench_builds_real_prefix_structure():
-    from dtarl.parallel import bench_partition as bp
+    from dtarl.bench import partition as bp
 
     sb = bp.StepBatch(workload="math", step=0, prompt_lens=(5, 3), response_lens=((4, 2), (1,)))
     seqs, gids = bp.build_sequences(sb)
@@ -537,7 +537,7 @@ def test_bench_builds_real_prefix_structure():
 
 def test_bench_per_turn_lengths_match_trace_records():
     """The per-turn samples of a real Search-R1 step agree with dtarl.traces' reading."""
-    from dtarl.parallel import bench_partition as bp
+    from dtarl.bench import partition as bp
 
     root = bp._default_root()
     if root is None:

@@ -7,9 +7,9 @@ import jax
 import numpy as np
 import pytest
 
+from dtarl.commands.train import main as cli_main
 from dtarl.engines.cost import ENGINES
 from dtarl.model.tokenizer import ByteTokenizer
-from dtarl.rl.cli import main as cli_main
 from dtarl.rl.config import load_config
 from dtarl.rl.metrics import read_metrics
 from dtarl.rl.rewards import RewardError, RewardErrorPolicy

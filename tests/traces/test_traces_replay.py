@@ -8,10 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from dtarl.model import ModelConfig, ModelFamily
-from dtarl.traces import ToolLatencySampler, generate_workload
-from dtarl.traces.cli import register
-from dtarl.traces.replay import (
+from dtarl.bench.replay import (
     ROLLOUT_UNAVAILABLE,
     QuietGate,
     ReplayConfig,
@@ -32,6 +29,9 @@ from dtarl.traces.replay import (
     tool_calls_per_trajectory,
     tool_phase,
 )
+from dtarl.commands.trace import register
+from dtarl.model import ModelConfig, ModelFamily
+from dtarl.traces import ToolLatencySampler, generate_workload
 
 # One layer keeps the compiles of the end-to-end replay short.
 SMALL_MODEL = ModelConfig.tiny(num_layers=1)
@@ -201,8 +201,8 @@ def test_load_replay_json_rejects_other_json(tmp_path):
 
 def test_time_engines_interleaves_rounds():
     from dtarl.engines.base import split_model
+    from dtarl.losses import ClippedSurrogateLoss
     from dtarl.model import init_model
-    from dtarl.rl.losses import ClippedSurrogateLoss
     from dtarl.testing import grpo_groups
 
     model = init_model(SMALL_MODEL, 0)

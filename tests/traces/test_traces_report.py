@@ -7,8 +7,8 @@ import argparse
 import numpy as np
 import pytest
 
+from dtarl.commands.trace import register
 from dtarl.traces import load_trace
-from dtarl.traces.cli import register
 from dtarl.traces.report import Headline, write_report
 from dtarl.traces.stats import LengthStats, multi_turn_step_stats, single_turn_step_stats
 

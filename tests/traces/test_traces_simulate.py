@@ -11,11 +11,9 @@ import json
 import numpy as np
 import pytest
 
-from dtarl.engines.batch import RolloutBatch
-from dtarl.model import ModelConfig
-from dtarl.testing import grpo_groups
-from dtarl.traces.replay import QuietGate, RolloutCall, WorkloadSpec, rollout_calls
-from dtarl.traces.simulate import (
+from dtarl.batch import RolloutBatch
+from dtarl.bench.replay import QuietGate, RolloutCall, WorkloadSpec, rollout_calls
+from dtarl.bench.simulate import (
     AutoCost,
     ClusterSpec,
     CostProfile,
@@ -37,6 +35,8 @@ from dtarl.traces.simulate import (
     rollout_features,
     validate,
 )
+from dtarl.model import ModelConfig
+from dtarl.testing import grpo_groups
 
 CFG = ModelConfig.tiny()
 SMALL_MODEL = ModelConfig.tiny(num_layers=1)
@@ -82,7 +82,7 @@ def _real_engine(kind: str, **kw):
 
 
 def _loss():
-    from dtarl.rl.losses import ClippedSurrogateLoss
+    from dtarl.losses import ClippedSurrogateLoss
 
     return ClippedSurrogateLoss.grpo()
 
@@ -174,8 +174,8 @@ def test_calibration_kinds_auto_adds_its_candidates():
 
 
 def test_calibration_plan_covers_autos_dfs_chunk():
+    from dtarl.bench.simulate import calibration_plan
     from dtarl.engines import AutoEngine, DFSEngine
-    from dtarl.traces.simulate import calibration_plan
 
     batches = calibration_batches(size="tiny")
     plan = calibration_plan(["auto"], batches=batches, rollout=False)
@@ -407,7 +407,7 @@ def test_profile_json_round_trip(tmp_path):
 
 def _fake_replay(spec: WorkloadSpec, model: ModelConfig, engines: dict, rollout=None, tool=None):
     """A replay JSON with chosen measurements (no timing): validate only reads these."""
-    from dtarl.traces.replay import model_config_to_dict
+    from dtarl.bench.replay import model_config_to_dict
 
     return dict(
         kind="dtarl.trace.replay",
@@ -529,7 +529,7 @@ def test_profile_engines_tiny_end_to_end(tmp_path):
 
 
 def test_auto_choice_overhead_is_host_time():
-    from dtarl.traces.simulate import _time_auto_choice
+    from dtarl.bench.simulate import _time_auto_choice
 
     got = _time_auto_choice(CFG, calibration_batches(size="tiny"), repeats=3, gate=None)
     assert len(got) == 3 and all(mn > 0 and med > 0 for mn, med in got)
@@ -546,7 +546,7 @@ def test_step_features_row():
 
 def test_calibrate_and_replay_share_the_rounds(single_run):
     """--joint: the calibration jobs ride along the replay's timing rounds."""
-    from dtarl.traces.replay import ReplayConfig
+    from dtarl.bench.replay import ReplayConfig
 
     spec = WorkloadSpec(name="st", source=str(single_run), batch_size=3, step=0)
     cfg = ReplayConfig(model=SMALL_MODEL, repeats=2, rollout_repeats=2, quiet_cores=None)

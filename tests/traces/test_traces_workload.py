@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtarl.engines.batch import RolloutBatch
+from dtarl.batch import RolloutBatch
 from dtarl.traces import (
     GroupSpec,
     ToolLatencySampler,

@@ -1068,8 +1068,8 @@ class ReplayResult:
 
 def _setup(config: ReplayConfig, model, params, loss):
     from dtarl.engines.base import split_model
+    from dtarl.losses import ClippedSurrogateLoss
     from dtarl.model import init_model
-    from dtarl.rl.losses import ClippedSurrogateLoss
 
     if model is None:
         model = init_model(config.model, config.model_seed)

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dtarl.engines.batch import LossNorm
+from dtarl.batch import LossNorm
 
 
 class TokenData(NamedTuple):

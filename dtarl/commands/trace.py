@@ -67,7 +67,7 @@ def _sample(args: argparse.Namespace) -> int:
 
 def _workload_specs(args: argparse.Namespace) -> list:
     """WorkloadSpecs from SOURCE arguments, or the default real-trace suite."""
-    from dtarl.traces.replay import WorkloadSpec, auto_length_scale, default_suite
+    from dtarl.bench.replay import WorkloadSpec, auto_length_scale, default_suite
 
     if not args.sources:
         specs = default_suite(max_len=args.max_len, seed=args.seed)
@@ -108,7 +108,7 @@ def _workload_specs(args: argparse.Namespace) -> list:
 def _replay(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dtarl.traces.replay import ReplayConfig, replay
+    from dtarl.bench.replay import ReplayConfig, replay
 
     cfg = ReplayConfig(
         engines=tuple(args.engines),
@@ -147,7 +147,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _cluster(args: argparse.Namespace):
-    from dtarl.traces.simulate import ClusterSpec
+    from dtarl.bench.simulate import ClusterSpec
 
     dp, tp = args.dp, args.tp
     devices = args.devices if args.devices is not None else dp * tp
@@ -199,8 +199,8 @@ def _simulate_joint(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from dtarl.traces.replay import ReplayConfig
-    from dtarl.traces.simulate import calibrate_and_replay, validate
+    from dtarl.bench.replay import ReplayConfig
+    from dtarl.bench.simulate import calibrate_and_replay, validate
 
     out = Path(args.out)
     kinds = args.engines or ["dense", "dfs", "prefix_reuse", "auto"]
@@ -230,16 +230,16 @@ def _simulate(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    from dtarl.bench.replay import load_replay_json
+    from dtarl.bench.simulate import CostProfile, predict_workload, profile_engines, validate
     from dtarl.model import ModelConfig
-    from dtarl.traces.replay import load_replay_json
-    from dtarl.traces.simulate import CostProfile, predict_workload, profile_engines, validate
 
     out = Path(args.out)
     if args.joint:
         return _simulate_joint(args)
     if args.calibrate:
         kinds = args.engines or ["dense", "dfs", "prefix_reuse", "auto"]
-        from dtarl.traces.replay import QuietGate
+        from dtarl.bench.replay import QuietGate
 
         gate = QuietGate(cores=args.quiet_cores or None, budget_s=args.quiet_budget)
         prof = profile_engines(

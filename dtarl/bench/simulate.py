@@ -1,6 +1,6 @@
 """Step-time simulator: predict a workload's RL step on a described cluster, without running it.
 
-A replayed step (``dtarl.traces.replay``) has three stages; each has a model here:
+A replayed step (``dtarl.bench.replay``) has three stages; each has a model here:
 
   train    per engine, the linear cost model (1) over the features of the program
            the engine would compile for the batch;
@@ -100,9 +100,8 @@ from typing import Any
 
 import numpy as np
 
-from dtarl.engines.batch import RolloutBatch
-from dtarl.model.config import ModelConfig
-from dtarl.traces.replay import (
+from dtarl.batch import RolloutBatch
+from dtarl.bench.replay import (
     RolloutCall,
     TimingJob,
     ToolClock,
@@ -115,6 +114,7 @@ from dtarl.traces.replay import (
     time_engines,
     tool_phase,
 )
+from dtarl.model.config import ModelConfig
 from dtarl.traces.workload import Workload
 
 PROFILE_KIND = "dtarl.trace.cost_profile"
@@ -202,7 +202,7 @@ def _shape_model(cfg: ModelConfig):
 
 @functools.lru_cache(maxsize=1)
 def _loss():
-    from dtarl.rl.losses import ClippedSurrogateLoss
+    from dtarl.losses import ClippedSurrogateLoss
 
     return ClippedSurrogateLoss.grpo()
 
@@ -365,7 +365,7 @@ class RolloutFeatures:
 
 def _sampler_minimums() -> dict[str, int]:
     """The sampler's initial bucket minimums (read from a shape-only instance)."""
-    from dtarl.traces.replay import find_forced_length_sampler
+    from dtarl.bench.replay import find_forced_length_sampler
 
     found = find_forced_length_sampler()
     if found is None:
@@ -979,7 +979,7 @@ def _time_rollouts(model, params, rollouts, *, repeats: int, seed: int, gate, lo
     """
     import statistics
 
-    from dtarl.traces.replay import interleaved_rounds, rollout_sampler, run_rollout_calls
+    from dtarl.bench.replay import interleaved_rounds, rollout_sampler, run_rollout_calls
 
     samplers = []
     for name, calls in rollouts:
@@ -1009,7 +1009,7 @@ def _time_auto_choice(cfg, batches, *, repeats: int, gate=None) -> list[tuple[fl
     ``repeats`` calls behind ``gate``; returns (extra from minima, from medians)."""
     import statistics
 
-    from dtarl.traces.replay import interleaved_rounds
+    from dtarl.bench.replay import interleaved_rounds
 
     engine = feature_engine(AUTO, cfg)
     loss = _loss()
@@ -1225,9 +1225,9 @@ def profile_engines(
     holds each timed call until other processes are quiet. ``rollout``: also
     calibrate (2) when ``dtarl.rollout`` has a forced-length sampler.
     """
+    from dtarl.bench.replay import QuietGate
     from dtarl.engines.base import split_model
     from dtarl.model import init_model
-    from dtarl.traces.replay import QuietGate
 
     gate = QuietGate(budget_s=120.0) if gate is None else gate
     plan = calibration_plan(
@@ -1278,7 +1278,7 @@ def calibrate_and_replay(
     so both see the same machine and ``validate`` measures the model's error.
     ``config``: the ``ReplayConfig`` (its ``engines`` become ``kinds``).
     """
-    from dtarl.traces.replay import ReplayConfig, replay
+    from dtarl.bench.replay import ReplayConfig, replay
 
     config = ReplayConfig() if config is None else config
     config = dataclasses.replace(config, engines=tuple(_check_kind(k) for k in kinds))
@@ -1298,7 +1298,7 @@ def calibrate_and_replay(
         extra_jobs=plan.jobs,
         extra_rollouts=[calls for _, calls in plan.rollouts],
     )
-    from dtarl.traces.replay import QuietGate
+    from dtarl.bench.replay import QuietGate
 
     gate = QuietGate(cores=config.quiet_cores, budget_s=config.quiet_budget_s)
     choice = (

@@ -2,10 +2,10 @@
 
 The lead wires ``register(subparsers)`` into ``dtarl``'s top-level subparsers::
 
-    from dtarl.rl import cli as rl_cli
+    from dtarl.commands import train as rl_cli
     rl_cli.register(sub)
 
-Standalone: ``python -m dtarl.rl.cli CONFIG [--set k=v ...]``.
+Standalone: ``python -m dtarl.commands.train CONFIG [--set k=v ...]``.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ Workloads (PolyTrace, see ``polytrace/README.md``):
 Without a PolyTrace directory, synthetic batches with the same shapes stand in.
 
 CLI: ``dtarl bench partition [--polytrace DIR] [--json OUT] [--max-steps N] [--measure]``
-(or ``python -m dtarl.parallel.bench_partition ...``). Every step of the default
+(or ``python -m dtarl.bench.partition ...``). Every step of the default
 workloads takes about 20 s on one CPU core.
 """
 
@@ -333,8 +333,8 @@ class _Measurer:
         from flax import nnx
 
         from dtarl.engines import DFSEngine
+        from dtarl.losses import MaskedNLLLoss
         from dtarl.model import ModelConfig, init_model
-        from dtarl.rl.losses import MaskedNLLLoss
 
         self.cfg = cfg
         self.model_cfg = ModelConfig.tiny()
@@ -354,7 +354,7 @@ class _Measurer:
         """min over ``repeats`` (round-robin over ranks) of each rank's engine seconds."""
         import jax
 
-        from dtarl.engines.batch import RolloutBatch
+        from dtarl.batch import RolloutBatch
 
         runs = []
         for ix in ranks:
@@ -818,7 +818,7 @@ def _cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dtarl.parallel.bench_partition")
+    p = argparse.ArgumentParser(prog="python -m dtarl.bench.partition")
     _add_arguments(p)
     _main(p.parse_args(argv))
 

@@ -1,0 +1,1 @@
+"""Subcommand parsers of the ``dtarl`` command: each ``register(subparsers)`` adds one."""
