@@ -208,12 +208,15 @@ def _loss():
 
 
 def engine_default(kind: str, field: str):
-    """The default of an engine dataclass field (``chunk_len`` of dfs, ``microbatch``...)."""
-    from dtarl.engines import AutoEngine, DenseEngine, DFSEngine, PrefixReuseEngine
+    """The default of an engine setting (``chunk_len`` of dfs, ``microbatch``...);
+    auto's dfs ``chunk_len`` is the dfs default (its candidates share EngineConfig)."""
+    from dtarl.engines.config import AutoConfig, DenseConfig, DFSConfig, PrefixReuseConfig
 
-    cls = {"dfs": DFSEngine, "prefix_reuse": PrefixReuseEngine, AUTO: AutoEngine}.get(
-        kind, DenseEngine
+    cls = {"dfs": DFSConfig, "prefix_reuse": PrefixReuseConfig, AUTO: AutoConfig}.get(
+        kind, DenseConfig
     )
+    if kind == AUTO and field == "chunk_len":
+        cls = DFSConfig
     for f in dataclasses.fields(cls):
         if f.name == field:
             return f.default
@@ -240,7 +243,7 @@ def _check_kind(kind: str) -> str:
 def prepared_features(engine, prepared, cfg: ModelConfig) -> StepFeatures:
     """Features (1) of a ``Prepared`` batch of ``engine`` (module docstring)."""
     from dtarl.engines import AutoEngine, DenseEngine, DFSEngine, PrefixReuseEngine
-    from dtarl.engines.prefix_reuse import PrefixActivations
+    from dtarl.engines.config import PrefixActivations
     from dtarl.tree.plan import Op
 
     f0, fa = _f0_fatt(cfg)
@@ -252,7 +255,7 @@ def prepared_features(engine, prepared, cfg: ModelConfig) -> StepFeatures:
         n_mb = int(prepared.static[0])
         rows, t = np.asarray(prepared.args[0]).shape  # tokens [M B, T]
         tok = float(rows * t)
-        k = 4.0 if engine.remat else 3.0
+        k = 4.0 if engine.config.remat else 3.0
         return StepFeatures(
             lin_flops=k * tok * f0,
             attn_flops=k * tok * t * fa,
@@ -289,12 +292,12 @@ def prepared_features(engine, prepared, cfg: ModelConfig) -> StepFeatures:
             # host = ("split", n, ix_rows, rows Prepared, ix_dfs, dfs Prepared).
             p_rows, p_dfs = prepared.host[3], prepared.host[5]
             rows_f = prepared_features(engine, p_rows, cfg)
-            dfs_f = prepared_features(engine._dfs, p_dfs, cfg)
+            dfs_f = prepared_features(engine.dfs, p_dfs, cfg)
             return dataclasses.replace(rows_f, sub=(dfs_f,))
         groups, rows = prepared.args[0], prepared.args[1]
         g, p = np.asarray(groups.inputs).shape  # [G, P]
         _, n_mb, mb, c = np.asarray(rows.inputs).shape  # [G, M, B, C]
-        kp = 4.0 if engine.prefix_activations is PrefixActivations.REMAT else 3.0
+        kp = 4.0 if engine.config.prefix_activations is PrefixActivations.REMAT else 3.0
         pre, suf = float(g * p), float(g * n_mb * mb * c)
         return StepFeatures(
             lin_flops=f0 * (kp * pre + 3.0 * suf),

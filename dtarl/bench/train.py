@@ -41,7 +41,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from flax import nnx
 
-from dtarl.engines import EngineKind, RolloutBatch, make_engine
+from dtarl.engines import (
+    DenseConfig,
+    DFSConfig,
+    EngineConfig,
+    EngineKind,
+    PrefixReuseConfig,
+    RolloutBatch,
+    make_engine,
+)
 from dtarl.engines.cost import ideal_ratio
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
@@ -192,13 +200,13 @@ def _engine_specs(names: Sequence[str] | None) -> dict[str, tuple]:
     return specs
 
 
-def _kwargs_for(kind: EngineKind, extra: dict, chunk_len: int, microbatch: int) -> dict:
-    kw = dict(extra)
-    if kind in (EngineKind.DFS, EngineKind.AUTO):
-        kw.setdefault("chunk_len", chunk_len)
-    if kind is not EngineKind.DFS:
-        kw.setdefault("microbatch", microbatch)
-    return kw
+def _engine_config(chunk_len: int, microbatch: int) -> EngineConfig:
+    """The bench's engine settings: one dfs chunk length and one microbatch for all."""
+    return EngineConfig(
+        dense=DenseConfig(microbatch=microbatch),
+        dfs=DFSConfig(chunk_len=chunk_len),
+        prefix_reuse=PrefixReuseConfig(microbatch=microbatch),
+    )
 
 
 def _peak_bytes(engine, params, batch, loss) -> int | None:
@@ -252,7 +260,7 @@ def run(
     if any(kind is EngineKind.AUTO for kind, _ in specs.values()):
         # auto's cost model is fitted once, on other batches than the workloads.
         t0 = time.perf_counter()
-        calib = make_engine(EngineKind.AUTO, model, chunk_len=chunk_len, microbatch=microbatch)
+        calib = make_engine(EngineKind.AUTO, model, _engine_config(chunk_len, microbatch))
         batches = calibration_batches(quick)
         cost_model = calib.calibrate(params, batches, loss, repeats=max(repeats, 2))
         coefs = {
@@ -296,13 +304,13 @@ def run(
         )
         live, first = {}, {}  # this workload's engines; auto's first (full) choice
         for name, (kind, extra) in specs.items():
-            kw = _kwargs_for(kind, extra, chunk_len, microbatch)
+            kw = dict(extra)
             if kind is EngineKind.AUTO:
                 kw["cost_model"] = cost_model
                 kw["autotune"] = autotune
                 if tune_margin is not None:
                     kw["tune_margin"] = tune_margin
-            engine = make_engine(kind, model, **kw)
+            engine = make_engine(kind, model, _engine_config(chunk_len, microbatch), **kw)
             live[name] = engine
             t0 = time.perf_counter()
             _, _, aux = engine.value_and_grad(params, batch, loss)  # compile (+ tune), warm up

@@ -1,54 +1,70 @@
 """Training engines behind one interface: dense (baseline), dfs (AREAL-DTA),
-prefix_reuse (schedule-level, papers/001) and auto (cost-model choice per batch)."""
+prefix_reuse (schedule-level, papers/001) and auto (cost-model choice per batch).
 
-import enum
+    engine = make_engine(EngineKind.DFS, model, EngineConfig(dfs=DFSConfig(chunk_len=64)))
+    engine.reserve(Capacity(sequences=64, length=512))   # optional: no recompiles below
+    loss, grads, aux = engine.value_and_grad(params, batch, loss_fn)
+"""
 
 from dtarl.batch import BatchError, LossNorm, RolloutBatch
 from dtarl.engines.auto import AutoEngine
 from dtarl.engines.base import Engine, EngineAux
+from dtarl.engines.config import (
+    AutoConfig,
+    Capacity,
+    DeepTrees,
+    DenseConfig,
+    DFSConfig,
+    EngineConfig,
+    EngineKind,
+    PrefixActivations,
+    PrefixReuseConfig,
+)
 from dtarl.engines.dense import DenseEngine
 from dtarl.engines.dfs import DFSEngine
-from dtarl.engines.prefix_reuse import DeepTrees, PrefixActivations, PrefixReuseEngine
+from dtarl.engines.prefix_reuse import PrefixReuseEngine
 
 
-class EngineKind(enum.Enum):
-    DENSE = "dense"
-    DENSE_REMAT = "dense_remat"
-    DFS = "dfs"
-    PREFIX_REUSE = "prefix_reuse"
-    AUTO = "auto"
+def make_engine(
+    kind: EngineKind | str, model, config: EngineConfig | None = None, **settings
+) -> Engine:
+    """Builds the engine of ``kind`` from ``config`` (default ``EngineConfig()``).
 
-
-def make_engine(kind: EngineKind | str, model, **kwargs) -> Engine:
-    """Builds an engine by kind (``EngineKind`` or its value)."""
-    try:
-        kind = EngineKind(kind)
-    except ValueError:
-        raise ValueError(
-            f"engine={kind!r} is not known; accepted: {[k.value for k in EngineKind]}"
-        ) from None
+    ``settings`` override fields of that kind's own config (``chunk_len=64`` for
+    dfs); for auto, runtime arguments (``engines``, ``cost_model``, ``timer``,
+    ``host_seconds``) and ``AutoConfig`` fields. An unknown kind or setting is a
+    ValueError naming the accepted ones.
+    """
+    kind = EngineKind.parse(kind)
+    config = config or EngineConfig()
     if kind is EngineKind.DENSE:
-        return DenseEngine(model, **kwargs)
+        return DenseEngine(model, config.dense, **settings)
     if kind is EngineKind.DENSE_REMAT:
-        return DenseEngine(model, remat=True, name="dense_remat", **kwargs)
+        return DenseEngine(model, config.dense, name="dense_remat", **{"remat": True, **settings})
+    if kind is EngineKind.DFS:
+        return DFSEngine(model, config.dfs, **settings)
     if kind is EngineKind.PREFIX_REUSE:
-        return PrefixReuseEngine(model, **kwargs)
-    if kind is EngineKind.AUTO:
-        return AutoEngine(model, **kwargs)
-    return DFSEngine(model, **kwargs)
+        return PrefixReuseEngine(model, config.prefix_reuse, **settings)
+    return AutoEngine(model, config.auto, engine_config=config, **settings)
 
 
 __all__ = [
+    "AutoConfig",
     "AutoEngine",
     "BatchError",
+    "Capacity",
+    "DFSConfig",
     "DFSEngine",
     "DeepTrees",
+    "DenseConfig",
     "DenseEngine",
     "Engine",
     "EngineAux",
+    "EngineConfig",
     "EngineKind",
     "LossNorm",
     "PrefixActivations",
+    "PrefixReuseConfig",
     "PrefixReuseEngine",
     "RolloutBatch",
     "make_engine",

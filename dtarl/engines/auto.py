@@ -54,10 +54,11 @@ import numpy as np
 
 from dtarl.batch import RolloutBatch
 from dtarl.engines import base
+from dtarl.engines.config import AutoConfig, Capacity, EngineConfig, PrefixActivations, configured
 from dtarl.engines.cost import ENGINES, CostModel, EngineWork, engine_work, fit_cost_model
 from dtarl.engines.dense import DenseEngine
 from dtarl.engines.dfs import DFSEngine
-from dtarl.engines.prefix_reuse import PrefixActivations, PrefixReuseEngine
+from dtarl.engines.prefix_reuse import PrefixReuseEngine
 from dtarl.losses import MaskedNLLLoss
 from dtarl.model.decoder import Decoder
 from dtarl.tree.plan import bucket, fine_bucket
@@ -170,20 +171,28 @@ class _DelegatingJit:
         return sum(e.jit.trace_count for e in self._auto.engines.values())
 
 
-@dataclasses.dataclass(eq=False)
 class AutoEngine:
     """Delegates each batch to the engine predicted (and, with ``autotune``, measured)
     fastest.
 
     Args:
       model: the decoder.
-      microbatch: dense microbatch and prefix_reuse suffix microbatch (rows).
-      chunk_len: the dfs chunk length.
-      prefix_activations: prefix_reuse's ``PrefixActivations``.
-      cost_model: coefficients (default ``CostModel.default()``; see ``calibrate``).
-      candidates: the engines it may pick from (default all three).
+      config: ``AutoConfig`` (or its fields as keywords): the settings below.
+      engine_config: ``EngineConfig`` whose dense / dfs / prefix_reuse settings
+        build the candidates (default ``EngineConfig()``).
       engines: prebuilt engines by name (to share buckets and compiled programs);
-        missing ones are built from the arguments above.
+        missing ones are built from ``engine_config``.
+      cost_model: coefficients (default ``CostModel.default()``; see ``calibrate``).
+      timer: ``timer({kind: run}) -> {kind: seconds}``, where each ``run()`` is one
+        whole step with that engine on the batch; default ``time_programs`` (side
+        by side) with ``tune_repeats``. Tests inject fixed times here.
+      host_seconds: ``host_seconds(kind, batch) -> seconds`` of host preparation
+        added to each candidate's estimate; default: the seconds its ``prepare``
+        took on this batch, measured. Tests inject fixed costs here, so that no
+        choice they check depends on this machine's speed.
+
+    Settings (``AutoConfig``):
+      candidates: the engines it may pick from (default all three).
       autotune: time the programs of the candidates within ``tune_margin`` of the
         best estimate, once per shape bucket, in ``value_and_grad`` (module docstring).
       tune_margin: a candidate is timed when its estimate is at most this many times
@@ -194,9 +203,6 @@ class AutoEngine:
         per-step term of 18-64 ms made dense look 3x slower than prefix_reuse on
         a batch where it was 15% faster), and their programs are cheap to time.
       tune_repeats: timed calls per program after its warm-up (the median counts).
-      timer: ``timer({kind: run}) -> {kind: seconds}``, where each ``run()`` is one
-        whole step with that engine on the batch; default ``time_programs`` (side
-        by side) with ``tune_repeats``. Tests inject fixed times here.
       reuse_choices: in ``value_and_grad``, a batch with the same signature as an
         earlier batch whose pick was measured (same loss; same buckets of sequences,
         tokens, tree tokens, longest path and leaves; same depth) is given to that
@@ -210,48 +216,37 @@ class AutoEngine:
         0 never re-checks.
     """
 
-    model: Decoder
-    microbatch: int = 8
-    chunk_len: int = 64
-    prefix_activations: PrefixActivations = PrefixActivations.OFFLOAD
-    cost_model: CostModel | None = None
-    candidates: tuple[str, ...] = ENGINES
-    engines: dict | None = None
-    autotune: bool = True
-    tune_margin: float = 2.0
-    tune_repeats: int = 5
-    tune_all_below: float = 0.05
-    timer: Timer | None = None
-    reuse_choices: bool = True
-    recheck_every: int = 64
-    name: str = "auto"
-
-    def __post_init__(self):
-        bad = [c for c in self.candidates if c not in ENGINES]
-        if bad or not self.candidates:
-            raise ValueError(f"candidates={self.candidates!r}: each must be one of {ENGINES}")
-        if not self.tune_all_below >= 0:
-            raise ValueError(f"tune_all_below={self.tune_all_below}: must be >= 0 (seconds)")
-        if not self.tune_margin >= 1.0:
-            raise ValueError(f"tune_margin={self.tune_margin}: must be >= 1 (a ratio of seconds)")
-        if self.tune_repeats < 1:
-            raise ValueError(f"tune_repeats={self.tune_repeats}: must be >= 1")
-        if self.recheck_every < 0:
-            raise ValueError(f"recheck_every={self.recheck_every}: must be >= 0 (0: never)")
-        self.cost_model = self.cost_model or CostModel.default()
-        self.cfg = self.model.cfg
-        given = dict(self.engines or {})
+    def __init__(
+        self,
+        model: Decoder,
+        config: AutoConfig | None = None,
+        /,
+        *,
+        engine_config: EngineConfig | None = None,
+        engines: dict | None = None,
+        cost_model: CostModel | None = None,
+        timer: Timer | None = None,
+        host_seconds: Callable[[str, RolloutBatch], float] | None = None,
+        name: str = "auto",
+        **settings,
+    ):
+        self.model = model
+        self.config = configured(AutoConfig, config, settings)
+        self.engine_config = engine_config or EngineConfig()
+        self.cost_model = cost_model or CostModel.default()
+        self.timer = timer
+        self.host_seconds = host_seconds
+        self.name = name
+        self.cfg = model.cfg
+        given = dict(engines or {})
         unknown = [k for k in given if k not in ENGINES]
         if unknown:
             raise ValueError(f"engines: unknown names {unknown}; accepted: {ENGINES}")
+        ec = self.engine_config
         build = {
-            "dense": lambda: DenseEngine(self.model, microbatch=self.microbatch),
-            "prefix_reuse": lambda: PrefixReuseEngine(
-                self.model,
-                microbatch=self.microbatch,
-                prefix_activations=self.prefix_activations,
-            ),
-            "dfs": lambda: DFSEngine(self.model, chunk_len=self.chunk_len),
+            "dense": lambda: DenseEngine(model, ec.dense),
+            "prefix_reuse": lambda: PrefixReuseEngine(model, ec.prefix_reuse),
+            "dfs": lambda: DFSEngine(model, ec.dfs),
         }
         self.engines = {k: given[k] if k in given else build[k]() for k in ENGINES}
         self.jit = _DelegatingJit(self)
@@ -262,16 +257,18 @@ class AutoEngine:
         self._reused: dict[tuple, int] = {}  # signature -> batches given the reused pick
 
     @property
+    def candidates(self) -> tuple[str, ...]:
+        return self.config.candidates
+
+    @property
     def trace_count(self) -> int:
         return self.jit.trace_count
 
-    def reserve(self, **per_engine: dict) -> AutoEngine:
-        """Pre-sizes each engine's buckets: ``reserve(dense=dict(length=..), dfs=dict(..),
-        prefix_reuse=dict(..))`` with each engine's own ``reserve`` keywords."""
-        for kind, kw in per_engine.items():
-            if kind not in self.engines:
-                raise ValueError(f"reserve: unknown engine {kind!r}; accepted: {ENGINES}")
-            self.engines[kind].reserve(**kw)
+    def reserve(self, capacity: Capacity) -> AutoEngine:
+        """Grows every candidate's buckets to ``capacity``, as if each ran alone (the
+        programs auto times and runs are the candidates' own)."""
+        for engine in self.engines.values():
+            engine.reserve(capacity)
         return self
 
     # ----------------------------------------------------------------- choice
@@ -281,10 +278,10 @@ class AutoEngine:
         return engine_work(
             self.cfg,
             batch.prefix_tree(),
-            microbatch=self.engines["dense"].microbatch,
-            suffix_microbatch=pr.microbatch,
-            chunk_len=self.engines["dfs"].chunk_len,
-            prefix_remat=pr.prefix_activations is PrefixActivations.REMAT,
+            microbatch=self.engines["dense"].config.microbatch,
+            suffix_microbatch=pr.config.microbatch,
+            chunk_len=self.engines["dfs"].config.chunk_len,
+            prefix_remat=pr.config.prefix_activations is PrefixActivations.REMAT,
         )
 
     def prepared_work(
@@ -297,7 +294,10 @@ class AutoEngine:
         for k in self.candidates:
             t0 = time.perf_counter()
             prepared[k] = self.engines[k].prepare(batch, loss, weights=weights)
-            prepared[k].stats["prepare_seconds"] = time.perf_counter() - t0
+            measured = time.perf_counter() - t0
+            prepared[k].stats["prepare_seconds"] = (
+                measured if self.host_seconds is None else float(self.host_seconds(k, batch))
+            )
         fallback = None
         work = {}
         for k, prep in prepared.items():
@@ -351,7 +351,7 @@ class AutoEngine:
         if kind is None:
             return None
         self._reused[sig] = n = self._reused.get(sig, 0) + 1
-        if self.recheck_every and n % self.recheck_every == 0:
+        if self.config.recheck_every and n % self.config.recheck_every == 0:
             return None  # the full choice, from the candidates' corrected estimates
         prep = self.engines[kind].prepare(batch, loss, weights=weights)
         timing = self.timings.get((kind, prep.static, loss))
@@ -373,8 +373,8 @@ class AutoEngine:
     def _choose(self, batch, loss, weights, params=None) -> _Choice:
         """The choice; with ``params`` (and ``autotune``) it times the programs in margin."""
         loss = loss if loss is not None else MaskedNLLLoss()
-        tune = self.autotune and params is not None
-        if tune and self.reuse_choices:
+        tune = self.config.autotune and params is not None
+        if tune and self.config.reuse_choices:
             reused = self._reuse(batch, loss, weights)
             if reused is not None:
                 return reused
@@ -392,8 +392,10 @@ class AutoEngine:
             est = {e: self._estimate(e, keys[e], pred[e]) for e in work}
             total = {e: est[e] + (0.0 if keys[e] in self.timings else host[e]) for e in work}
             best = min(total, key=lambda e: (total[e], ENGINES.index(e)))
-            cheap = total[best] <= self.tune_all_below  # time every candidate
-            in_margin = [e for e in work if cheap or total[e] <= self.tune_margin * total[best]]
+            cheap = total[best] <= self.config.tune_all_below  # time every candidate
+            in_margin = [
+                e for e in work if cheap or total[e] <= self.config.tune_margin * total[best]
+            ]
             todo = [e for e in in_margin if keys[e] not in self.timings]
             if not tune or not todo:
                 break
@@ -410,7 +412,7 @@ class AutoEngine:
         tune_s = time.perf_counter() - t0 if timed_now else 0.0
         measured = {e: self.timings[keys[e]].measured for e in work if keys[e] in self.timings}
         basis = "measured" if best in measured else "predicted"
-        if tune and self.reuse_choices and basis == "measured":
+        if tune and self.config.reuse_choices and basis == "measured":
             self.choices[self.signature(batch, loss)] = best
         return _Choice(
             kind=best,
@@ -436,7 +438,7 @@ class AutoEngine:
             runs[kind] = lambda engine=engine: engine.value_and_grad(
                 params, batch, loss, weights=weights
             )[1]
-        timer = self.timer or (lambda r: time_programs(r, repeats=self.tune_repeats))
+        timer = self.timer or (lambda r: time_programs(r, repeats=self.config.tune_repeats))
         return timer(runs)
 
     def _reason(self, best, work, pred, est, measured, timed_now) -> str:

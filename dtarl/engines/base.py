@@ -31,6 +31,68 @@ class EngineAux:
     stats: dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """An engine's shape buckets: the minimum size of each padded dimension, by name.
+
+    Buckets only grow: ``engine.reserve(buckets)`` merges them into the engine's
+    (elementwise max), and every ``prepare`` grows them to the batch it pads. Two
+    engines (or two processes) that hold the same buckets pad a batch to the same
+    shapes, so ``a.merge(b)`` is how ranks agree on one program. Names of an inner
+    engine's buckets carry its prefix (``"dfs.steps"`` in prefix_reuse).
+    """
+
+    sizes: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def of(cls, sizes: dict[str, int] | None = None, **more: int) -> Buckets:
+        merged = {**(sizes or {}), **more}
+        return cls(tuple(sorted((str(k), int(v)) for k, v in merged.items())))
+
+    def __getitem__(self, name: str) -> int:
+        return dict(self.sizes)[name]
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(k for k, _ in self.sizes)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    def merge(self, other: Buckets) -> Buckets:
+        """The elementwise max over the union of names."""
+        out = self.as_dict()
+        for k, v in other.sizes:
+            out[k] = max(out.get(k, 0), v)
+        return Buckets.of(out)
+
+    def with_prefix(self, prefix: str) -> Buckets:
+        return Buckets.of({prefix + k: v for k, v in self.sizes})
+
+    def under(self, prefix: str) -> Buckets:
+        """The buckets named ``prefix...``, with the prefix removed."""
+        return Buckets.of({k[len(prefix) :]: v for k, v in self.sizes if k.startswith(prefix)})
+
+
+class BucketState:
+    """Mixin for engines whose monotone buckets live in ``self._min`` (a dict)."""
+
+    _min: dict[str, int]
+
+    @property
+    def buckets(self) -> Buckets:
+        return Buckets.of(self._min)
+
+    def merge_buckets(self, buckets: Buckets) -> None:
+        """Grows the engine's buckets to ``buckets`` (names it does not have are errors)."""
+        unknown = sorted(set(buckets.names()) - set(self._min))
+        if unknown:
+            raise ValueError(
+                f"{self.name}: unknown buckets {unknown}; this engine has {sorted(self._min)}"
+            )
+        for k, v in buckets.sizes:
+            self._min[k] = max(self._min[k], v)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Prepared:
     """A batch compiled for one engine on the host.

@@ -11,8 +11,6 @@ optional per-layer rematerialisation (``remat=True``: the papers' "Dense + CKPT"
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,21 +18,27 @@ from flax import nnx
 
 from dtarl.batch import RolloutBatch
 from dtarl.engines import base
+from dtarl.engines.config import Capacity, DenseConfig, configured
 from dtarl.engines.cost import run_flops
 from dtarl.model.decoder import Decoder, token_logprobs
 from dtarl.tree.plan import bucket, fine_bucket
 
 
-@dataclasses.dataclass(eq=False)
-class DenseEngine:
-    model: Decoder
-    microbatch: int = 8
-    remat: bool = False
-    name: str = "dense"
+class DenseEngine(base.BucketState):
+    """Every sequence as one padded row (``DenseConfig``: microbatch, remat)."""
 
-    def __post_init__(self):
-        if self.microbatch < 1:
-            raise ValueError(f"microbatch={self.microbatch} must be >= 1")
+    def __init__(
+        self,
+        model: Decoder,
+        config: DenseConfig | None = None,
+        /,
+        *,
+        name: str = "dense",
+        **settings,
+    ):
+        self.model = model
+        self.config = configured(DenseConfig, config, settings)
+        self.name = name
         self.graphdef, _ = base.split_model(self.model)
         self.cfg = self.model.cfg
         self.jit = base.JitCache(self)
@@ -44,10 +48,10 @@ class DenseEngine:
     def trace_count(self) -> int:
         return self.jit.trace_count
 
-    def reserve(self, *, length: int = 8, sequences: int = 1, tokens: int = 1) -> DenseEngine:
-        """Pre-sizes the shape buckets so smaller batches never recompile."""
-        self._min["length"] = max(self._min["length"], fine_bucket(length))
-        for key, value in (("seqs", sequences), ("flat", tokens)):
+    def reserve(self, capacity: Capacity) -> DenseEngine:
+        """Grows the shape buckets to ``capacity`` so that smaller batches never recompile."""
+        self._min["length"] = max(self._min["length"], fine_bucket(capacity.length))
+        for key, value in (("seqs", capacity.sequences), ("flat", capacity.tokens)):
             self._min[key] = max(self._min[key], bucket(value))
         return self
 
@@ -62,7 +66,7 @@ class DenseEngine:
             model = nnx.merge(self.graphdef, params)
             b = tokens_BxT.shape[0]
             pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-            hidden, _ = model(tokens_BxT, pos, return_hidden=True, remat=self.remat)
+            hidden, _ = model(tokens_BxT, pos, return_hidden=True, remat=self.config.remat)
             lp_pred, ent_pred = token_logprobs(
                 model.lm_head_weight(),
                 hidden[:, :-1],
@@ -105,7 +109,7 @@ class DenseEngine:
         # Quarter-octave length buckets: attention is quadratic in the padding.
         self._min["length"] = t_pad = fine_bucket(int(lengths.max()), self._min["length"])
         self._min["seqs"] = n_rows = bucket(n, self._min["seqs"])
-        mb = min(self.microbatch, n_rows)
+        mb = min(self.config.microbatch, n_rows)
         n_rows = -(-n_rows // mb) * mb
         self._min["flat"] = f_pad = bucket(batch.num_tokens, self._min["flat"])
         seq = base.flat_sequence_data(batch, w, n_pad=n_rows, f_pad=f_pad, pad=t_pad)
@@ -114,7 +118,7 @@ class DenseEngine:
             tokens[i, : tk.shape[0]] = tk
         rows = np.arange(n_rows, dtype=np.int32)
         rows[n:] = -1
-        passes = 4.0 if self.remat else 3.0  # forward + backward (+ recomputed forward)
+        passes = 4.0 if self.config.remat else 3.0  # forward + backward (+ recomputed forward)
         stats = dict(
             num_tokens=int(lengths.sum()),
             computed_tokens=int(n_rows * t_pad),

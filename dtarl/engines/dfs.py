@@ -37,7 +37,6 @@ Letters: L layers, S path buffer, C chunk, K kv heads, D head dim, T steps.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -48,9 +47,9 @@ from flax import nnx
 
 from dtarl.batch import RolloutBatch
 from dtarl.engines import base
+from dtarl.engines.config import Capacity, DFSConfig, configured
 from dtarl.model.config import AttentionBackend
 from dtarl.model.decoder import Decoder, KVCache, token_logprobs
-from dtarl.tree.order import DFSOrder
 from dtarl.tree.plan import Op, SegmentPlan, bucket, compile_plan
 from dtarl.tree.trie import PrefixTree
 
@@ -100,37 +99,22 @@ def sequence_logprobs(tree: PrefixTree, tree_logp: np.ndarray, n: int) -> tuple[
     return tuple(out)
 
 
-@dataclasses.dataclass(eq=False)
-class DFSEngine:
-    """Tree training by depth-first push/pop over the batch's prefix tree."""
+class DFSEngine(base.BucketState):
+    """Tree training by depth-first push/pop over the batch's prefix tree
+    (``DFSConfig``: chunk_len, order, pack_leaves, leaf_rows, wide_chunks, ...)."""
 
-    model: Decoder
-    chunk_len: int = 128
-    order: DFSOrder = DFSOrder.GREEDY
-    pack_leaves: bool = True
-    leaf_rows: int = 2  # measured best on the tiny model on CPU (G=4/8/16: 2 > 1, 4, 8)
-    wide_chunks: int = 4  # POP_WIDE rows of up to this many chunks (0 or 1: none)
-    wide_slack: float = 0.25  # accepted extra FLOPs of a wide row over chunking it
-    prefix_levels: int = 3
-    name: str = "dfs"
-
-    def __post_init__(self):
-        if self.chunk_len < 1:
-            raise ValueError(f"chunk_len={self.chunk_len} must be >= 1")
-        if self.prefix_levels < 1:
-            raise ValueError(f"prefix_levels={self.prefix_levels} must be >= 1")
-        if self.leaf_rows < 1:
-            raise ValueError(f"leaf_rows={self.leaf_rows} must be >= 1")
-        if self.wide_chunks < 0:
-            raise ValueError(f"wide_chunks={self.wide_chunks} must be >= 0 (0 or 1: no wide pops)")
-        if not self.wide_slack >= 0:
-            raise ValueError(f"wide_slack={self.wide_slack} must be >= 0")
+    def __init__(
+        self, model: Decoder, config: DFSConfig | None = None, /, *, name: str = "dfs", **settings
+    ):
+        self.model = model
+        self.config = configured(DFSConfig, config, settings)
+        self.name = name
         self.graphdef, _ = base.split_model(self.model)
         self.cfg = self.model.cfg
         self.jit = base.JitCache(self)
         # The pallas kernel has no segment mask: no leaf packing with it.
         self._single_segment = (
-            not self.pack_leaves or self.cfg.attention_backend is AttentionBackend.PALLAS
+            not self.config.pack_leaves or self.cfg.attention_backend is AttentionBackend.PALLAS
         )
         # Buckets only grow, so a smaller batch reuses the last program.
         # Loss slots are cheap (O(path) each); 8 covers most packed steps.
@@ -362,42 +346,35 @@ class DFSEngine:
 
     # -------------------------------------------------------------- host side
 
-    def reserve(
-        self,
-        *,
-        steps: int = 1,
-        path: int = 1,
-        slots: int = 1,
-        sequences: int = 1,
-        tokens: int = 1,
-    ) -> DFSEngine:
-        """Pre-sizes the shape buckets (e.g. before a run) so batches up to these
-        sizes never trigger a recompilation. Buckets only grow."""
+    def reserve(self, capacity: Capacity) -> DFSEngine:
+        """Grows the shape buckets to ``capacity`` (e.g. before a run) so that batches
+        within it never trigger a recompilation. Buckets only grow."""
+        path = capacity.length
         for key, value in (
-            ("steps", steps),
+            ("steps", capacity.plan_steps),
             ("path", path),
-            ("slots", slots),
-            ("seqs", sequences),
-            ("flat", tokens),
-            ("tree", tokens),
+            ("slots", capacity.group_size),
+            ("seqs", capacity.sequences),
+            ("flat", capacity.tokens),
+            ("tree", capacity.tokens),
         ):
             self._min[key] = max(self._min[key], bucket(value))
-        if path > self.chunk_len and self.wide_chunks >= 2:  # leaves this long pop wide
-            need = min(self.wide_chunks, -(-path // self.chunk_len))
-            self._min["wide"] = max(self._min["wide"], need)
+        chunk, wide = self.config.chunk_len, self.config.wide_chunks
+        if path > chunk and wide >= 2:  # leaves this long pop wide
+            self._min["wide"] = max(self._min["wide"], min(wide, -(-path // chunk)))
         return self
 
     def plan(self, tree: PrefixTree) -> SegmentPlan:
         plan = compile_plan(
             tree,
-            chunk_len=self.chunk_len,
-            order=self.order,
+            chunk_len=self.config.chunk_len,
+            order=self.config.order,
             pack_leaves=not self._single_segment,
-            rows=self.leaf_rows,
-            wide=self.wide_chunks,
+            rows=self.config.leaf_rows,
+            wide=self.config.wide_chunks,
             token_flops=self.cfg.flops_per_token,
-            wide_slack=self.wide_slack,
-            prefix_levels=self.prefix_levels,
+            wide_slack=self.config.wide_slack,
+            prefix_levels=self.config.prefix_levels,
             min_steps=self._min["steps"],
             min_path=self._min["path"],
             min_slots=self._min["slots"],

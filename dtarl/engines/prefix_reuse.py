@@ -71,7 +71,6 @@ prefix, S path buffer, L layers.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import NamedTuple
 
 import jax
@@ -81,17 +80,18 @@ from flax import nnx
 
 from dtarl.batch import RolloutBatch
 from dtarl.engines import base
+from dtarl.engines.config import (
+    Capacity,
+    DeepTrees,
+    PrefixActivations,
+    PrefixReuseConfig,
+    configured,
+)
 from dtarl.engines.cost import run_flops
+from dtarl.engines.dfs import DFSEngine
 from dtarl.model.decoder import Decoder, KVCache, token_logprobs
-from dtarl.tree.plan import bucket
+from dtarl.tree.plan import bucket, fine_bucket
 from dtarl.tree.trie import PrefixTree, build_tree
-
-
-class DeepTrees(enum.Enum):
-    """How ``PrefixReuseEngine`` trains groups that branch below their prefix."""
-
-    DFS = "dfs"  # deep groups go to the DFS engine: every node computed once
-    ROWS = "rows"  # one dense suffix row per leaf: shared deeper nodes recomputed
 
 
 def deep_sequences(tree: PrefixTree, min_shared: float = 0.1) -> np.ndarray:
@@ -122,26 +122,6 @@ def deep_sequences(tree: PrefixTree, min_shared: float = 0.1) -> np.ndarray:
             node = int(tree.parent[node])
         out[i] = deep_group[node]
     return out
-
-
-class PrefixActivations(enum.Enum):
-    """What happens to the prefix's activations (other than K/V) during the suffixes."""
-
-    REMAT = "remat"
-    KEEP = "keep"
-    OFFLOAD = "offload"
-
-
-def fine_bucket(n: int, minimum: int = 1) -> int:
-    """The smallest m * 2**k >= max(n, minimum) with m in {4, 5, 6, 7} (exact below 8).
-
-    Quarter-octave steps: at most 25% padding, four shapes per doubling.
-    """
-    n = max(int(n), int(minimum), 1)
-    if n <= 8:
-        return bucket(n)
-    step = 1 << max((n - 1).bit_length() - 3, 0)
-    return -(-n // step) * step
 
 
 def offload_supported() -> bool:
@@ -229,12 +209,10 @@ def group_plan(tree: PrefixTree) -> GroupPlan:
     )
 
 
-@dataclasses.dataclass(eq=False)
-class PrefixReuseEngine:
+class PrefixReuseEngine(base.BucketState):
     """Prefix forward once, suffixes as batched microbatches, prefix backward once.
 
-    Args:
-      model: the decoder.
+    Settings (``PrefixReuseConfig``):
       microbatch: suffix rows per microbatch (B); a group's rows run in
         ceil(rows / B) microbatches, so a whole group need not fit at once.
       prefix_activations: see ``PrefixActivations`` (default OFFLOAD).
@@ -244,24 +222,21 @@ class PrefixReuseEngine:
         program); by default it runs as KEEP there (module docstring).
     """
 
-    model: Decoder
-    microbatch: int = 8
-    prefix_activations: PrefixActivations = PrefixActivations.OFFLOAD
-    deep_trees: DeepTrees = DeepTrees.DFS
-    dfs_chunk_len: int = 128
-    offload_on_cpu: bool = False
-    name: str = "prefix_reuse"
-
-    def __post_init__(self):
-        if self.microbatch < 1:
-            raise ValueError(f"microbatch={self.microbatch} must be >= 1")
-        self.prefix_activations = PrefixActivations(self.prefix_activations)
-        self.deep_trees = DeepTrees(self.deep_trees)
-        self._dfs = None
-        if self.deep_trees is DeepTrees.DFS:
-            from dtarl.engines.dfs import DFSEngine
-
-            self._dfs = DFSEngine(self.model, chunk_len=self.dfs_chunk_len)
+    def __init__(
+        self,
+        model: Decoder,
+        config: PrefixReuseConfig | None = None,
+        /,
+        *,
+        name: str = "prefix_reuse",
+        **settings,
+    ):
+        self.model = model
+        self.config = configured(PrefixReuseConfig, config, settings)
+        self.name = name
+        self.dfs = None  # the deep groups' DFS engine (DeepTrees.DFS)
+        if self.config.deep_trees is DeepTrees.DFS:
+            self.dfs = DFSEngine(self.model, chunk_len=self.config.dfs_chunk_len)
         self.graphdef, _ = base.split_model(self.model)
         self.cfg = self.model.cfg
         self.jit = base.JitCache(self)
@@ -277,48 +252,53 @@ class PrefixReuseEngine:
         """True when prefix residuals really go to host memory on this backend
         (OFFLOAD, a ``pinned_host`` memory kind, and not a CPU unless
         ``offload_on_cpu``)."""
-        if self.prefix_activations is not PrefixActivations.OFFLOAD or not offload_supported():
-            return False
-        return self.offload_on_cpu or jax.devices()[0].platform != "cpu"
-
-    def reserve(
-        self,
-        *,
-        groups: int = 1,
-        prefix: int = 1,
-        rows: int = 1,
-        row_len: int = 1,
-        slots: int = 1,
-        path: int = 1,
-        sequences: int = 1,
-        tokens: int = 1,
-        dfs_steps: int = 1,
-    ) -> PrefixReuseEngine:
-        """Pre-sizes the shape buckets so batches up to these sizes never recompile.
-
-        ``groups``: top-level groups; ``prefix``: longest prefix (tokens);
-        ``rows``: suffix rows (leaves) per group; ``row_len``: longest suffix;
-        ``slots``: sequences per row or prefix; ``path``: longest sequence;
-        ``tokens``: total tokens; ``dfs_steps``: plan steps of the deep groups'
-        DFS program (``DFSEngine.reserve``, which also gets path, slots,
-        sequences and tokens). Buckets only grow.
-        """
-        if self._dfs is not None:
-            self._dfs.reserve(
-                steps=dfs_steps, path=path, slots=slots, sequences=sequences, tokens=tokens
-            )
-        for key, value, fn in (
-            ("groups", groups, bucket),
-            ("prefix", prefix, fine_bucket),
-            ("rows", rows, bucket),
-            ("row_len", row_len, fine_bucket),
-            ("slots", slots, bucket),
-            ("pslots", slots, bucket),
-            ("path", path, bucket),
-            ("seqs", sequences, bucket),
-            ("flat", tokens, bucket),
+        if (
+            self.config.prefix_activations is not PrefixActivations.OFFLOAD
+            or not offload_supported()
         ):
-            self._min[key] = max(self._min[key], fn(value))
+            return False
+        return self.config.offload_on_cpu or jax.devices()[0].platform != "cpu"
+
+    @property
+    def buckets(self) -> base.Buckets:
+        """Its own buckets and, named ``dfs.*``, those of the deep groups' DFS program."""
+        own = base.Buckets.of(self._min)
+        return own if self.dfs is None else own.merge(self.dfs.buckets.with_prefix("dfs."))
+
+    def merge_buckets(self, buckets: base.Buckets) -> None:
+        inner = buckets.under("dfs.")
+        if inner.sizes:
+            if self.dfs is None:
+                raise ValueError(f"{self.name}: dfs.* buckets given, but deep_trees is ROWS")
+            self.dfs.merge_buckets(inner)
+        own = {k: v for k, v in buckets.sizes if not k.startswith("dfs.")}
+        super().merge_buckets(base.Buckets.of(own))
+
+    def reserve(self, capacity: Capacity) -> PrefixReuseEngine:
+        """Grows the buckets of sequences, tokens, slots and the longest path to
+        ``capacity`` (the deep groups' DFS program too), so that batches within it
+        never recompile. The group buckets (groups, rows, prefix and suffix lengths)
+        are reserved only when ``capacity`` bounds the prompt and the response;
+        otherwise they grow with the batches: their bound is then the longest
+        sequence, and padding every group to it costs more than a few compiles."""
+        if self.dfs is not None:
+            self.dfs.reserve(capacity)
+        for key, value in (
+            ("slots", capacity.group_size),
+            ("pslots", capacity.group_size),
+            ("path", capacity.length),
+            ("seqs", capacity.sequences),
+            ("flat", capacity.tokens),
+        ):
+            self._min[key] = max(self._min[key], bucket(value))
+        if capacity.prompt_len is not None and capacity.response_len is not None:
+            for key, value, fn in (
+                ("groups", capacity.groups, bucket),
+                ("rows", capacity.group_size, bucket),
+                ("prefix", capacity.prompt_len, fine_bucket),
+                ("row_len", capacity.response_len, fine_bucket),
+            ):
+                self._min[key] = max(self._min[key], fn(value))
         return self
 
     # ------------------------------------------------------------ device side
@@ -417,7 +397,7 @@ class PrefixReuseEngine:
         if static[0] == "split":  # shallow groups here, deep groups in the DFS engine
             _, rows_static, dfs_static = static
             f_rows = self.device_fn(loss, rows_static)
-            f_dfs = self._dfs.device_fn(loss, dfs_static)
+            f_dfs = self.dfs.device_fn(loss, dfs_static)
 
             def run(params, rows_args, dfs_args):
                 t_rows, g_rows, o_rows = f_rows(params, *rows_args)
@@ -429,7 +409,7 @@ class PrefixReuseEngine:
         return lambda params, groups, rows, seq: self._run(loss, s, params, groups, rows, seq)
 
     def _run(self, loss, s: int, params, groups: _Groups, rows: _Rows, seq: base.SeqData):
-        mode = self.prefix_activations
+        mode = self.config.prefix_activations
         # Entropy only when the loss uses it: otherwise the program is unchanged.
         with_entropy = bool(getattr(loss, "needs_entropy", False))
         offload = self.offloads
@@ -491,7 +471,7 @@ class PrefixReuseEngine:
         base.check_batch(batch, loss, self.cfg.vocab_size)
         w = base.sequence_weights(batch, loss, weights)
         tree = batch.prefix_tree()
-        if self._dfs is None:
+        if self.dfs is None:
             return self._prepare_rows(batch, loss, w, tree)
         deep = deep_sequences(tree)
         if deep.any():
@@ -506,7 +486,7 @@ class PrefixReuseEngine:
                 parts.append((ix, batch.select([0]), np.zeros(1, np.float32)))
         (ix_rows, b_rows, w_rows), (ix_dfs, b_dfs, w_dfs) = parts
         p_rows = self._prepare_rows(b_rows, loss, w_rows, build_tree(b_rows.tokens))
-        p_dfs = self._dfs.prepare(b_dfs, loss, weights=w_dfs)
+        p_dfs = self.dfs.prepare(b_dfs, loss, weights=w_dfs)
         stats = dict(
             num_tokens=tree.stats.num_tokens,
             tree_tokens=tree.stats.tree_tokens,
@@ -543,7 +523,7 @@ class PrefixReuseEngine:
         n = batch.num_sequences
         m["seqs"] = n_pad = bucket(n, m["seqs"])
         m["flat"] = f_pad = bucket(batch.num_tokens, m["flat"])
-        mb = min(self.microbatch, r_pad)
+        mb = min(self.config.microbatch, r_pad)
         n_mb = -(-r_pad // mb)
 
         g_in = np.zeros((g_pad, p_pad), np.int32)
@@ -591,13 +571,13 @@ class PrefixReuseEngine:
             suffix_rows=sum(len(r) for r in plan.row_leaf),
             microbatch=mb,
             microbatches_per_group=n_mb,
-            prefix_activations=self.prefix_activations.value,
+            prefix_activations=self.config.prefix_activations.value,
             offloaded=self.offloads,
             # What the program computes, padding included (auto's cost model):
             # every padded group's prefix (+1 forward with REMAT) and suffix rows.
             work_flops=g_pad
             * (
-                (4.0 if self.prefix_activations is PrefixActivations.REMAT else 3.0)
+                (4.0 if self.config.prefix_activations is PrefixActivations.REMAT else 3.0)
                 * run_flops(self.cfg, 0, p_pad)
                 + 3.0 * n_mb * mb * run_flops(self.cfg, p_pad, c_pad)
             ),
@@ -613,7 +593,7 @@ class PrefixReuseEngine:
             res: list = [None] * n
             for ix, part in (
                 (ix_rows, self.finish(p_rows, out[0])),
-                (ix_dfs, self._dfs.finish(p_dfs, out[1])),
+                (ix_dfs, self.dfs.finish(p_dfs, out[1])),
             ):
                 # A stand-in part has ix empty (its one logprob row is dropped).
                 for i, logp in zip(ix.tolist(), part, strict=False):
@@ -817,7 +797,6 @@ __all__ = [
     "memory_report",
     "PrefixActivations",
     "PrefixReuseEngine",
-    "fine_bucket",
     "group_plan",
     "offload_supported",
     "peak_bytes",

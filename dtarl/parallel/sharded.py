@@ -49,7 +49,7 @@ include those of an engine run inside another (prefix_reuse's DFS engine for
 deep groups). ``AutoEngine`` picks one engine for all ranks, from the rank with
 the most tokens (``shard_choice``; process 0's pick when several processes run),
 and the ranks are then prepared by that engine and agreed as above. Any other
-engine without monotone buckets (no ``_min`` dict) falls back to preparing every
+engine without monotone buckets (no ``engine.buckets``) falls back to preparing every
 rank on every process. A collective that fails because another process died
 raises ``PeerLostError`` naming this process; JAX's heartbeat bounds the rest
 (see ``dtarl.parallel.launch``).
@@ -74,7 +74,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dtarl.batch import RolloutBatch
-from dtarl.engines.base import EngineAux
+from dtarl.engines.base import Buckets, EngineAux
 from dtarl.parallel import mesh as mesh_lib
 from dtarl.parallel.launch import PEER_LOST_PATTERN
 from dtarl.parallel.partition import CostModel, Partition, PartitionMethod, partition
@@ -145,19 +145,6 @@ class ShardedPrepared:
     num_sequences: int
     host_seconds: float
     local_ranks: tuple[int, ...] = ()
-
-
-def _bucket_tables(engine, name: str = "") -> list[tuple[str, dict]]:
-    """The monotone bucket minimums (``_min`` dicts) of ``engine`` and of the engines
-    it runs inside its program (prefix_reuse's ``_dfs``), named by their path."""
-    tables = []
-    mins = getattr(engine, "_min", None)
-    if isinstance(mins, dict):
-        tables.append((name, mins))
-    inner = getattr(engine, "_dfs", None)
-    if inner is not None:
-        tables += _bucket_tables(inner, f"{name}_dfs.")
-    return tables
 
 
 def _shapes(tree) -> list:
@@ -280,7 +267,7 @@ class ShardedEngine:
                     i = multihost_utils.broadcast_one_to_all(np.int32(kinds.index(kind)))
                 kind = kinds[int(i)]
             engine = engine.engines[kind]
-        agree = multi and bool(_bucket_tables(engine))
+        agree = multi and isinstance(getattr(engine, "buckets", None), Buckets)
         local = self.local_ranks() if agree else tuple(range(k))
         if not local:
             raise ShardingError(
@@ -340,17 +327,15 @@ class ShardedEngine:
         process already had those buckets, its local ranks agree, and all digests
         are equal.
         """
-        tables = _bucket_tables(engine)
-        entries = [(name, table, key) for name, table in tables for key in sorted(table)]
-        keys = [f"{name}{key}" for name, _, key in entries]
+        sizes = engine.buckets.sizes
+        keys = [k for k, _ in sizes]
         text = repr((keys, first.static, shapes)).encode()
         digest = int.from_bytes(hashlib.sha256(text).digest()[:4], "little") & 0x7FFFFFFF
-        row = np.array([int(t[k]) for _, t, k in entries] + [digest, int(same)], np.int32)
+        row = np.array([v for _, v in sizes] + [digest, int(same)], np.int32)
         with _collective("agreeing on the per-rank shapes (ShardedEngine.prepare)"):
             table = np.asarray(multihost_utils.process_allgather(row))  # [P, len(keys) + 2]
         top = table[:, : len(keys)].max(axis=0)
-        for (_, t, key), v in zip(entries, top.tolist(), strict=True):
-            t[key] = max(int(t[key]), int(v))
+        engine.merge_buckets(Buckets.of(dict(zip(keys, top.tolist(), strict=True))))
         return bool(
             np.all(table[:, : len(keys)] == top)
             and np.all(table[:, -2] == table[0, -2])

@@ -16,7 +16,6 @@ The host-side pieces are plain functions (``rollout``, ``reference_batch``,
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import time
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ import optax
 from flax import nnx
 
 from dtarl.batch import LossNorm
-from dtarl.engines import RolloutBatch, make_engine
+from dtarl.engines import Capacity, RolloutBatch, make_engine
 from dtarl.losses import ClippedSurrogateLoss, MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model, load_hf
 from dtarl.model.decoder import token_logprobs
@@ -365,12 +364,6 @@ def _engine_metrics(stats: dict) -> dict:
     return out
 
 
-def _accepted(fn, kwargs: dict) -> dict:
-    """The entries of ``kwargs`` that ``fn`` takes as keywords."""
-    params = inspect.signature(fn).parameters
-    return {k: v for k, v in kwargs.items() if k in params}
-
-
 class Trainer:
     """Runs a ``TrainerConfig``. ``reward_fn`` (sync or async) replaces the task's verifier."""
 
@@ -477,20 +470,14 @@ class Trainer:
             prompts=max(1, cfg.eval_problems), rows=max(1, cfg.eval_problems), prompt_len=max_len
         )
         n = max(rows, cfg.sft.batch_size if cfg.sft.steps else 1)
-        want = dict(
-            length=max_len,
-            sequences=n,
-            tokens=n * max_len,
-            path=max_len,
-            steps=2 * n + 2 * r.prompts_per_step,
-            slots=r.group_size,
+        self.engine.reserve(
+            Capacity(
+                sequences=n,
+                length=max_len,
+                group_size=r.group_size,
+                groups=r.prompts_per_step,
+            )
         )
-        want["dfs_steps"] = want["steps"]  # prefix_reuse's deep groups run a DFS program
-        inner = getattr(self.engine, "engines", None)
-        if inner is not None:  # auto: each candidate as if it ran alone (same programs)
-            self.engine.reserve(**{k: _accepted(e.reserve, want) for k, e in inner.items()})
-        elif getattr(self.engine, "reserve", None) is not None:
-            self.engine.reserve(**_accepted(self.engine.reserve, want))
 
     def _update_fn(self, tx):
         if id(tx) not in self._updates:

@@ -1,6 +1,8 @@
 """engine="auto": FLOP counts, the cost model's choice and fit, delegation, and
 the per-bucket autotuning (with a fake timer: no assertion depends on real time)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ import pytest
 from test_equivalence import _engine, _model, reference, rel_errors
 from test_prefix_reuse import pr_engine
 
-from dtarl.engines import AutoEngine, RolloutBatch
+from dtarl.engines import AutoEngine, DFSConfig, EngineConfig, RolloutBatch
 from dtarl.engines import auto as auto_lib
 from dtarl.engines.auto import time_program, time_programs
 from dtarl.engines.cost import (
@@ -216,17 +218,17 @@ def test_autotune_overrides_a_wrong_cost_model():
     assert aux2.stats["predicted_seconds"] == {}
     _check_reference(model, params, again, loss, *aux2_run(auto, params, again, loss))
     # Without reuse every candidate prepares, and the bucket's measurement decides.
-    auto.reuse_choices = False
+    auto.config = dataclasses.replace(auto.config, reuse_choices=False)
     _, _, aux3 = auto.value_and_grad(params, again, loss)
     assert len(timer.calls) == 3 and auto.trace_count == traces
     assert aux3.stats["chosen_engine"] == "dfs" and aux3.stats["choice_basis"] == "measured"
     assert aux3.stats["choice_reason"].startswith("dfs: bucket-measured x")
     # With reuse, every recheck_every-th batch of a signature is chosen in full.
-    auto.reuse_choices, auto.recheck_every = True, 2
+    auto.config = dataclasses.replace(auto.config, reuse_choices=True, recheck_every=2)
     auto._reused.clear()
     bases = [auto.value_and_grad(params, again, loss)[2].stats["choice_basis"] for _ in range(4)]
     assert bases == ["reused", "measured", "reused", "measured"] and len(timer.calls) == 3
-    auto.reuse_choices = False
+    auto.config = dataclasses.replace(auto.config, reuse_choices=False)
     # The same sizes without the shared prompts: another signature, no reuse.
     unshared = RolloutBatch.create(tokens=[[3 + i, *t[1:]] for i, t in enumerate(batch.tokens)])
     assert auto.signature(unshared, loss) != auto.signature(batch, loss)
@@ -351,7 +353,9 @@ def test_time_programs_interleaves(monkeypatch):
 
 def test_prepared_work_counts_padding():
     """auto predicts from what each program computes, padding included."""
-    auto = AutoEngine(_model(ModelFamily.QWEN3)[0], chunk_len=32)
+    auto = AutoEngine(
+        _model(ModelFamily.QWEN3)[0], engine_config=EngineConfig(dfs=DFSConfig(chunk_len=32))
+    )
     batch = grpo_groups(num_groups=2, group_size=4, prompt_len=40, response_len=(5, 20), seed=9)
     work, prepared = auto.prepared_work(batch)
     ideal = engine_work(CFG, batch, chunk_len=32)

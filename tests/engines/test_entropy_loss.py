@@ -16,8 +16,14 @@ from flax import nnx
 from test_equivalence import rel_errors, with_logprob_data
 
 from dtarl.batch import LossNorm
-from dtarl.engines import DenseEngine, DFSEngine, PrefixReuseEngine, RolloutBatch
-from dtarl.engines.prefix_reuse import PrefixActivations
+from dtarl.engines import (
+    Capacity,
+    DenseEngine,
+    DFSEngine,
+    PrefixActivations,
+    PrefixReuseEngine,
+    RolloutBatch,
+)
 from dtarl.losses import ClippedSurrogateLoss, MaskedNLLLoss, SequenceData, TokenData
 from dtarl.model import ModelConfig, ModelFamily, init_model
 from dtarl.testing import grpo_groups
@@ -44,13 +50,15 @@ def _engine(kind: str, mode: PrefixActivations = PrefixActivations.OFFLOAD):
     """Pre-sized buckets: one compilation per (engine, loss) for the whole module."""
     model, _ = _model()
     if kind == "dense":
-        return DenseEngine(model, microbatch=4).reserve(length=48, sequences=16, tokens=512)
+        return DenseEngine(model, microbatch=4).reserve(Capacity(sequences=16, length=48))
     if kind == "prefix_reuse":
         engine = PrefixReuseEngine(
             model, microbatch=4, prefix_activations=mode, offload_on_cpu=True
         )
         return engine.reserve(
-            groups=2, prefix=24, rows=8, row_len=32, slots=4, path=48, sequences=16, tokens=512
+            Capacity(
+                sequences=16, length=48, group_size=8, groups=2, prompt_len=24, response_len=32
+            )
         )
     if kind == "dfs":
         return DFSEngine(model, chunk_len=8)

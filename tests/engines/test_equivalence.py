@@ -14,7 +14,7 @@ from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dtarl.engines import DenseEngine, DFSEngine, RolloutBatch
+from dtarl.engines import Capacity, DenseEngine, DFSEngine, RolloutBatch
 from dtarl.losses import ClippedSurrogateLoss, MaskedNLLLoss, SequenceData, TokenData
 from dtarl.model import ModelConfig, ModelFamily, init_model
 from dtarl.testing import grpo_groups
@@ -58,8 +58,8 @@ def _engine(
             leaf_rows=rows,
             wide_chunks=wide,
         )
-        return engine.reserve(steps=256, path=64, slots=8, sequences=64, tokens=2048)
-    return DenseEngine(model, microbatch=4).reserve(length=64, sequences=64, tokens=2048)
+        return engine.reserve(Capacity(sequences=64, length=64, group_size=8, groups=64))
+    return DenseEngine(model, microbatch=4).reserve(Capacity(sequences=64, length=64))
 
 
 REF_LEN = 64  # every test sequence is shorter

@@ -25,6 +25,8 @@ from test_equivalence import (
 )
 
 from dtarl.engines import (
+    Capacity,
+    DeepTrees,
     EngineKind,
     PrefixActivations,
     PrefixReuseEngine,
@@ -32,9 +34,7 @@ from dtarl.engines import (
     make_engine,
 )
 from dtarl.engines.prefix_reuse import (
-    DeepTrees,
     deep_sequences,
-    fine_bucket,
     group_plan,
     memory_report,
     offload_supported,
@@ -43,17 +43,16 @@ from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelFamily
 from dtarl.testing import grpo_groups
 from dtarl.tree import build_tree
+from dtarl.tree.plan import fine_bucket
 
-RESERVE = dict(
-    groups=2,
-    prefix=40,
-    rows=16,
-    row_len=40,
-    slots=4,
-    path=64,
+RESERVE = Capacity(
     sequences=32,
+    length=64,
     tokens=1024,
-    dfs_steps=128,
+    group_size=16,
+    groups=2,
+    prompt_len=40,
+    response_len=40,
 )
 
 
@@ -70,7 +69,7 @@ def pr_engine(
         deep_trees=deep,
         offload_on_cpu=True,  # the offload program itself, also on a CPU
     )
-    return engine.reserve(**RESERVE)
+    return engine.reserve(RESERVE)
 
 
 def check_pr(batch, loss, family=ModelFamily.QWEN3, **kw):
@@ -151,7 +150,7 @@ def test_deep_groups_go_to_dfs():
     deep = deep_sequences(build_tree(batch.tokens))
     assert deep.tolist() == [True] * 4 + [False] * 6
     model, params = _model(ModelFamily.QWEN3)
-    engine = PrefixReuseEngine(model, microbatch=2).reserve(**RESERVE)
+    engine = PrefixReuseEngine(model, microbatch=2).reserve(RESERVE)
     for b, n_deep in ((batch, 4), (shallow, 0)):
         want_loss, want_grads, want_logp = reference(model, params, b, LOSSES["dapo"])
         got_loss, got_grads, aux = engine.value_and_grad(params, b, LOSSES["dapo"])
@@ -206,7 +205,7 @@ def test_microbatch_sizes_and_prefix_modes_agree():
         grads[mb], aux = check_pr(batch, loss, **kw)
         assert aux.stats["offloaded"] == (mode is None and offload_supported())
         assert aux.stats["microbatch"] == mb
-        assert aux.stats["microbatches_per_group"] == -(-RESERVE["rows"] // mb)
+        assert aux.stats["microbatches_per_group"] == -(-RESERVE.group_size // mb)
     # Not bitwise: fp32 sums over rows and microbatches run in different orders
     # (measured ~1e-6); the contract's fp32 tolerance.
     for mb in (1, g // 2):

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dtarl.engines import AutoEngine, DFSEngine, RolloutBatch
+from dtarl.engines import AutoEngine, DFSConfig, DFSEngine, EngineConfig, RolloutBatch
 from dtarl.engines.cost import ENGINES, CostModel, EngineCoef
 from dtarl.engines.prefix_reuse import PrefixReuseEngine
 from dtarl.model import ModelConfig, init_model
@@ -58,7 +58,8 @@ def problem(kind="dfs"):
     if kind == "prefix_reuse_deep":  # one process gets the deep group, one the shallow
         return PrefixReuseEngine(model), params, deep_and_shallow_groups(rs)
     if kind == "auto":
-        return AutoEngine(model, chunk_len=8), params, deep_and_shallow_groups(rs)
+        auto = AutoEngine(model, engine_config=EngineConfig(dfs=DFSConfig(chunk_len=8)))
+        return auto, params, deep_and_shallow_groups(rs)
     batch = grpo_groups(num_groups=4, group_size=4, prompt_len=6, response_len=(3, 9), seed=0)
     return DFSEngine(model, chunk_len=8), params, batch
 

@@ -227,8 +227,8 @@ def test_auto_candidates_get_the_buckets_they_would_get_alone(tmp_path):
     assert auto.name == "auto"
     for kind in ("dense", "dfs", "prefix_reuse"):
         alone = Trainer(tiny_config(tmp_path / kind, f"algo.engine={kind}")).engine
-        assert alone._min == auto.engines[kind]._min, kind
-        assert alone._min != type(alone)(alone.model)._min, kind  # something was reserved
-    deep = Trainer(tiny_config(tmp_path / "pr", "algo.engine=prefix_reuse")).engine._dfs
-    assert deep._min == auto.engines["prefix_reuse"]._dfs._min
-    assert deep._min["steps"] > 1  # the deep groups' DFS program is sized too
+        assert alone.buckets == auto.engines[kind].buckets, kind
+        assert alone.buckets != type(alone)(alone.model).buckets, kind  # something was reserved
+    deep = Trainer(tiny_config(tmp_path / "pr", "algo.engine=prefix_reuse")).engine.dfs
+    assert deep.buckets == auto.engines["prefix_reuse"].dfs.buckets
+    assert deep.buckets["steps"] > 1  # the deep groups' DFS program is sized too
