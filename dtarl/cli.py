@@ -12,9 +12,7 @@ import argparse
 import os
 import sys
 
-from dtarl.bench import memory as bench_memory
-from dtarl.bench import partition as bench_partition
-from dtarl.bench import train as bench_train
+from dtarl.commands import bench as bench_cmd
 from dtarl.commands import launch as launch_cmd
 from dtarl.commands import trace as trace_cmd
 from dtarl.commands import train as train_cmd
@@ -28,11 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     train_cmd.register(sub)
-    bench = sub.add_parser("bench", help="benchmarks (train engines, memory, DP partition)")
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
-    bench_train.register(bench_sub)
-    bench_memory.register(bench_sub)
-    bench_partition.register(bench_sub)
+    bench_cmd.register(sub)  # adds `bench` with train / memory / partition
     launch_cmd.register(sub)
     trace_cmd.register(sub)  # adds `trace` with report / sample / replay / simulate
     return parser

@@ -18,17 +18,148 @@ nothing runs, so the numbers do not depend on the machine's load.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 
 from flax import nnx
 
-from dtarl.engines.prefix_reuse import capacity_frontier, format_table, memory_report
+from dtarl.batch import RolloutBatch
+from dtarl.engines.dense import DenseEngine
+from dtarl.engines.prefix_reuse import PrefixActivations, PrefixReuseEngine
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
+from dtarl.model.decoder import Decoder
 from dtarl.testing import grpo_groups
 
 MiB = 2**20
+
+
+def peak_bytes(mem) -> int:
+    """Peak device bytes of a compiled program: arguments + outputs + temporaries - aliased."""
+    return int(
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        + mem.temp_size_in_bytes
+        - mem.alias_size_in_bytes
+    )
+
+
+def memory_report(
+    model: Decoder, params, batch: RolloutBatch, loss, *, microbatch: int = 8, whole: bool = True
+):
+    """Compiled peak memory (XLA memory analysis, bytes) of dense vs prefix_reuse on
+    one batch, with the same microbatch size (dense sequences = suffix rows).
+
+    Keys: ``dense`` (whole dense program), ``prefix_reuse`` (whole program, REMAT
+    prefix), ``suffix_phase`` (phase B alone), each with ``peak`` and ``temp``,
+    and ``suffix_vs_dense`` = 1 - suffix peak / dense peak (the paper's
+    "Phase-B peak HBM reduction"). ``whole=False`` skips compiling the whole
+    prefix_reuse program.
+    """
+    dense = DenseEngine(model, microbatch=microbatch)
+    pr = PrefixReuseEngine(model, microbatch=microbatch, prefix_activations=PrefixActivations.REMAT)
+    programs = dict(
+        dense=lambda: dense.compiled_memory(params, batch, loss),
+        suffix_phase=lambda: pr.suffix_phase_memory(params, batch, loss),
+    )
+    if whole:
+        programs["prefix_reuse"] = lambda: pr.compiled_memory(params, batch, loss)
+    out = {}
+    for key, compile_ in programs.items():
+        mem = compile_()
+        out[key] = dict(peak=peak_bytes(mem), temp=int(mem.temp_size_in_bytes))
+    out["suffix_vs_dense"] = 1.0 - out["suffix_phase"]["peak"] / out["dense"]["peak"]
+    if whole:
+        out["whole_vs_dense"] = 1.0 - out["prefix_reuse"]["peak"] / out["dense"]["peak"]
+    return out
+
+
+def capacity_frontier(
+    model: Decoder,
+    params,
+    loss,
+    *,
+    budget_bytes: int,
+    group_size: int = 8,
+    prompt_ratio: int = 4,
+    microbatch: int | None = None,
+    engines: tuple[str, ...] = ("dense", "prefix_reuse"),
+    max_response: int = 4096,
+    resolution: int = 8,
+) -> list[dict]:
+    """The largest trainable batch under a memory budget, per engine.
+
+    One GRPO group of ``group_size`` sequences, prompt = ``prompt_ratio`` x response
+    length; dense and prefix_reuse use the same ``microbatch`` (default: the whole
+    group). For each engine, the response length R is grown (doubling, then
+    bisection to ``resolution`` tokens) while the compiled program's peak
+    (``peak_bytes``) stays within ``budget_bytes``. Only compiles, never runs.
+
+    Returns one row per engine: engine, prompt_len, response_len, total_tokens
+    (= group_size * (prompt + response)), peak_bytes, and ``gain`` (total tokens
+    relative to the first engine's).
+    """
+    mb = microbatch or group_size
+
+    def peak(kind: str, r: int) -> int:
+        batch = grpo_groups(
+            num_groups=1, group_size=group_size, prompt_len=prompt_ratio * r, response_len=r
+        )
+        if kind == "dense":
+            engine = DenseEngine(model, microbatch=mb)
+        elif kind == "prefix_reuse":
+            engine = PrefixReuseEngine(
+                model, microbatch=mb, prefix_activations=PrefixActivations.REMAT
+            )
+        else:
+            raise ValueError(f"capacity_frontier: engine {kind!r}; accepted: dense, prefix_reuse")
+        return peak_bytes(engine.compiled_memory(params, batch, loss))
+
+    rows = []
+    for kind in engines:
+        lo, lo_peak, hi = 0, 0, None
+        r = resolution
+        while r <= max_response:  # doubling
+            p = peak(kind, r)
+            if p > budget_bytes:
+                hi = r
+                break
+            lo, lo_peak = r, p
+            r *= 2
+        if hi is not None:
+            while hi - lo > resolution:  # bisection
+                mid = (lo + hi) // 2
+                p = peak(kind, mid)
+                if p > budget_bytes:
+                    hi = mid
+                else:
+                    lo, lo_peak = mid, p
+        rows.append(
+            dict(
+                engine=kind,
+                prompt_len=prompt_ratio * lo,
+                response_len=lo,
+                total_tokens=group_size * (prompt_ratio + 1) * lo,
+                peak_bytes=lo_peak,
+            )
+        )
+    first = rows[0]["total_tokens"] if rows else 0
+    for row in rows:
+        row["gain"] = row["total_tokens"] / first if first else float("nan")
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """A plain-text table of a list of same-keyed dicts (for the bench command)."""
+    if not rows:
+        return ""
+    keys = list(rows[0])
+
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    cells = [keys] + [[fmt(r[k]) for k in keys] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(keys))]
+    return "\n".join("  ".join(c[i].rjust(widths[i]) for i in range(len(keys))) for c in cells)
 
 
 def run(
@@ -122,41 +253,4 @@ def run(
     return {"peaks": peaks, "frontier": frontier}
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "memory",
-        help="compiled peak memory of dense vs prefix_reuse; the capacity frontier",
-        description=__doc__,
-    )
-    p.add_argument("--model", default="tiny", help=f"preset, one of {ModelConfig.PRESETS}")
-    p.add_argument("--group-sizes", type=int, nargs="+", default=[4, 8, 16])
-    p.add_argument("--prompt", type=int, default=512, help="prompt tokens (peak table)")
-    p.add_argument("--response", type=int, default=96, help="response tokens (peak table)")
-    p.add_argument("--microbatch", type=int, help="dense / suffix microbatch (default: G)")
-    p.add_argument("--budget-mib", type=float, nargs="+", default=[64.0])
-    p.add_argument("--frontier-group", type=int, default=8, help="G of the frontier's group")
-    p.add_argument("--prompt-ratio", type=int, default=4, help="frontier prompt / response")
-    p.add_argument("--max-response", type=int, default=4096)
-    p.add_argument("--resolution", type=int, default=8)
-    p.add_argument("--json", help="write the results here")
-    p.set_defaults(func=_main)
-
-
-def _main(args) -> int:
-    res = run(
-        model_cfg=ModelConfig.preset(args.model),
-        group_sizes=args.group_sizes,
-        prompt=args.prompt,
-        response=args.response,
-        microbatch=args.microbatch,
-        budgets_mib=args.budget_mib,
-        frontier_group=args.frontier_group,
-        prompt_ratio=args.prompt_ratio,
-        max_response=args.max_response,
-        resolution=args.resolution,
-    )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(res, model=args.model), f, indent=1)
-        print(f"\nwrote {args.json}")
-    return 0
+__all__ = ["capacity_frontier", "format_table", "memory_report", "peak_bytes", "run"]

@@ -32,7 +32,6 @@ prefixes (tree tokens). A tree engine can approach it but not beat it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import time
@@ -54,6 +53,8 @@ from dtarl.engines.cost import ideal_ratio
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
 from dtarl.testing import grpo_groups
+from dtarl.timing import Rounds, Settle, alternating, interleaved_rounds, shuffled
+from dtarl.traces import default_polytrace_root, sample_workload
 from dtarl.tree import DFSOrder
 
 
@@ -96,8 +97,6 @@ def polytrace_workloads(
     root: str | None, length_scale: float, quick: bool = False
 ) -> list[Workload]:
     """Real prefix structure and length distributions from PolyTrace (if present)."""
-    from dtarl.traces import default_polytrace_root, sample_workload
-
     root = root or str(default_polytrace_root())
     if not os.path.isdir(root):
         return []
@@ -185,6 +184,11 @@ ENGINE_SPECS = {
     "dfs_lex": (EngineKind.DFS, {"order": DFSOrder.LEXICOGRAPHIC}),
     "dfs": (EngineKind.DFS, {"order": DFSOrder.GREEDY}),
 }
+
+
+def engine_names() -> list[str]:
+    """Every engine name ``run(engines=...)`` accepts."""
+    return sorted(_engine_specs(None))
 
 
 def _engine_specs(names: Sequence[str] | None) -> dict[str, tuple]:
@@ -368,23 +372,30 @@ def _rounds(live: dict, params, batch, loss, repeats: int) -> tuple[dict, dict]:
     step, whose mean counts. Training runs one engine step after step, so that
     steady state is what is timed. Returns (seconds per step, per engine per
     round; each engine's last stats)."""
-    names = list(live)
-    times: dict[str, list[float]] = {n: [] for n in names}
     stats: dict[str, dict] = {}
-    for r in range(repeats):
-        for i in np.random.RandomState(r).permutation(len(names)):
-            n = names[i]
-            live[n].value_and_grad(params, batch, loss)
-            spent, calls = 0.0, 0
-            while calls == 0 or (spent < ROUND_SECONDS and calls < ROUND_CALLS):
-                t0 = time.perf_counter()
-                _, _, aux = live[n].value_and_grad(params, batch, loss)
-                # The batch's buckets were tuned in the warm-up; never count tuning.
-                spent += time.perf_counter() - t0 - aux.stats.get("autotune_seconds", 0.0)
-                calls += 1
-            times[n].append(spent / calls)
+
+    def step(n: str):
+        def run():
+            _, _, aux = live[n].value_and_grad(params, batch, loss)
             stats[n] = aux.stats
-    return times, stats
+            return aux
+
+        return run
+
+    protocol = Rounds(
+        rounds=repeats,
+        order=shuffled,
+        settle=Settle.ALWAYS,
+        turn_seconds=ROUND_SECONDS,
+        turn_calls=ROUND_CALLS,
+    )
+    # The batch's buckets were tuned in the warm-up; never count tuning.
+    timed = interleaved_rounds(
+        {n: step(n) for n in live},
+        protocol,
+        measure=lambda aux, dt: dt - aux.stats.get("autotune_seconds", 0.0),
+    )
+    return {n: list(t.seconds) for n, t in timed.items()}, stats
 
 
 def _paired(times: dict, base: str, name: str) -> float | None:
@@ -396,7 +407,8 @@ def _paired(times: dict, base: str, name: str) -> float | None:
 
 
 PAIR_ROUNDS = 15  # auto against each contender: at least this many rounds of one turn each ...
-PAIR_SECONDS = 0.15  # ... whose timed steps last at least this long (at most 20 steps) ...
+PAIR_SECONDS = 0.15  # ... whose timed steps last at least this long ...
+PAIR_CALLS = 20  # ... (at most this many steps) ...
 PAIR_BUDGET = 20.0  # ... and more rounds until the pair has run this long ...
 PAIR_MAX_ROUNDS = 61  # ... up to this many (short steps get more rounds)
 CONTENDER_MARGIN = 1.25  # contenders: engines within this factor of the fastest median
@@ -412,23 +424,21 @@ def _pairwise(a, b, params, batch, loss) -> float:
     ``PAIR_MAX_ROUNDS``) until the pair has run ``PAIR_BUDGET`` seconds. On verl
     math's 10 ms step, auto running dense measured 1.050 against dense in 15
     rounds and 1.009 and 1.001 in 61 (two dense engines: 1.003 and 0.980)."""
-    ratios = []
-    t_start = time.perf_counter()
-    r = 0
-    while r < PAIR_ROUNDS or (r < PAIR_MAX_ROUNDS and time.perf_counter() - t_start < PAIR_BUDGET):
-        t = {}
-        for name, e in ((0, a), (1, b)) if r % 2 == 0 else ((1, b), (0, a)):
-            e.value_and_grad(params, batch, loss)
-            spent, calls = 0.0, 0
-            while calls == 0 or (spent < PAIR_SECONDS and calls < 20):
-                t0 = time.perf_counter()
-                e.value_and_grad(params, batch, loss)
-                spent += time.perf_counter() - t0
-                calls += 1
-            t[name] = spent / calls
-        ratios.append(t[0] / t[1])
-        r += 1
-    return statistics.median(ratios)
+    protocol = Rounds(
+        rounds=PAIR_ROUNDS,
+        order=alternating,
+        settle=Settle.ALWAYS,
+        turn_seconds=PAIR_SECONDS,
+        turn_calls=PAIR_CALLS,
+        budget_s=PAIR_BUDGET,
+        max_rounds=PAIR_MAX_ROUNDS,
+    )
+    runs = {
+        "a": lambda: a.value_and_grad(params, batch, loss),
+        "b": lambda: b.value_and_grad(params, batch, loss),
+    }
+    t = interleaved_rounds(runs, protocol)
+    return statistics.median(x / y for x, y in zip(t["a"].seconds, t["b"].seconds, strict=True))
 
 
 def _auto_vs_best(row: dict, live: dict, params, batch, loss) -> None:
@@ -526,56 +536,3 @@ def _steps(stats: dict) -> str:
     packed, rows = stats.get("packed_steps", 0), stats.get("row_steps", 0)
     wide = f", wide {stats['wide_steps']}" if "wide_steps" in stats else ""
     return f"{chosen}{stats['num_steps']}({packed}, rows {rows}{wide})"
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "train",
-        help="time the training engines side by side (dense, dense+remat, dfs, ...)",
-        description=__doc__,
-    )
-    p.add_argument("--engines", nargs="+", help=f"subset of {sorted(_engine_specs(None))}")
-    p.add_argument("--workloads", nargs="+", help="subset of workload names (see the output)")
-    p.add_argument("--polytrace", help="PolyTrace root (default: ../shared/polytrace)")
-    p.add_argument("--length-scale", type=float, default=0.02, help="scale for trace lengths")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--chunk-len", type=int, default=128)
-    p.add_argument("--microbatch", type=int, default=8, help="dense microbatch (sequences)")
-    p.add_argument("--model", default="tiny", help=f"preset, one of {ModelConfig.PRESETS}")
-    p.add_argument("--quick", action="store_true", help="smaller workloads (about a minute)")
-    p.add_argument(
-        "--no-autotune",
-        dest="autotune",
-        action="store_false",
-        help="auto picks by the calibrated cost model alone (no per-bucket timing)",
-    )
-    p.add_argument(
-        "--tune-margin",
-        type=float,
-        help="auto times the candidates predicted within this factor of the best "
-        "(default: AutoEngine.tune_margin)",
-    )
-    p.add_argument("--json", help="write the results here")
-    p.set_defaults(func=_main)
-
-
-def _main(args) -> int:
-    cfg = ModelConfig.preset(args.model)
-    res = run(
-        model_cfg=cfg,
-        engines=args.engines,
-        workloads=args.workloads,
-        polytrace=args.polytrace,
-        length_scale=args.length_scale,
-        repeats=args.repeats,
-        chunk_len=args.chunk_len,
-        microbatch=args.microbatch,
-        quick=args.quick,
-        autotune=args.autotune,
-        tune_margin=args.tune_margin,
-    )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
-        print(f"\nwrote {args.json}")
-    return 0

@@ -18,12 +18,34 @@ Without SOURCEs, replay / simulate use the real-trace suite (``DEFAULT_SUITE``).
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import numpy as np
 
+from dtarl.bench.replay import (
+    ReplayConfig,
+    WorkloadSpec,
+    auto_length_scale,
+    default_suite,
+    load_replay_json,
+    replay,
+)
+from dtarl.bench.simulate import (
+    ClusterSpec,
+    CostProfile,
+    calibrate_and_replay,
+    predict_workload,
+    profile_engines,
+    validate,
+)
+from dtarl.model import ModelConfig
+from dtarl.timing import QuietGate
+from dtarl.traces.report import write_report
+from dtarl.traces.workload import generate_workload
+
 
 def _report(args: argparse.Namespace) -> int:
-    from dtarl.traces.report import write_report
 
     res = write_report(args.path, args.out, steps=args.steps, html_output=not args.no_html)
     print(f"wrote {res.markdown} ({len(res.plots)} plots)")
@@ -36,7 +58,6 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from dtarl.traces.workload import generate_workload
 
     w = generate_workload(
         args.source,
@@ -67,7 +88,6 @@ def _sample(args: argparse.Namespace) -> int:
 
 def _workload_specs(args: argparse.Namespace) -> list:
     """WorkloadSpecs from SOURCE arguments, or the default real-trace suite."""
-    from dtarl.bench.replay import WorkloadSpec, auto_length_scale, default_suite
 
     if not args.sources:
         specs = default_suite(max_len=args.max_len, seed=args.seed)
@@ -106,9 +126,6 @@ def _workload_specs(args: argparse.Namespace) -> list:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from dtarl.bench.replay import ReplayConfig, replay
 
     cfg = ReplayConfig(
         engines=tuple(args.engines),
@@ -147,7 +164,6 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _cluster(args: argparse.Namespace):
-    from dtarl.bench.simulate import ClusterSpec
 
     dp, tp = args.dp, args.tp
     devices = args.devices if args.devices is not None else dp * tp
@@ -196,11 +212,6 @@ def _print_profile(prof, repeats: int) -> None:
 
 def _simulate_joint(args: argparse.Namespace) -> int:
     """--joint: calibrate and replay in the same timing rounds, save both, validate."""
-    import json
-    from pathlib import Path
-
-    from dtarl.bench.replay import ReplayConfig
-    from dtarl.bench.simulate import calibrate_and_replay, validate
 
     out = Path(args.out)
     kinds = args.engines or ["dense", "dfs", "prefix_reuse", "auto"]
@@ -227,19 +238,12 @@ def _simulate_joint(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
-    from dtarl.bench.replay import load_replay_json
-    from dtarl.bench.simulate import CostProfile, predict_workload, profile_engines, validate
-    from dtarl.model import ModelConfig
 
     out = Path(args.out)
     if args.joint:
         return _simulate_joint(args)
     if args.calibrate:
         kinds = args.engines or ["dense", "dfs", "prefix_reuse", "auto"]
-        from dtarl.bench.replay import QuietGate
 
         gate = QuietGate(cores=args.quiet_cores or None, budget_s=args.quiet_budget)
         prof = profile_engines(

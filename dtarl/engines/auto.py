@@ -49,7 +49,6 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-import jax
 import numpy as np
 
 from dtarl.batch import RolloutBatch
@@ -61,69 +60,10 @@ from dtarl.engines.dfs import DFSEngine
 from dtarl.engines.prefix_reuse import PrefixReuseEngine
 from dtarl.losses import MaskedNLLLoss
 from dtarl.model.decoder import Decoder
+from dtarl.timing import time_program, time_programs
 from dtarl.tree.plan import bucket, fine_bucket
 
 Timer = Callable[[dict[str, Callable[[], object]]], dict[str, float]]
-
-
-def time_programs(
-    runs: dict[str, Callable[[], object]],
-    *,
-    repeats: int = 3,
-    min_seconds: float = 0.25,
-    max_calls: int = 50,
-) -> dict[str, float]:
-    """Seconds of one call of each ``run()`` in ``runs`` (name -> a call of a
-    compiled program, or a whole training step), timed side by side.
-
-    Each program gets one warm-up call (compilation excluded); then rounds time
-    every program once, blocked, in an order that alternates from round to round.
-    A program whose turn follows another program's first gets one untimed call:
-    the first call after a switch pays for the caches and allocations the other
-    one left, while training runs one engine step after step. Each program's
-    time is the median of its timed calls (what a step typically costs: the host
-    part of a short step has a long tail that a minimum would hide). Rounds go on
-    until every program has had ``repeats`` timed calls; a program with less than
-    ``min_seconds`` timed so far stays in the rounds (up to ``max_calls`` timed
-    calls), so a short program's median is not of a few noisy samples.
-    Interleaving is what lets a close pick stand: this machine's speed moves by
-    10-30% over seconds, which would land on whichever program ran in the slow
-    stretch if they were timed one after another.
-    """
-    if not runs:
-        raise ValueError("time_programs: runs is empty (need at least one name -> run())")
-    for run in runs.values():
-        jax.block_until_ready(run())
-    samples: dict[str, list[float]] = {k: [] for k in runs}
-    spent = dict.fromkeys(runs, 0.0)
-    last = list(runs)[-1]
-
-    def wanted(k):
-        n = len(samples[k])
-        return n < max(repeats, 1) or (spent[k] < min_seconds and n < max_calls)
-
-    order = list(runs)
-    while live := [k for k in order if wanted(k)]:
-        for k in live:
-            if k != last:  # settle after a switch (untimed)
-                jax.block_until_ready(runs[k]())
-                last = k
-            t0 = time.perf_counter()
-            jax.block_until_ready(runs[k]())
-            dt = time.perf_counter() - t0
-            samples[k].append(dt)
-            spent[k] += dt
-        order.reverse()
-    return {k: float(np.median(v)) for k, v in samples.items()}
-
-
-def time_program(
-    kind: str, run: Callable[[], object], *, repeats: int = 3, min_seconds: float = 0.25
-) -> float:
-    """``time_programs`` of one program: one warm-up call, then the median of at
-    least ``repeats`` calls, repeated (up to 50 calls) until ``min_seconds`` have
-    been timed."""
-    return time_programs({kind: run}, repeats=repeats, min_seconds=min_seconds)[kind]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -29,7 +29,6 @@ predictions per shape bucket by timing the compiled programs (its autotuning).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -205,20 +204,31 @@ class CostModel:
         return best, pred
 
 
-def _nnls2(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares for a handful of columns (exhaustive active sets)."""
-    k = a.shape[1]
-    best, best_err = np.zeros(k), float(np.sum(y * y))
-    for r in range(1, k + 1):
-        for cols in itertools.combinations(range(k), r):
-            sol, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
-            if np.all(sol >= 0):
-                x = np.zeros(k)
-                x[list(cols)] = sol
-                err = float(np.sum((a @ x - y) ** 2))
-                if err < best_err:
-                    best, best_err = x, err
-    return best
+def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """min ||x c - y||_2 subject to c >= 0, exactly, by enumerating active sets (<= 6 cols).
+
+    Columns are scaled to unit norm first so FLOP-sized and O(1) regressors mix.
+    """
+    x = np.asarray(x, np.float64)
+    y = np.asarray(y, np.float64).reshape(-1)
+    m, k = x.shape
+    if k > 6:
+        raise ValueError(f"nnls: {k} columns; this exact solver handles at most 6")
+    scale = np.linalg.norm(x, axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale
+    best, best_r = np.zeros(k), float(y @ y)
+    for mask in range(1, 1 << k):
+        cols = [j for j in range(k) if mask >> j & 1]
+        c, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
+        if np.any(c < 0):
+            continue
+        r = float(np.sum((xs[:, cols] @ c - y) ** 2))
+        if r < best_r - 1e-15 * max(best_r, 1e-300):
+            best_r = r
+            best = np.zeros(k)
+            best[cols] = c
+    return best / scale
 
 
 def fit_cost_model(
@@ -239,7 +249,7 @@ def fit_cost_model(
         arr = np.asarray(rows, np.float64)
         scale = np.maximum(arr[:, :2].max(axis=0), 1e-30)
         a = arr[:, :2] / scale / arr[:, 2:3]
-        x = _nnls2(a, np.ones(len(rows))) / scale
+        x = nnls(a, np.ones(len(rows))) / scale
         coefs[e] = EngineCoef(seconds_per_flop=float(x[0]), seconds_per_step=float(x[1]))
     return CostModel(coefs=coefs)
 
@@ -254,6 +264,7 @@ __all__ = [
     "engine_work",
     "fit_cost_model",
     "ideal_ratio",
+    "nnls",
     "run_flops",
     "tree_flops",
 ]

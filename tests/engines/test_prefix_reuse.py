@@ -24,6 +24,7 @@ from test_equivalence import (
     with_logprob_data,
 )
 
+from dtarl.bench.memory import memory_report
 from dtarl.engines import (
     Capacity,
     DeepTrees,
@@ -36,7 +37,6 @@ from dtarl.engines import (
 from dtarl.engines.prefix_reuse import (
     deep_sequences,
     group_plan,
-    memory_report,
     offload_supported,
 )
 from dtarl.losses import MaskedNLLLoss

@@ -10,19 +10,18 @@ import pytest
 
 from dtarl.bench.replay import (
     ROLLOUT_UNAVAILABLE,
-    QuietGate,
     ReplayConfig,
     TimingJob,
     ToolClock,
     WorkloadSpec,
     auto_length_scale,
     find_forced_length_sampler,
-    interleaved_rounds,
     load_replay_json,
     model_config_from_dict,
     model_config_to_dict,
     model_turns,
     replay,
+    replay_rounds,
     rollout_calls,
     rollout_phase,
     time_engines,
@@ -30,7 +29,11 @@ from dtarl.bench.replay import (
     tool_phase,
 )
 from dtarl.commands.trace import register
-from dtarl.model import ModelConfig, ModelFamily
+from dtarl.engines.base import split_model
+from dtarl.losses import ClippedSurrogateLoss
+from dtarl.model import ModelConfig, ModelFamily, init_model
+from dtarl.testing import grpo_groups
+from dtarl.timing import QuietGate
 from dtarl.traces import ToolLatencySampler, generate_workload
 
 # One layer keeps the compiles of the end-to-end replay short.
@@ -118,8 +121,6 @@ def test_model_config_json_round_trip(cfg):
 
 
 def test_rollout_phase_forced_lengths(single_run):
-    from dtarl.engines.base import split_model
-    from dtarl.model import init_model
 
     w = generate_workload(single_run, batch_size=2, step=1, seed=0)
     model = init_model(SMALL_MODEL, 0)
@@ -200,10 +201,6 @@ def test_load_replay_json_rejects_other_json(tmp_path):
 
 
 def test_time_engines_interleaves_rounds():
-    from dtarl.engines.base import split_model
-    from dtarl.losses import ClippedSurrogateLoss
-    from dtarl.model import init_model
-    from dtarl.testing import grpo_groups
 
     model = init_model(SMALL_MODEL, 0)
     _, params = split_model(model)
@@ -256,36 +253,17 @@ class _ScriptedGate:
         return self.readings.pop(0)
 
 
-def test_interleaved_rounds_reruns_contended_minima():
+def test_replay_rounds_reruns_contended_minima():
     t = iter([1.0, 2.0, 0.5, 2.5, 0.4, 0.7])  # job 0's fastest (0.5) is contended
     calls = [lambda: next(t), lambda: next(t)]
     # Round 1: job0 1.0 (quiet), job1 2.0 (loud); round 2: job0 0.5 (loud), job1 2.5 (quiet).
     # Extra round: both minima are loud -> both re-run: 0.4 (quiet), 0.7 (quiet); then
     # both minima are quiet and the rounds stop.
     gate = _ScriptedGate([0.0, 1.0, 1.0, 0.0, 0.0, 0.0])
-    a, b = interleaved_rounds(calls, repeats=2, gate=gate)
+    a, b = replay_rounds(calls, repeats=2, gate=gate)
     assert a.seconds == (1.0, 0.5, 0.4) and a.background == (0.0, 1.0, 0.0)
     assert b.seconds == (2.0, 2.5, 0.7) and b.best == 2
-    plain = interleaved_rounds([lambda: 1.0], repeats=3)
+    plain = replay_rounds([lambda: 1.0], repeats=3)
     assert plain[0].seconds == (1.0, 1.0, 1.0) and plain[0].background == (None,) * 3
     with pytest.raises(ValueError, match="repeats"):
-        interleaved_rounds([lambda: 1.0], repeats=0)
-
-
-class _LoudGate(QuietGate):
-    """Other processes always use 5 cores."""
-
-    @staticmethod
-    def between(a, b):
-        return 5.0
-
-
-def test_quiet_gate_wait_is_bounded():
-    gate = _LoudGate(cores=0.5, budget_s=0.2, window_s=0.05)
-    bg = gate.wait()  # never quiet: gives up once the budget is spent
-    if bg is None:  # no /proc/stat on this machine: the gate is off
-        return
-    assert bg == 5.0 and 0.2 <= gate.waited_s < 0.2 + 0.05 + 1e-9
-    gate.wait()  # the budget is spent: one window, no more waiting
-    assert gate.waited_s < 0.2 + 0.05 + 1e-9
-    assert QuietGate(cores=None).wait() is None
+        replay_rounds([lambda: 1.0], repeats=0)

@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 
 from dtarl.batch import RolloutBatch
-from dtarl.bench.replay import QuietGate, RolloutCall, WorkloadSpec, rollout_calls
+from dtarl.bench.replay import (
+    ReplayConfig,
+    RolloutCall,
+    WorkloadSpec,
+    model_config_to_dict,
+    rollout_calls,
+)
 from dtarl.bench.simulate import (
     AutoCost,
     ClusterSpec,
@@ -24,6 +30,7 @@ from dtarl.bench.simulate import (
     calibrate_and_replay,
     calibration_batches,
     calibration_kinds,
+    calibration_plan,
     calibration_rollouts,
     engine_features,
     fit_relative,
@@ -35,8 +42,16 @@ from dtarl.bench.simulate import (
     rollout_features,
     validate,
 )
-from dtarl.model import ModelConfig
+from dtarl.bench.simulate.calibrate import _time_auto_choice
+from dtarl.cli import main
+from dtarl.engines import AutoEngine, DFSEngine, make_engine
+from dtarl.losses import ClippedSurrogateLoss
+from dtarl.model import ModelConfig, init_model
 from dtarl.testing import grpo_groups
+from dtarl.timing import QuietGate
+from dtarl.traces import generate_workload
+from dtarl.tree.plan import Op
+from dtarl.tree.trie import build_tree
 
 CFG = ModelConfig.tiny()
 SMALL_MODEL = ModelConfig.tiny(num_layers=1)
@@ -75,14 +90,11 @@ def hand_profile(model: ModelConfig = CFG, *, rollout: bool = True) -> CostProfi
 
 
 def _real_engine(kind: str, **kw):
-    from dtarl.engines import make_engine
-    from dtarl.model import init_model
 
     return make_engine(kind, init_model(CFG, 0), **kw)
 
 
 def _loss():
-    from dtarl.losses import ClippedSurrogateLoss
 
     return ClippedSurrogateLoss.grpo()
 
@@ -119,7 +131,6 @@ def test_dfs_features_follow_the_plan(shape):
     """Every step's entries, by op: PUSH/POP one chunk, POP_ROWS ``rows`` chunks,
     POP_WIDE ``rows`` rows of W chunks; each entry attends its prefix bucket and
     its whole row (W chunks for a wide step)."""
-    from dtarl.tree.plan import Op
 
     if shape == "grpo":
         b = grpo_groups(num_groups=2, group_size=3, prompt_len=70, response_len=(5, 90), seed=1)
@@ -149,7 +160,6 @@ def test_dfs_features_follow_the_plan(shape):
 
 
 def test_auto_features_are_its_picks():
-    from dtarl.engines import AutoEngine
 
     b = grpo_groups(num_groups=2, group_size=4, prompt_len=30, response_len=(5, 40), seed=0)
     f = engine_features("auto", b, CFG)
@@ -174,8 +184,6 @@ def test_calibration_kinds_auto_adds_its_candidates():
 
 
 def test_calibration_plan_covers_autos_dfs_chunk():
-    from dtarl.bench.simulate import calibration_plan
-    from dtarl.engines import AutoEngine, DFSEngine
 
     batches = calibration_batches(size="tiny")
     plan = calibration_plan(["auto"], batches=batches, rollout=False)
@@ -188,7 +196,6 @@ def test_calibration_plan_covers_autos_dfs_chunk():
 
 
 def test_multi_turn_batch_is_a_chain_per_sample():
-    from dtarl.tree.trie import build_tree
 
     b = multi_turn_batch(
         num_groups=2, group_size=3, turns=3, prompt_len=5, turn_len=(2, 4), tool_len=(1, 3)
@@ -351,7 +358,6 @@ def test_tp_and_throughput_scale():
 
 
 def test_predict_rollout_of_a_workload(multi_run):
-    from dtarl.traces import generate_workload
 
     w = generate_workload(multi_run, batch_size=2, step=0, seed=0)
     t, f = predict_rollout(w, hand_profile())
@@ -407,7 +413,6 @@ def test_profile_json_round_trip(tmp_path):
 
 def _fake_replay(spec: WorkloadSpec, model: ModelConfig, engines: dict, rollout=None, tool=None):
     """A replay JSON with chosen measurements (no timing): validate only reads these."""
-    from dtarl.bench.replay import model_config_to_dict
 
     return dict(
         kind="dtarl.trace.replay",
@@ -480,7 +485,6 @@ def test_validate_rejects_mismatched_input(single_run):
 
 
 def test_cli_validate_and_bad_input(single_run, tmp_path, capsys):
-    from dtarl.cli import main
 
     prof = hand_profile().save(tmp_path / "p.json")
     spec = WorkloadSpec(name="st", source=str(single_run), batch_size=3, step=0)
@@ -529,7 +533,6 @@ def test_profile_engines_tiny_end_to_end(tmp_path):
 
 
 def test_auto_choice_overhead_is_host_time():
-    from dtarl.bench.simulate import _time_auto_choice
 
     got = _time_auto_choice(CFG, calibration_batches(size="tiny"), repeats=3, gate=None)
     assert len(got) == 3 and all(mn > 0 and med > 0 for mn, med in got)
@@ -546,7 +549,6 @@ def test_step_features_row():
 
 def test_calibrate_and_replay_share_the_rounds(single_run):
     """--joint: the calibration jobs ride along the replay's timing rounds."""
-    from dtarl.bench.replay import ReplayConfig
 
     spec = WorkloadSpec(name="st", source=str(single_run), batch_size=3, step=0)
     cfg = ReplayConfig(model=SMALL_MODEL, repeats=2, rollout_repeats=2, quiet_cores=None)

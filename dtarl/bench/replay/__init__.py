@@ -1,0 +1,294 @@
+"""Replay benchmark: drive dtarl on generated PolyTrace workloads and time every stage.
+
+One replayed RL step of a workload (a ``WorkloadSpec``: trace, step, seed, batch
+size, ``length_scale``) has three stages:
+
+  rollout  dtarl's sampler generating every response with its *forced* trace
+           length (EOS ignored). Runs only when ``dtarl.rollout`` offers a
+           sampler with forced per-sequence lengths; otherwise the stage is
+           reported as "unavailable (sampler not built)" and nothing is faked.
+  tool     tool-call latencies drawn from the real search_r1 latencies
+           (``ToolLatencySampler``) for every tool output in the trajectories.
+           Trajectories run concurrently and their calls sequentially, so the
+           stage's wall time is the critical path  max_traj sum_calls latency.
+           ``ToolClock.SIMULATED`` adds that number to a simulated clock;
+           ``ToolClock.SLEEP`` really sleeps it (times ``tool_time_scale``).
+  train    ``engine.value_and_grad`` of the batch, for every engine kind asked
+           (anything ``make_engine`` accepts: dense, dense_remat, dfs, ...).
+
+Timing protocol (``time_engines``): every (workload, engine) pair gets a fresh
+engine (its shape buckets then follow this batch only) and ``warmup`` untimed
+calls (the first one compiles). Then ``repeats`` *rounds* run, each calling
+every pair once, so the timed calls of one pair are spread over the whole
+timing phase and a burst of load from other processes hits every pair alike.
+Each timed call waits until other processes use less than ``quiet_cores`` CPU
+cores (``QuietGate``, bounded by ``quiet_budget_s`` in all): on a small shared
+machine a busy neighbouring core slows a call by up to 2x, and the CPU time of
+the call does not show it. The background during every call is recorded, and
+contended minima get extra rounds while the budget lasts (``replay_rounds`` over
+``dtarl.timing.interleaved_rounds``).
+A call's time is host prepare + device seconds; per pair we report the minimum
+(``step_min_s``, the load-robust number the simulator is validated against) and
+the median (``step_s``). ``compile_s = first_call_s - step_min_s`` (the compile
+estimate is reported separately and never mixed into step times).
+
+Lengths must be scaled to fit a CPU and the tiny model: ``auto_length_scale``
+picks the scale that maps the workload's longest sequence to ``max_len`` tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dtarl.bench.replay.results import (
+    ReplayConfig,
+    ReplayResult,
+    WorkloadReplay,
+    load_replay_json,
+)
+from dtarl.bench.replay.stages import (
+    ROLLOUT_UNAVAILABLE,
+    RolloutCall,
+    RolloutPhase,
+    RolloutRun,
+    ToolClock,
+    ToolPhase,
+    default_tool_sampler,
+    find_forced_length_sampler,
+    model_turns,
+    rollout_calls,
+    rollout_phase,
+    rollout_sampler,
+    run_rollout_calls,
+    tool_calls_per_trajectory,
+    tool_phase,
+    trajectory_masks,
+)
+from dtarl.bench.replay.suite import (
+    DEFAULT_SUITE,
+    WorkloadSpec,
+    auto_length_scale,
+    default_suite,
+    model_config_from_dict,
+    model_config_to_dict,
+)
+from dtarl.bench.replay.train_stage import (
+    EngineTiming,
+    TimingJob,
+    replay_rounds,
+    time_engine,
+    time_engines,
+)
+from dtarl.engines.base import split_model
+from dtarl.losses import ClippedSurrogateLoss
+from dtarl.model import init_model
+from dtarl.timing import QuietGate, TimedRuns, load_avg, machine_info
+from dtarl.traces.workload import ToolLatencySampler, Workload
+
+
+def _setup(config: ReplayConfig, model, params, loss):
+    if model is None:
+        model = init_model(config.model, config.model_seed)
+    if params is None:
+        _, params = split_model(model)
+    loss = ClippedSurrogateLoss.grpo() if loss is None else loss
+    return model, params, loss
+
+
+def _gate(config: ReplayConfig) -> QuietGate:
+    return QuietGate(cores=config.quiet_cores, budget_s=config.quiet_budget_s)
+
+
+def _stages(
+    workload: Workload, config: ReplayConfig, spec: WorkloadSpec, model, params, sampler, gate
+):
+    """The rollout and tool stages of one workload (timed on their own)."""
+    if sampler is None:
+        sampler = default_tool_sampler(config.tool_latency_source or spec.source)
+    rollout = (
+        rollout_phase(
+            workload, model, params, repeats=config.rollout_repeats, seed=spec.seed, gate=gate
+        )
+        if config.rollout
+        else RolloutPhase(status="skipped (ReplayConfig.rollout=False)")
+    )
+    tool = tool_phase(
+        workload,
+        sampler,
+        clock=config.tool_clock,
+        time_scale=config.tool_time_scale,
+        seed=spec.seed,
+    )
+    return rollout, tool
+
+
+def _assemble(workload: Workload, spec: WorkloadSpec, rollout, tool, timings) -> WorkloadReplay:
+    return WorkloadReplay(
+        spec=spec,
+        num_sequences=workload.batch.num_sequences,
+        dense_tokens=workload.info.dense_tokens,
+        tree_tokens=workload.info.tree_tokens,
+        max_len=int(workload.batch.lengths.max()),
+        rollout=rollout,
+        tool=tool,
+        engines=timings,
+    )
+
+
+def replay_workload(
+    workload: Workload,
+    config: ReplayConfig,
+    *,
+    spec: WorkloadSpec | None = None,
+    model=None,
+    params=None,
+    loss=None,
+    sampler: ToolLatencySampler | None = None,
+    engine_kwargs: dict[str, dict[str, Any]] | None = None,
+) -> WorkloadReplay:
+    """Replays one generated workload: rollout (if available), tool, then every engine
+    (timed interleaved, ``time_engines``)."""
+    model, params, loss = _setup(config, model, params, loss)
+    info = workload.info
+    spec = spec or WorkloadSpec(name=info.source, source=info.source, batch_size=1)
+    gate = _gate(config)
+    rollout, tool = _stages(workload, config, spec, model, params, sampler, gate)
+    jobs = [
+        TimingJob(
+            kind=k, batch=workload.batch, engine_kwargs=dict((engine_kwargs or {}).get(k) or {})
+        )
+        for k in config.engines
+    ]
+    ts = time_engines(
+        jobs, model, params, loss, repeats=config.repeats, warmup=config.warmup, gate=gate
+    )
+    return _assemble(workload, spec, rollout, tool, dict(zip(config.engines, ts, strict=True)))
+
+
+def replay(
+    specs: Sequence[WorkloadSpec],
+    config: ReplayConfig | None = None,
+    *,
+    log=None,
+    extra_jobs: Sequence[TimingJob] = (),
+    extra_rollouts: Sequence[Sequence[RolloutCall]] = (),
+) -> ReplayResult:
+    """Replays every workload spec with one model; ``log`` gets a line per workload.
+
+    The rollouts of every workload are warmed up, then timed together in
+    interleaved rounds; then every (workload, engine) pair is compiled and all
+    of them are timed in interleaved rounds (``time_engines``), so load from
+    other processes spreads over all of them. ``extra_jobs`` / ``extra_rollouts``
+    (e.g. a simulator's calibration) join those same rounds; their timings are in
+    ``ReplayResult.extra_engines`` / ``extra_rollouts`` (not in the JSON).
+    """
+    config = ReplayConfig() if config is None else config
+    if not specs:
+        raise ValueError("specs: empty; pass at least one WorkloadSpec (see default_suite)")
+    load_start = load_avg()
+    model, params, loss = _setup(config, None, None, None)
+    gate = _gate(config)
+    built, jobs = [], []
+    for spec in specs:
+        w = spec.build(vocab_size=config.model.vocab_size)
+        sampler = default_tool_sampler(config.tool_latency_source or spec.source)
+        tool = tool_phase(
+            w, sampler, clock=config.tool_clock, time_scale=config.tool_time_scale, seed=spec.seed
+        )
+        run = (
+            RolloutRun.warm(model, params, rollout_calls(w), spec.seed) if config.rollout else None
+        )
+        built.append((spec, w, run, tool))
+        jobs += [TimingJob(kind=k, batch=w.batch, label=spec.name) for k in config.engines]
+    extra_runs = [
+        RolloutRun.warm(model, params, calls, config.model_seed) for calls in extra_rollouts
+    ]
+    runs = [r for _, _, r, _ in built if r is not None] + [r for r in extra_runs if r is not None]
+    timed_rollouts = iter(
+        replay_rounds([r.call for r in runs], repeats=config.rollout_repeats, gate=gate)
+        if runs
+        else []
+    )
+    ts = time_engines(
+        [*jobs, *extra_jobs],
+        model,
+        params,
+        loss,
+        repeats=config.repeats,
+        warmup=config.warmup,
+        gate=gate,
+        log=log,
+    )
+    out = []
+    k = len(config.engines)
+    for i, (spec, w, run, tool) in enumerate(built):
+        if not config.rollout:
+            rollout = RolloutPhase(status="skipped (ReplayConfig.rollout=False)")
+        elif run is None:
+            rollout = RolloutPhase(status=ROLLOUT_UNAVAILABLE)
+        else:
+            rollout = run.phase(next(timed_rollouts))
+        timings = dict(zip(config.engines, ts[i * k : (i + 1) * k], strict=True))
+        r = _assemble(w, spec, rollout, tool, timings)
+        out.append(r)
+        if log is not None:
+            roll = "-" if rollout.min_seconds is None else f"{rollout.min_seconds:.3f}s"
+            parts = ", ".join(
+                f"{kind} {t.step_min_s:.3f}s min / {t.step_s:.3f}s median "
+                f"(compile {t.compile_s:.1f}s)"
+                for kind, t in r.engines.items()
+            )
+            log(
+                f"{spec.name}: {r.num_sequences} seqs, {r.dense_tokens} tokens: rollout {roll} "
+                f"min; {parts}"
+            )
+    extra_timed = tuple(None if r is None else next(timed_rollouts) for r in extra_runs)
+    machine = dict(machine_info(), load_avg_1m_start=load_start, quiet_wait_s=gate.waited_s)
+    return ReplayResult(
+        config=config,
+        machine=machine,
+        workloads=tuple(out),
+        extra_engines=tuple(ts[len(jobs) :]),
+        extra_rollouts=extra_timed,
+    )
+
+
+__all__ = [
+    "DEFAULT_SUITE",
+    "ROLLOUT_UNAVAILABLE",
+    "EngineTiming",
+    "QuietGate",
+    "TimedRuns",
+    "TimingJob",
+    "ReplayConfig",
+    "ReplayResult",
+    "RolloutCall",
+    "RolloutPhase",
+    "RolloutRun",
+    "ToolClock",
+    "ToolPhase",
+    "WorkloadReplay",
+    "WorkloadSpec",
+    "auto_length_scale",
+    "default_suite",
+    "default_tool_sampler",
+    "find_forced_length_sampler",
+    "load_replay_json",
+    "machine_info",
+    "model_turns",
+    "trajectory_masks",
+    "model_config_from_dict",
+    "model_config_to_dict",
+    "replay",
+    "replay_rounds",
+    "replay_workload",
+    "rollout_calls",
+    "rollout_phase",
+    "rollout_sampler",
+    "run_rollout_calls",
+    "time_engine",
+    "time_engines",
+    "tool_calls_per_trajectory",
+    "tool_phase",
+]

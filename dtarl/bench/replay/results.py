@@ -1,0 +1,217 @@
+"""What a replay returns: its config, per-workload stages, the result's JSON,
+table and plot, and reading a saved replay back."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dtarl.bench.replay.stages import RolloutPhase, ToolClock, ToolPhase
+from dtarl.bench.replay.suite import WorkloadSpec, jsonable, model_config_to_dict
+from dtarl.bench.replay.train_stage import EngineTiming
+from dtarl.model.config import ModelConfig
+from dtarl.timing import TimedRuns
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayConfig:
+    """How to replay: engines, timing protocol, tool clock and the model.
+
+    engines: engine kinds (``make_engine``); "dense" is the speedup baseline.
+    repeats / warmup: timed and untimed (compile) calls per engine.
+    tool_clock / tool_time_scale: see ``ToolClock``; the scale shrinks slept time.
+    tool_latency_source: a multi-turn trace for latencies (None: the default).
+    model: the policy (the tiny test model by default); model_seed: its init.
+    rollout / rollout_repeats: run the rollout stage (when a sampler exists) and
+    how many timed rollouts (min, median) follow its untimed warm-up.
+    quiet_cores / quiet_budget_s: time calls when other processes use less than
+    this many cores, waiting at most this long in all (``QuietGate``; None: off).
+    """
+
+    engines: tuple[str, ...] = ("dense", "dfs")
+    repeats: int = 5
+    warmup: int = 1
+    tool_clock: ToolClock = ToolClock.SIMULATED
+    tool_time_scale: float = 1.0
+    tool_latency_source: str | None = None
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig.tiny)
+    model_seed: int = 0
+    rollout: bool = True
+    rollout_repeats: int = 3
+    quiet_cores: float | None = 0.3
+    quiet_budget_s: float = 120.0
+
+    def __post_init__(self):
+        if self.rollout_repeats < 1:
+            raise ValueError(f"ReplayConfig.rollout_repeats={self.rollout_repeats}: must be >= 1")
+        if not self.engines:
+            raise ValueError("ReplayConfig.engines: empty; give at least one engine kind")
+        if self.repeats < 1:
+            raise ValueError(f"ReplayConfig.repeats={self.repeats}: must be >= 1")
+        if self.warmup < 1:
+            raise ValueError(f"ReplayConfig.warmup={self.warmup}: must be >= 1 (it compiles)")
+        if not self.tool_time_scale >= 0:
+            raise ValueError(f"ReplayConfig.tool_time_scale={self.tool_time_scale}: must be >= 0")
+        if self.quiet_cores is not None and not self.quiet_cores > 0:
+            raise ValueError(f"ReplayConfig.quiet_cores={self.quiet_cores}: must be > 0 or None")
+        if not self.quiet_budget_s >= 0:
+            raise ValueError(f"ReplayConfig.quiet_budget_s={self.quiet_budget_s}: must be >= 0")
+        object.__setattr__(self, "tool_clock", ToolClock(self.tool_clock))
+        object.__setattr__(self, "engines", tuple(str(e) for e in self.engines))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkloadReplay:
+    """All stages of one replayed workload."""
+
+    spec: WorkloadSpec
+    num_sequences: int
+    dense_tokens: int
+    tree_tokens: int
+    max_len: int
+    rollout: RolloutPhase
+    tool: ToolPhase
+    engines: dict[str, EngineTiming]
+
+    def speedup(self, kind: str, baseline: str = "dense") -> float | None:
+        """Training step-time speedup of ``kind`` over ``baseline`` (None if not run)."""
+        if baseline not in self.engines or kind not in self.engines:
+            return None
+        return self.engines[baseline].step_s / self.engines[kind].step_s
+
+    def step_s(self, kind: str) -> float:
+        """End-to-end step: rollout (when it ran) + tool + training."""
+        roll = self.rollout.seconds or 0.0  # None when the stage did not run
+        return roll + self.tool.seconds + self.engines[kind].step_s
+
+    def to_dict(self) -> dict[str, Any]:
+        engines = {}
+        for k, t in self.engines.items():
+            d = dataclasses.asdict(t)
+            d["runs_s"] = list(t.runs_s)
+            d["tokens_per_s"] = t.tokens_per_s
+            d["tree_tokens_per_s"] = self.tree_tokens / t.step_s if t.step_s > 0 else float("nan")
+            d["speedup_vs_dense"] = self.speedup(k)
+            d["end_to_end_step_s"] = self.step_s(k)
+            engines[k] = d
+        return dict(
+            spec=self.spec.to_dict(),
+            num_sequences=self.num_sequences,
+            dense_tokens=self.dense_tokens,
+            tree_tokens=self.tree_tokens,
+            ideal_speedup=self.dense_tokens / max(self.tree_tokens, 1),
+            max_len=self.max_len,
+            stages=dict(
+                rollout=dataclasses.asdict(self.rollout), tool=dataclasses.asdict(self.tool)
+            ),
+            engines=engines,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayResult:
+    """extra_engines / extra_rollouts: timings of ``replay``'s extra jobs (not saved)."""
+
+    config: ReplayConfig
+    machine: dict[str, Any]
+    workloads: tuple[WorkloadReplay, ...]
+    extra_engines: tuple[EngineTiming, ...] = ()
+    extra_rollouts: tuple[TimedRuns | None, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        cfg = dataclasses.asdict(self.config)
+        cfg["tool_clock"] = self.config.tool_clock.value
+        cfg["model"] = model_config_to_dict(self.config.model)
+        cfg["engines"] = list(self.config.engines)
+        return dict(
+            kind="dtarl.trace.replay",
+            config=jsonable(cfg),
+            machine=self.machine,
+            timing=(
+                "train: host prepare + device seconds per call after warm-up, timed in "
+                "interleaved rounds over every (workload, engine); step_min_s = minimum, "
+                "step_s = median; compile_s = first call - step_min_s; rollout: seconds = "
+                "median, min_seconds = minimum of the timed rollouts; tool per its clock"
+            ),
+            workloads=[w.to_dict() for w in self.workloads],
+        )
+
+    def save(self, path: str | os.PathLike) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.to_dict(), indent=1))
+        return p
+
+    def table(self) -> str:
+        """A plain-text summary: one row per (workload, engine)."""
+        head = (
+            f"{'workload':<14}{'engine':<14}{'seqs':>5}{'dense':>7}{'tree':>7}"
+            f"{'compile_s':>10}{'min_s':>8}{'median_s':>9}{'tok/s':>9}{'speedup':>9}"
+            f"{'tool_s':>8}"
+        )
+        lines = [head]
+        for w in self.workloads:
+            for k, t in w.engines.items():
+                sp = w.speedup(k)
+                lines.append(
+                    f"{w.spec.name:<14}{k:<14}{w.num_sequences:>5}{w.dense_tokens:>7}"
+                    f"{w.tree_tokens:>7}{t.compile_s:>10.2f}{t.step_min_s:>8.3f}{t.step_s:>9.3f}"
+                    f"{t.tokens_per_s:>9.0f}{'-' if sp is None else f'{sp:.2f}x':>9}"
+                    f"{w.tool.seconds:>8.2f}"
+                )
+        return "\n".join(lines)
+
+    def plot(self, path: str | os.PathLike) -> Path:
+        """PNG: training step time per engine and workload, and the speedup over dense."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = [w.spec.name for w in self.workloads]
+        kinds = list(self.config.engines)
+        x = np.arange(len(names))
+        width = 0.8 / max(len(kinds), 1)
+        fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
+        for j, k in enumerate(kinds):
+            ys = [w.engines[k].step_s if k in w.engines else np.nan for w in self.workloads]
+            ax0.bar(x + j * width, ys, width, label=k)
+            sp = [w.speedup(k) or np.nan for w in self.workloads]
+            ax1.bar(x + j * width, sp, width, label=k)
+        for ax in (ax0, ax1):
+            ax.set_xticks(x + width * (len(kinds) - 1) / 2)
+            ax.set_xticklabels(names, rotation=15)
+            ax.legend()
+        ax0.set_ylabel("training step time (s, median)")
+        ax0.set_title("replay: train stage per engine")
+        ax1.axhline(1.0, color="k", lw=0.8)
+        ax1.set_ylabel("speedup over dense")
+        ax1.set_title("speedup on the real length distribution")
+        fig.tight_layout()
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        return p
+
+
+def load_replay_json(path: str | os.PathLike) -> dict[str, Any]:
+    """A saved replay (``ReplayResult.save``) as a dict; checks its ``kind``."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(
+            f"{p}: no replay JSON; create one with `dtarl trace replay --out DIR`"
+        )
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}:{e.lineno}: malformed JSON ({e.msg})") from None
+    if not isinstance(d, dict) or d.get("kind") != "dtarl.trace.replay":
+        kind = d.get("kind") if isinstance(d, dict) else type(d).__name__
+        raise ValueError(f"{path}: not a dtarl replay JSON (kind={kind!r})")
+    return d
