@@ -3,8 +3,8 @@ measurements per compiled program (autotuning).
 
 The choice is made on the host: every candidate engine prepares the batch (host
 work only: tree, plan, padding to its shape buckets) and reports what its device
-program will compute, padding included (``work_flops``, ``work_steps`` in its
-stats); a ``CostModel`` (per-engine seconds per FLOP and per step, fitted by
+program will compute, padding included (``engine.features(prepared)``: FLOPs
+and sequential steps); a ``CostModel`` (per-engine seconds per FLOP and per step, fitted by
 ``AutoEngine.calibrate`` from a short timed run; uncalibrated it is
 ``CostModel.default()``) turns that into predicted seconds. Counting the padded
 work rather than the batch's ideal FLOPs is what makes the prediction track the
@@ -48,13 +48,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from dtarl.batch import RolloutBatch
 from dtarl.engines import base
-from dtarl.engines.config import AutoConfig, Capacity, EngineConfig, PrefixActivations, configured
-from dtarl.engines.cost import ENGINES, CostModel, EngineWork, engine_work, fit_cost_model
+from dtarl.engines.config import AutoConfig, Capacity, EngineConfig, configured
+from dtarl.engines.cost import ENGINES, CostModel, fit_cost_model
 from dtarl.engines.dense import DenseEngine
 from dtarl.engines.dfs import DFSEngine
 from dtarl.engines.prefix_reuse import PrefixReuseEngine
@@ -73,7 +74,7 @@ class Timing:
 
     measured: float
     predicted: float
-    work: EngineWork
+    work: base.WorkFeatures
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -87,6 +88,16 @@ class _Choice:
     timed_now: tuple[str, ...]
     tune_seconds: float
     prepared: dict[str, base.Prepared]
+
+
+class AutoStatic(NamedTuple):
+    kind: str  # the engine that runs
+    inner: Any  # its static
+
+
+class AutoHost(NamedTuple):
+    kind: str
+    inner: base.Prepared  # the batch as that engine prepared it
 
 
 class _DelegatingJit:
@@ -213,20 +224,9 @@ class AutoEngine:
 
     # ----------------------------------------------------------------- choice
 
-    def work(self, batch: RolloutBatch) -> dict[str, EngineWork]:
-        pr = self.engines["prefix_reuse"]
-        return engine_work(
-            self.cfg,
-            batch.prefix_tree(),
-            microbatch=self.engines["dense"].config.microbatch,
-            suffix_microbatch=pr.config.microbatch,
-            chunk_len=self.engines["dfs"].config.chunk_len,
-            prefix_remat=pr.config.prefix_activations is PrefixActivations.REMAT,
-        )
-
     def prepared_work(
         self, batch: RolloutBatch, loss=None, *, weights=None
-    ) -> tuple[dict[str, EngineWork], dict[str, base.Prepared]]:
+    ) -> tuple[dict[str, base.WorkFeatures], dict[str, base.Prepared]]:
         """Each candidate prepares the batch; its padded work and its ``Prepared``."""
         loss = loss if loss is not None else MaskedNLLLoss()
         batch.prefix_tree()  # built once, before the candidates' prepare is timed
@@ -238,18 +238,7 @@ class AutoEngine:
             prepared[k].stats["prepare_seconds"] = (
                 measured if self.host_seconds is None else float(self.host_seconds(k, batch))
             )
-        fallback = None
-        work = {}
-        for k, prep in prepared.items():
-            if "work_flops" in prep.stats:
-                work[k] = EngineWork(
-                    engine=k,
-                    flops=float(prep.stats["work_flops"]),
-                    steps=int(prep.stats["work_steps"]),
-                )
-            else:  # an engine that does not report its padded work: the tree estimate
-                fallback = fallback or self.work(batch)
-                work[k] = fallback[k]
+        work = {k: self.engines[k].features(prep) for k, prep in prepared.items()}
         return work, prepared
 
     def choose(
@@ -405,7 +394,7 @@ class AutoEngine:
         return (
             f"{best}: {how(best)} {est[best] * 1e3:.3g} ms (vs {others or 'no other candidate'}); "
             f"{ratio or 'no dense baseline'}; steps "
-            + ", ".join(f"{e}={w.steps}" for e, w in work.items())
+            + ", ".join(f"{e}={w.total_steps:.0f}" for e, w in work.items())
         )
 
     def _prepared(self, c: _Choice) -> base.Prepared:
@@ -425,9 +414,9 @@ class AutoEngine:
         """``inner`` (a batch prepared by ``self.engines[kind]``) as auto's own
         ``Prepared``: it runs that engine's program and is finished by it."""
         return base.Prepared(
-            static=(kind, inner.static),
+            static=AutoStatic(kind=kind, inner=inner.static),
             args=inner.args,
-            host=(kind, inner),
+            host=AutoHost(kind=kind, inner=inner),
             stats=dict(inner.stats, chosen_engine=kind, **stats),
         )
 
@@ -450,6 +439,11 @@ class AutoEngine:
     def finish(self, prepared: base.Prepared, out) -> tuple[np.ndarray, ...]:
         kind, inner = prepared.host
         return self.engines[kind].finish(inner, out)
+
+    def features(self, prepared: base.Prepared) -> base.WorkFeatures:
+        """The work of the engine that runs."""
+        kind, inner = prepared.host
+        return self.engines[kind].features(inner)
 
     def value_and_grad(self, params, batch: RolloutBatch, loss, *, weights=None):
         """Prepares every candidate, autotunes the new buckets in margin, runs the pick.

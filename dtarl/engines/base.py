@@ -31,6 +31,70 @@ class EngineAux:
     stats: dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkFeatures:
+    """What one engine call computes, padding included: the numbers cost models price.
+
+    Every engine counts its own (``engine.features(prepared)``), from the shapes
+    of the program it will run, so auto's cost model and the step-time simulator
+    (``dtarl.bench.simulate``) price the same work:
+
+    lin_flops: FLOPs that grow with the tokens alone (matmuls, all passes).
+    attn_flops: attention FLOPs, which also grow with each token's context; a
+      masked position the program computes anyway counts.
+    steps: sequential device steps (scan iterations).
+    tokens: token positions computed per pass (padding included), for TP traffic.
+    program: the engine kind whose program runs ("dfs" ... ; for auto, its pick).
+    sub: programs of other kinds run inside the same call (prefix_reuse hands
+    deep groups to a DFS program); each is priced with its own kind's
+    coefficients, without their per-call constant (``price``).
+    """
+
+    lin_flops: float
+    attn_flops: float
+    steps: float
+    tokens: float
+    program: str = ""
+    sub: tuple[WorkFeatures, ...] = ()
+
+    def row(self) -> np.ndarray:
+        """[4] regressors of (1): (F_lin, F_attn, n_steps, 1)."""
+        return np.array([self.lin_flops, self.attn_flops, self.steps, 1.0])
+
+    @property
+    def total_tokens(self) -> float:
+        return self.tokens + sum(x.total_tokens for x in self.sub)
+
+    @property
+    def total_steps(self) -> float:
+        return self.steps + sum(x.total_steps for x in self.sub)
+
+    def merged(self) -> WorkFeatures:
+        """One row with every sub-program's features added in (no sub left)."""
+        if not self.sub:
+            return self
+        subs = [x.merged() for x in self.sub]
+        return WorkFeatures(
+            lin_flops=self.lin_flops + sum(x.lin_flops for x in subs),
+            attn_flops=self.attn_flops + sum(x.attn_flops for x in subs),
+            steps=self.steps + sum(x.steps for x in subs),
+            tokens=self.tokens + sum(x.tokens for x in subs),
+            program=self.program,
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WorkFeatures:
+        d = dict(d)
+        d["sub"] = tuple(cls.from_dict(x) for x in d.get("sub", ()))
+        return cls(**d)
+
+    @property
+    def flops(self) -> float:
+        """All FLOPs, sub-programs included."""
+        m = self.merged()
+        return m.lin_flops + m.attn_flops
+
+
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     """An engine's shape buckets: the minimum size of each padded dimension, by name.

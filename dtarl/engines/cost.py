@@ -9,17 +9,13 @@ A backward pass costs 2x its forward (``BACKWARD_FACTOR``), so fwd+bwd = 3x.
     tree_flops  = 3 * sum_x  F(start_x, length_x)       every tree node once
     ideal_ratio = dense_flops / tree_flops              the best any tree engine can do
 
-What each engine computes (``engine_flops``), with F(a, n) the forward above:
-
-* dense: ``dense_flops``; steps = microbatches.
-* dfs: ``tree_flops`` + one extra forward of every stacked (internal) node
-  (pushed, then recomputed under the VJP at pop); steps = chunks pushed + popped.
-* prefix_reuse: per group 3 F(prefix) (4 F with ``PrefixActivations.REMAT``) +
-  3 F(suffix row) for every leaf below the group (deeper shared nodes are
-  recomputed per leaf); steps = groups * (2 + microbatches per group).
+What each engine's program computes, padding included, is counted by the engine
+itself (``engine.features(prepared)`` -> ``WorkFeatures``, one counter per engine,
+in ``dtarl.engines.{dense,dfs,prefix_reuse}``).
 
 Cost model (``CostModel``): predicted seconds of engine e on a batch =
-``seconds_per_flop[e] * flops_e + seconds_per_step[e] * steps_e``; the per-step
+``seconds_per_flop[e] * flops_e + seconds_per_step[e] * steps_e`` over its
+``WorkFeatures`` (FLOPs and sequential steps, sub-programs included); the per-step
 term is the engine's overhead (launches, small-batch inefficiency, padding). Both
 are fitted per engine by ``fit_cost_model`` from a short calibration run
 (``dtarl.engines.auto.AutoEngine.calibrate``). ``AutoEngine`` then corrects the
@@ -29,12 +25,12 @@ predictions per shape bucket by timing the compiled programs (its autotuning).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from dtarl.batch import RolloutBatch
+from dtarl.engines.base import WorkFeatures
 from dtarl.model.config import ModelConfig
 from dtarl.tree.trie import PrefixTree, build_tree
 
@@ -47,6 +43,12 @@ def run_flops(cfg: ModelConfig, start: float, n: float) -> float:
     if n <= 0:
         return 0.0
     return float(n) * cfg.flops_per_token(start + (n + 1) / 2.0)
+
+
+def token_flops(cfg: ModelConfig) -> tuple[float, float]:
+    """(forward FLOPs of a token at context 0, attention FLOPs per context token)."""
+    f0 = cfg.flops_per_token(0.0)
+    return f0, cfg.flops_per_token(1.0) - f0
 
 
 def _tree(x: RolloutBatch | PrefixTree | Sequence) -> PrefixTree:
@@ -90,70 +92,6 @@ def _sequence_lengths(tree: PrefixTree) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineWork:
-    """What one engine computes for one batch: FLOPs and sequential device steps."""
-
-    engine: str
-    flops: float
-    steps: int
-
-
-def engine_work(
-    cfg: ModelConfig,
-    batch: RolloutBatch | PrefixTree | Sequence,
-    *,
-    microbatch: int = 8,
-    suffix_microbatch: int | None = None,
-    chunk_len: int = 64,
-    prefix_remat: bool = False,
-) -> dict[str, EngineWork]:
-    """FLOPs and steps of dense, prefix_reuse and dfs on this batch (module docstring)."""
-    tree = _tree(batch)
-    bwd = 1.0 + BACKWARD_FACTOR
-    n = tree.stats.num_sequences
-    out = {
-        "dense": EngineWork(
-            engine="dense", flops=dense_flops(cfg, tree), steps=math.ceil(n / microbatch)
-        )
-    }
-    # dfs: internal nodes are pushed (forward) and recomputed at pop (forward + backward).
-    extra = steps = 0
-    for x in range(1, tree.num_nodes):
-        seg = int(tree.length[x]) if tree.start[x] > 0 else int(tree.length[x]) - 1
-        chunks = max(math.ceil(seg / chunk_len), 1)
-        if tree.children[x]:
-            extra += run_flops(cfg, int(tree.start[x]), int(tree.length[x]))
-            steps += 2 * chunks
-        else:
-            steps += chunks
-    out["dfs"] = EngineWork(engine="dfs", flops=tree_flops(cfg, tree) + extra, steps=steps)
-    # prefix_reuse: top-level groups, one dense row per leaf below each.
-    flops = 0.0
-    steps = 0
-    pre = (bwd + 1.0) if prefix_remat else bwd
-    for x in tree.children[0]:
-        b = int(tree.length[x])
-        flops += pre * run_flops(cfg, 0, b)
-        leaves = _leaves_below(tree, x)
-        for y in leaves:
-            flops += bwd * run_flops(cfg, b, int(tree.start[y] + tree.length[y]) - b)
-        steps += 2 + math.ceil(len(leaves) / (suffix_microbatch or microbatch))
-    out["prefix_reuse"] = EngineWork(engine="prefix_reuse", flops=flops, steps=steps)
-    return out
-
-
-def _leaves_below(tree: PrefixTree, x: int) -> list[int]:
-    leaves, stack = [], list(tree.children[x])
-    while stack:
-        z = stack.pop()
-        if tree.children[z]:
-            stack.extend(tree.children[z])
-        else:
-            leaves.append(z)
-    return leaves
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineCoef:
     """Predicted seconds = seconds_per_flop * flops + seconds_per_step * steps."""
 
@@ -167,8 +105,8 @@ class EngineCoef:
                 f"seconds_per_step={self.seconds_per_step} must be >= 0"
             )
 
-    def predict(self, work: EngineWork) -> float:
-        return self.seconds_per_flop * work.flops + self.seconds_per_step * work.steps
+    def predict(self, work: WorkFeatures) -> float:
+        return self.seconds_per_flop * work.flops + self.seconds_per_step * work.total_steps
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -194,10 +132,10 @@ class CostModel:
             }
         )
 
-    def predict(self, work: Mapping[str, EngineWork]) -> dict[str, float]:
+    def predict(self, work: Mapping[str, WorkFeatures]) -> dict[str, float]:
         return {e: self.coefs[e].predict(w) for e, w in work.items()}
 
-    def choose(self, work: Mapping[str, EngineWork]) -> tuple[str, dict[str, float]]:
+    def choose(self, work: Mapping[str, WorkFeatures]) -> tuple[str, dict[str, float]]:
         """The engine with the smallest predicted time (ties: dense, prefix_reuse, dfs)."""
         pred = self.predict(work)
         best = min(ENGINES, key=lambda e: (pred[e], ENGINES.index(e)))
@@ -232,7 +170,7 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit_cost_model(
-    samples: Sequence[tuple[str, EngineWork, float]], base: CostModel | None = None
+    samples: Sequence[tuple[str, WorkFeatures, float]], base: CostModel | None = None
 ) -> CostModel:
     """Fits each engine's (seconds_per_flop, seconds_per_step) to measured seconds.
 
@@ -243,7 +181,7 @@ def fit_cost_model(
     base = base or CostModel.default()
     coefs = dict(base.coefs)
     for e in ENGINES:
-        rows = [(w.flops, w.steps, s) for k, w, s in samples if k == e and s > 0]
+        rows = [(w.flops, w.total_steps, s) for k, w, s in samples if k == e and s > 0]
         if not rows:
             continue
         arr = np.asarray(rows, np.float64)
@@ -259,10 +197,9 @@ __all__ = [
     "CostModel",
     "ENGINES",
     "EngineCoef",
-    "EngineWork",
     "dense_flops",
-    "engine_work",
     "fit_cost_model",
+    "token_flops",
     "ideal_ratio",
     "nnls",
     "run_flops",

@@ -11,6 +11,8 @@ optional per-layer rematerialisation (``remat=True``: the papers' "Dense + CKPT"
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,9 +21,22 @@ from flax import nnx
 from dtarl.batch import RolloutBatch
 from dtarl.engines import base
 from dtarl.engines.config import Capacity, DenseConfig, configured
-from dtarl.engines.cost import run_flops
+from dtarl.engines.cost import token_flops
 from dtarl.model.decoder import Decoder, token_logprobs
 from dtarl.tree.plan import bucket, fine_bucket
+
+
+class DenseStatic(NamedTuple):
+    """The program's shapes: ``microbatches`` scan steps of ``microbatch`` rows of
+    ``length`` tokens."""
+
+    microbatches: int
+    microbatch: int
+    length: int
+
+
+class DenseHost(NamedTuple):
+    lengths: np.ndarray  # [N] tokens of each sequence
 
 
 class DenseEngine(base.BucketState):
@@ -57,7 +72,7 @@ class DenseEngine(base.BucketState):
 
     # ------------------------------------------------------------ device side
 
-    def device_fn(self, loss, static):
+    def device_fn(self, loss, static: DenseStatic):
         num_mb, mb, t = static
         # Entropy only when the loss uses it: otherwise the program is unchanged.
         with_entropy = bool(getattr(loss, "needs_entropy", False))
@@ -118,22 +133,36 @@ class DenseEngine(base.BucketState):
             tokens[i, : tk.shape[0]] = tk
         rows = np.arange(n_rows, dtype=np.int32)
         rows[n:] = -1
-        passes = 4.0 if self.config.remat else 3.0  # forward + backward (+ recomputed forward)
         stats = dict(
             num_tokens=int(lengths.sum()),
             computed_tokens=int(n_rows * t_pad),
             padded_length=t_pad,
-            # What the program computes, padding included (auto's cost model).
-            work_flops=passes * n_rows * run_flops(self.cfg, 0, t_pad),
-            work_steps=n_rows // mb,
         )
         return base.Prepared(
-            static=(n_rows // mb, mb, t_pad), args=(tokens, rows, seq), host=lengths, stats=stats
+            static=DenseStatic(microbatches=n_rows // mb, microbatch=mb, length=t_pad),
+            args=(tokens, rows, seq),
+            host=DenseHost(lengths=lengths),
+            stats=stats,
+        )
+
+    def features(self, prepared: base.Prepared) -> base.WorkFeatures:
+        """Every padded row runs forward and backward (and, with remat, forward again)
+        over its whole length; its attention covers the full padded row."""
+        st = prepared.static
+        f0, fa = token_flops(self.cfg)
+        tokens = float(st.microbatches * st.microbatch * st.length)
+        passes = 4.0 if self.config.remat else 3.0
+        return base.WorkFeatures(
+            lin_flops=passes * tokens * f0,
+            attn_flops=passes * tokens * st.length * fa,
+            steps=float(st.microbatches),
+            tokens=tokens,
+            program=self.name,
         )
 
     def finish(self, prepared: base.Prepared, out) -> tuple[np.ndarray, ...]:
         logp = np.asarray(out)
-        return tuple(logp[i, :ln].copy() for i, ln in enumerate(prepared.host))
+        return tuple(logp[i, :ln].copy() for i, ln in enumerate(prepared.host.lengths))
 
     def compiled_memory(self, params, batch: RolloutBatch, loss, *, weights=None):
         """XLA's memory analysis of the compiled program for this batch's buckets."""

@@ -48,10 +48,27 @@ from flax import nnx
 from dtarl.batch import RolloutBatch
 from dtarl.engines import base
 from dtarl.engines.config import Capacity, DFSConfig, configured
+from dtarl.engines.cost import token_flops
 from dtarl.model.config import AttentionBackend
 from dtarl.model.decoder import Decoder, KVCache, token_logprobs
 from dtarl.tree.plan import Op, SegmentPlan, bucket, compile_plan
 from dtarl.tree.trie import PrefixTree
+
+
+class DFSStatic(NamedTuple):
+    """The program's shapes: the path buffer, the tree's token slots, the prefix
+    bucket sizes, rows per POP_ROWS step and chunks per POP_WIDE row."""
+
+    path_len: int
+    tree_size: int
+    prefix_sizes: tuple[int, ...]
+    rows: int
+    wide: int
+
+
+class DFSHost(NamedTuple):
+    tree: PrefixTree
+    num_sequences: int
 
 
 class _Step(NamedTuple):
@@ -149,7 +166,7 @@ class DFSEngine(base.BucketState):
     def trace_count(self) -> int:
         return self.jit.trace_count
 
-    def device_fn(self, loss, static):
+    def device_fn(self, loss, static: DFSStatic):
         s, tree_size, sizes, rows, wide = static
         return lambda params, steps, seq: self._run_plan(
             loss, s, tree_size, sizes, rows, wide, params, steps, seq
@@ -386,20 +403,6 @@ class DFSEngine(base.BucketState):
         self._min["slots"] = plan.slots.shape[1]
         return plan
 
-    def work(self, plan: SegmentPlan) -> dict[str, float]:
-        """What the device program computes for ``plan``, padding included (the
-        auto engine's cost model): ``work_flops`` = forward+backward FLOPs of every
-        step's full width against its prefix bucket, ``work_steps`` = real steps."""
-        c, sizes = plan.chunk_len, plan.prefix_sizes
-        flops = 0.0
-        for t in range(plan.num_steps):
-            op = Op(int(plan.op[t]))
-            row = c * plan.wide if op is Op.POP_WIDE else c  # the causal in-row context
-            width = row * (plan.rows if op in (Op.POP_ROWS, Op.POP_WIDE) else 1)
-            fwd = width * self.cfg.flops_per_token(sizes[int(plan.pbucket[t])] + (row + 1) / 2)
-            flops += fwd if op is Op.PUSH else 3.0 * fwd  # pop: recompute + backward
-        return dict(work_flops=flops, work_steps=plan.num_steps)
-
     def prepare(self, batch: RolloutBatch, loss, *, weights=None) -> base.Prepared:
         base.check_batch(batch, loss, self.cfg.vocab_size)
         w = base.sequence_weights(batch, loss, weights)
@@ -436,13 +439,40 @@ class DFSEngine(base.BucketState):
             wide_steps=plan.wide_steps,
             padded_steps=int(plan.op.shape[0]),
             path_buffer=plan.path_len + plan.chunk_len,
-            **self.work(plan),
+        )
+        static = DFSStatic(
+            path_len=plan.path_len,
+            tree_size=tree_size,
+            prefix_sizes=plan.prefix_sizes,
+            rows=plan.rows,
+            wide=plan.wide,
         )
         return base.Prepared(
-            static=(plan.path_len, tree_size, plan.prefix_sizes, plan.rows, plan.wide),
-            args=(steps, seq),
-            host=(tree, n),
-            stats=stats,
+            static=static, args=(steps, seq), host=DFSHost(tree=tree, num_sequences=n), stats=stats
+        )
+
+    def features(self, prepared: base.Prepared) -> base.WorkFeatures:
+        """Each step's entries: PUSH and POP run one chunk of C, POP_ROWS ``rows``
+        chunks, POP_WIDE ``rows`` rows of ``wide`` chunks; a push is a forward, a pop
+        a recomputed forward and a backward. Every entry attends its prefix bucket
+        and its whole row (C, or C * wide for a wide row); NOOP padding steps run
+        nothing but still count as scan steps."""
+        steps, st = prepared.args[0], prepared.static
+        f0, fa = token_flops(self.cfg)
+        sizes = np.asarray(st.prefix_sizes, np.float64)
+        op = np.asarray(steps.op)
+        c = int(np.asarray(steps.inputs).shape[1]) // (st.rows * max(st.wide, 1))
+        width = np.where(op == Op.NOOP, 0.0, 1.0)
+        width = np.where(op == Op.POP_ROWS, float(st.rows), width)
+        width = np.where(op == Op.POP_WIDE, float(st.rows * st.wide), width)
+        passes = np.where(op == Op.PUSH, 1.0, 3.0) * width
+        ctx = sizes[np.asarray(steps.pbucket)] + np.where(op == Op.POP_WIDE, c * st.wide, c)
+        return base.WorkFeatures(
+            lin_flops=float(c * f0 * passes.sum()),
+            attn_flops=float(c * fa * (passes * ctx).sum()),
+            steps=float(op.shape[0]),
+            tokens=float(c * width.sum()),
+            program=self.name,
         )
 
     def finish(self, prepared: base.Prepared, out) -> tuple[np.ndarray, ...]:

@@ -87,8 +87,8 @@ from dtarl.engines.config import (
     PrefixReuseConfig,
     configured,
 )
-from dtarl.engines.cost import run_flops
-from dtarl.engines.dfs import DFSEngine
+from dtarl.engines.cost import token_flops
+from dtarl.engines.dfs import DFSEngine, DFSStatic
 from dtarl.model.decoder import Decoder, KVCache, token_logprobs
 from dtarl.tree.plan import bucket, fine_bucket
 from dtarl.tree.trie import PrefixTree, build_tree
@@ -131,6 +131,43 @@ def offload_supported() -> bool:
     except Exception:  # pragma: no cover - backends without memory-kind support
         return False
     return "pinned_host" in kinds
+
+
+class RowsStatic(NamedTuple):
+    """The rows program's shapes: ``groups`` groups with prefixes of ``prefix``
+    tokens and ``microbatches`` x ``microbatch`` suffix rows of ``row_len`` tokens."""
+
+    groups: int
+    prefix: int
+    microbatches: int
+    microbatch: int
+    row_len: int
+    slots: int
+    prefix_slots: int
+    sequences: int
+    flat: int
+    path: int
+
+
+class RowsHost(NamedTuple):
+    plan: GroupPlan
+    prefix_end: np.ndarray  # [G] path position where each group's prefix ends
+    lengths: np.ndarray  # [N]
+
+
+class SplitStatic(NamedTuple):
+    """Shallow groups as rows and deep groups through the DFS program, one jit."""
+
+    rows: RowsStatic
+    dfs: DFSStatic
+
+
+class SplitHost(NamedTuple):
+    num_sequences: int
+    rows_index: np.ndarray  # the batch's sequences in the rows part
+    rows: base.Prepared
+    dfs_index: np.ndarray  # ... and in the DFS part
+    dfs: base.Prepared
 
 
 class _Groups(NamedTuple):
@@ -393,11 +430,10 @@ class PrefixReuseEngine(base.BucketState):
         )
         return jax.lax.scan(body, init, tuple(rows))
 
-    def device_fn(self, loss, static):
-        if static[0] == "split":  # shallow groups here, deep groups in the DFS engine
-            _, rows_static, dfs_static = static
-            f_rows = self.device_fn(loss, rows_static)
-            f_dfs = self.dfs.device_fn(loss, dfs_static)
+    def device_fn(self, loss, static: RowsStatic | SplitStatic):
+        if isinstance(static, SplitStatic):  # shallow groups here, deep ones in the DFS engine
+            f_rows = self.device_fn(loss, static.rows)
+            f_dfs = self.dfs.device_fn(loss, static.dfs)
 
             def run(params, rows_args, dfs_args):
                 t_rows, g_rows, o_rows = f_rows(params, *rows_args)
@@ -405,7 +441,7 @@ class PrefixReuseEngine(base.BucketState):
                 return t_rows + t_dfs, jax.tree.map(jnp.add, g_rows, g_dfs), (o_rows, o_dfs)
 
             return run
-        s = static[-1]
+        s = static.path
         return lambda params, groups, rows, seq: self._run(loss, s, params, groups, rows, seq)
 
     def _run(self, loss, s: int, params, groups: _Groups, rows: _Rows, seq: base.SeqData):
@@ -492,14 +528,19 @@ class PrefixReuseEngine(base.BucketState):
             tree_tokens=tree.stats.tree_tokens,
             deep_sequences=int(ix_dfs.size),
             computed_tokens=p_rows.stats["computed_tokens"] + p_dfs.stats["computed_tokens"],
-            work_flops=p_rows.stats["work_flops"] + p_dfs.stats["work_flops"],
-            work_steps=p_rows.stats["work_steps"] + p_dfs.stats["work_steps"],
             dfs_steps=p_dfs.stats["num_steps"],
         )
+        host = SplitHost(
+            num_sequences=batch.num_sequences,
+            rows_index=ix_rows,
+            rows=p_rows,
+            dfs_index=ix_dfs,
+            dfs=p_dfs,
+        )
         return base.Prepared(
-            static=("split", p_rows.static, p_dfs.static),
+            static=SplitStatic(rows=p_rows.static, dfs=p_dfs.static),
             args=(p_rows.args, p_dfs.args),
-            host=("split", batch.num_sequences, ix_rows, p_rows, ix_dfs, p_dfs),
+            host=host,
             stats=stats,
         )
 
@@ -573,27 +614,50 @@ class PrefixReuseEngine(base.BucketState):
             microbatches_per_group=n_mb,
             prefix_activations=self.config.prefix_activations.value,
             offloaded=self.offloads,
-            # What the program computes, padding included (auto's cost model):
-            # every padded group's prefix (+1 forward with REMAT) and suffix rows.
-            work_flops=g_pad
-            * (
-                (4.0 if self.config.prefix_activations is PrefixActivations.REMAT else 3.0)
-                * run_flops(self.cfg, 0, p_pad)
-                + 3.0 * n_mb * mb * run_flops(self.cfg, p_pad, c_pad)
-            ),
-            work_steps=g_pad * (2 + n_mb),
         )
-        static = (g_pad, p_pad, n_mb, mb, c_pad, k_pad, k0_pad, n_pad, f_pad, s_pad)
-        host = (plan, b_end, batch.lengths)
+        static = RowsStatic(
+            groups=g_pad,
+            prefix=p_pad,
+            microbatches=n_mb,
+            microbatch=mb,
+            row_len=c_pad,
+            slots=k_pad,
+            prefix_slots=k0_pad,
+            sequences=n_pad,
+            flat=f_pad,
+            path=s_pad,
+        )
+        host = RowsHost(plan=plan, prefix_end=b_end, lengths=batch.lengths)
         return base.Prepared(static=static, args=(groups, rows, seq), host=host, stats=stats)
 
+    def features(self, prepared: base.Prepared) -> base.WorkFeatures:
+        """Every padded group's prefix runs forward, is kept (or re-run with REMAT)
+        and runs backward once; every padded suffix row runs forward and backward
+        against the whole prefix and its own row. Deep groups' DFS program is a
+        sub-program, priced by its own engine's rule."""
+        if isinstance(prepared.static, SplitStatic):
+            rows = self.features(prepared.host.rows)
+            return dataclasses.replace(rows, sub=(self.dfs.features(prepared.host.dfs),))
+        st = prepared.static
+        f0, fa = token_flops(self.cfg)
+        kp = 4.0 if self.config.prefix_activations is PrefixActivations.REMAT else 3.0
+        pre = float(st.groups * st.prefix)
+        suf = float(st.groups * st.microbatches * st.microbatch * st.row_len)
+        return base.WorkFeatures(
+            lin_flops=f0 * (kp * pre + 3.0 * suf),
+            attn_flops=fa * (kp * pre * st.prefix + 3.0 * suf * (st.prefix + st.row_len)),
+            steps=float(st.groups * (st.microbatches + 1)),
+            tokens=pre + suf,
+            program=self.name,
+        )
+
     def finish(self, prepared: base.Prepared, out) -> tuple[np.ndarray, ...]:
-        if isinstance(prepared.host[0], str):  # "split"
-            _, n, ix_rows, p_rows, ix_dfs, p_dfs = prepared.host
-            res: list = [None] * n
+        if isinstance(prepared.host, SplitHost):
+            h = prepared.host
+            res: list = [None] * h.num_sequences
             for ix, part in (
-                (ix_rows, self.finish(p_rows, out[0])),
-                (ix_dfs, self.dfs.finish(p_dfs, out[1])),
+                (h.rows_index, self.finish(h.rows, out[0])),
+                (h.dfs_index, self.dfs.finish(h.dfs, out[1])),
             ):
                 # A stand-in part has ix empty (its one logprob row is dropped).
                 for i, logp in zip(ix.tolist(), part, strict=False):
@@ -630,15 +694,15 @@ class PrefixReuseEngine(base.BucketState):
         compiled with the group's prefix K/V, path logprobs and the gradient
         accumulator as inputs: the paper's "Phase-B peak"."""
         prepared = self.prepare(batch, loss, weights=weights)
-        if isinstance(prepared.host[0], str):  # "split": the shallow groups' phase B
-            prepared = prepared.host[3]
+        if isinstance(prepared.host, SplitHost):  # the shallow groups' phase B
+            prepared = prepared.host.rows
         groups, rows, seq = prepared.args
         cfg = self.cfg
         p = groups.inputs.shape[1]
         kv = jax.ShapeDtypeStruct(
             (cfg.num_layers, 1, p, cfg.num_kv_heads, cfg.head_dim), jnp.float32
         )
-        s = prepared.static[-1]
+        s = prepared.static.path
 
         def phase(prm, grads, k32, v32, paths_S, n_in, rows_g, seq_):
             return self._suffix_phase(loss, prm, grads, k32, v32, paths_S, n_in, rows_g, seq_)

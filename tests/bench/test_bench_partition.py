@@ -113,3 +113,37 @@ def test_bench_per_turn_lengths_match_trace_records():
     (tr,) = [s for s in bp.load_steps(root, "search_traj") if s.step == step]
     seqs, _ = bp.build_sequences(tr)
     assert [len(s) for s in seqs] == [t.sequence_len for g in sorted(by_group) for t in by_group[g]]
+
+
+# ------------------------------------------------------------------------ measured bench
+
+
+def test_bench_measured_helpers():
+    """Scaling and the measured summary (the timed runs themselves are exercised by the CLI)."""
+    sb = bp.StepBatch(workload="math", step=0, prompt_lens=(64, 3), response_lens=((128, 1), (40,)))
+    small = bp.scale_step(sb, 1 / 32)
+    assert small.prompt_lens == (2, 1) and small.response_lens == ((4, 1), (1,))
+    assert small.turn_ends is None
+    # Turn ends scale too; ends that collapse onto one length are kept once.
+    mt = bp.StepBatch(
+        workload="search",
+        step=0,
+        prompt_lens=(64,),
+        response_lens=((128, 40),),
+        turn_ends=(((32, 40, 128), (40,)),),
+    )
+    assert bp.scale_step(mt, 1 / 32).turn_ends == (((1, 4), (1,)),)
+    with pytest.raises(ValueError, match="scale=0"):
+        bp.MeasureConfig(scale=0)
+    with pytest.raises(ValueError, match="repeats=0"):
+        bp.MeasureConfig(repeats=0)
+    rows = []
+    for variant, t, sim in (("balanced/sequences", 1.0, 10), ("greedy_tokens/groups", 2.0, 20)):
+        rows.append(dict(workload="math", k=2, variant=variant, measured_max_s=t, sim_makespan=sim))
+    (s,) = bp.summarise_measured(rows)
+    g = s["variants"]["greedy_tokens/groups"]
+    assert g["measured_pct_lower"] == pytest.approx(50.0)
+    assert g["sim_pct_lower"] == pytest.approx(50.0)
+    assert "greedy_tokens/groups" in bp.format_measured(
+        {"measured_summary": [s], "config": {"measure": {"scale": 1 / 32}}}
+    )

@@ -26,7 +26,7 @@ from dtarl.bench.simulate import (
     EngineCost,
     RolloutCost,
     RolloutFeatures,
-    StepFeatures,
+    WorkFeatures,
     calibrate_and_replay,
     calibration_batches,
     calibration_kinds,
@@ -44,7 +44,7 @@ from dtarl.bench.simulate import (
 )
 from dtarl.bench.simulate.calibrate import _time_auto_choice
 from dtarl.cli import main
-from dtarl.engines import AutoEngine, DFSEngine, make_engine
+from dtarl.engines import DFSConfig, make_engine
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
 from dtarl.testing import grpo_groups
@@ -165,8 +165,7 @@ def test_auto_features_are_its_picks():
     f = engine_features("auto", b, CFG)
     pick, _, _ = _real_engine("auto").choose(b)
     assert f.program == pick
-    auto_kw = {"dfs": dict(chunk_len=AutoEngine.chunk_len)}.get(pick, {})
-    assert f == engine_features(pick, b, CFG, **auto_kw)
+    assert f == engine_features(pick, b, CFG)  # auto's candidates: the default configs
 
 
 def test_unknown_engine_is_rejected():
@@ -186,10 +185,11 @@ def test_calibration_kinds_auto_adds_its_candidates():
 def test_calibration_plan_covers_autos_dfs_chunk():
 
     batches = calibration_batches(size="tiny")
-    plan = calibration_plan(["auto"], batches=batches, rollout=False)
+    # The plan's dfs chunk differs from the one auto runs (the DFSConfig default).
+    plan = calibration_plan(["auto"], batches=batches, rollout=False, chunk_len=64)
     assert plan.with_auto and set(plan.train_kinds) == {"dense", "prefix_reuse", "dfs"}
     chunks = {j.engine_kwargs.get("chunk_len") for j in plan.jobs if j.kind == "dfs"}
-    assert chunks == {DFSEngine.chunk_len, AutoEngine.chunk_len}
+    assert chunks == {64, DFSConfig().chunk_len}
     assert len(plan.jobs) == len(plan.features) == 3 * len(batches) + len(batches[::2])
     assert plan.rollouts == ()
     assert not calibration_plan(["dfs"], batches=batches, rollout=False).with_auto
@@ -539,7 +539,7 @@ def test_auto_choice_overhead_is_host_time():
 
 
 def test_step_features_row():
-    f = StepFeatures(lin_flops=1.0, attn_flops=2.0, steps=3.0, tokens=4.0)
+    f = WorkFeatures(lin_flops=1.0, attn_flops=2.0, steps=3.0, tokens=4.0)
     np.testing.assert_array_equal(f.row(), [1.0, 2.0, 3.0, 1.0])
     r = RolloutFeatures(
         prefill_flops=1.0, decode_lin_flops=2.0, decode_attn_flops=3.0, decode_steps=4.0, calls=5.0

@@ -10,18 +10,18 @@ import pytest
 from test_equivalence import _engine, _model, reference, rel_errors
 from test_prefix_reuse import pr_engine
 
-from dtarl.engines import AutoEngine, DFSConfig, EngineConfig, RolloutBatch
+from dtarl.engines import AutoEngine, DFSConfig, EngineConfig, PrefixReuseConfig, RolloutBatch
 from dtarl.engines import auto as auto_lib
 from dtarl.engines.auto import time_program, time_programs
+from dtarl.engines.base import WorkFeatures
 from dtarl.engines.cost import (
     CostModel,
     EngineCoef,
-    EngineWork,
     dense_flops,
-    engine_work,
     fit_cost_model,
     ideal_ratio,
     run_flops,
+    token_flops,
     tree_flops,
 )
 from dtarl.losses import MaskedNLLLoss
@@ -54,17 +54,24 @@ def test_flops_hand_computed():
 
 
 def test_engine_work_orders():
+    """Each engine's own count of its padded work orders the engines as expected."""
+    model = _model(ModelFamily.QWEN3)[0]
     grpo = grpo_groups(num_groups=2, group_size=8, prompt_len=256, response_len=64, seed=1)
     assert build_tree(grpo.tokens).stats.depth == 2  # no two responses share a first token
-    w = engine_work(CFG, grpo)
+    w, _ = AutoEngine(model).prepared_work(grpo)
     tf = tree_flops(CFG, grpo)
-    # Depth 2: prefix_reuse (prefix kept) computes exactly the tree; dfs adds a prefix forward.
-    assert w["prefix_reuse"].flops == pytest.approx(tf, rel=1e-9)
+    # Every program computes at least the tree once; dense far more on shared prompts.
+    assert tf < w["prefix_reuse"].flops < w["dense"].flops
     assert tf < w["dfs"].flops < w["dense"].flops
-    assert w["prefix_reuse"].steps < w["dfs"].steps
+    assert w["prefix_reuse"].total_steps < w["dfs"].total_steps
     deep = multiturn(3, 3, 32, 32)
-    wd = engine_work(CFG, deep)
-    # Below the top fork prefix_reuse recomputes shared turns; dfs does not.
+    # (dfs with chunks as long as a turn, so that padding does not decide)
+    config = EngineConfig(
+        dfs=DFSConfig(chunk_len=32), prefix_reuse=PrefixReuseConfig(deep_trees="rows")
+    )
+    rows = AutoEngine(model, engine_config=config)
+    wd, _ = rows.prepared_work(deep)
+    # Below the top fork the rows form recomputes shared turns; dfs does not.
     assert wd["dfs"].flops < wd["prefix_reuse"].flops < wd["dense"].flops
 
 
@@ -94,7 +101,7 @@ def test_fit_cost_model_recovers_coefficients():
     samples = []
     for f, s in ((1e8, 4), (5e8, 10), (2e9, 7)):
         for e, c in true.items():
-            w = EngineWork(engine=e, flops=f, steps=s)
+            w = WorkFeatures(lin_flops=f, attn_flops=0.0, steps=s, tokens=0.0, program=e)
             samples.append((e, w, c.predict(w)))
     fitted = fit_cost_model(samples)
     for e, c in true.items():
@@ -106,7 +113,11 @@ def test_fit_cost_model_recovers_coefficients():
     cheap_dfs = CostModel(
         coefs=dict(true, dfs=EngineCoef(seconds_per_flop=1e-10, seconds_per_step=0))
     )
-    assert cheap_dfs.choose(engine_work(CFG, deep))[0] == "dfs"
+    turn_chunks = EngineConfig(dfs=DFSConfig(chunk_len=16))  # dfs chunks as long as a turn
+    work, _ = AutoEngine(_model(ModelFamily.QWEN3)[0], engine_config=turn_chunks).prepared_work(
+        deep
+    )
+    assert cheap_dfs.choose(work)[0] == "dfs"
     with pytest.raises(ValueError, match="missing engines"):
         CostModel(coefs={"dense": true["dense"]})
 
@@ -358,14 +369,15 @@ def test_prepared_work_counts_padding():
     )
     batch = grpo_groups(num_groups=2, group_size=4, prompt_len=40, response_len=(5, 20), seed=9)
     work, prepared = auto.prepared_work(batch)
-    ideal = engine_work(CFG, batch, chunk_len=32)
     for kind in ("dense", "prefix_reuse", "dfs"):
-        assert work[kind].flops >= ideal[kind].flops * (1 - 1e-9), kind
-        assert work[kind].steps == prepared[kind].stats["work_steps"]
-    assert work["dfs"].steps == prepared["dfs"].stats["num_steps"]
+        assert work[kind] == auto.engines[kind].features(prepared[kind])
+        assert work[kind].flops >= tree_flops(CFG, batch) * (1 - 1e-9), kind
+    assert work["dense"].flops >= dense_flops(CFG, batch)
+    assert work["dfs"].steps == prepared["dfs"].args[0].op.shape[0]
     st = prepared["dense"].stats
-    rows = st["computed_tokens"] // st["padded_length"]
-    assert work["dense"].flops == pytest.approx(3 * rows * run_flops(CFG, 0, st["padded_length"]))
+    rows, t = st["computed_tokens"] // st["padded_length"], st["padded_length"]
+    f0, fa = token_flops(CFG)  # every padded row computes its full t x t attention
+    assert work["dense"].flops == pytest.approx(3 * rows * t * (f0 + t * fa))
     # The chosen engine's prepared batch is the one that runs (no second prepare).
     kind, _, pred = auto.choose(batch)
     assert min(pred, key=pred.get) == kind

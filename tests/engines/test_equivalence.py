@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dtarl.engines import Capacity, DenseEngine, DFSEngine, RolloutBatch
+from dtarl.engines.cost import token_flops
 from dtarl.losses import ClippedSurrogateLoss, MaskedNLLLoss, SequenceData, TokenData
 from dtarl.model import ModelConfig, ModelFamily, init_model
 from dtarl.testing import grpo_groups
@@ -306,12 +307,18 @@ def test_dfs_wide_pops(wide):
     unrelated = compile_plan(build_tree(alone), chunk_len=8, rows=4, wide=4)
     assert unrelated.pushed_tokens == 0 and unrelated.wide_steps == 1
     assert unrelated.num_steps == 1
-    # auto's FLOP count of that step: 4 rows of 32 entries, each attending its
-    # prefix bucket and (causally) its 32-entry row; pop = recompute + backward.
-    engine = DFSEngine(_model(ModelFamily.QWEN3)[0], chunk_len=8)
-    p0 = unrelated.prefix_sizes[int(unrelated.pbucket[0])]
-    want = 3 * 4 * 32 * engine.cfg.flops_per_token(p0 + 33 / 2)
-    assert engine.work(unrelated)["work_flops"] == pytest.approx(want, rel=1e-12)
+    # The engine's FLOP count of that step (``features``): 4 rows of 32 entries,
+    # each attending its prefix bucket and its whole 32-entry row (the program
+    # computes the masked part too); pop = recompute + backward.
+    engine = DFSEngine(_model(ModelFamily.QWEN3)[0], chunk_len=8, leaf_rows=4, wide_chunks=4)
+    prepared = engine.prepare(RolloutBatch.create(tokens=alone), LOSSES["nll"])
+    assert prepared.stats["num_steps"] == 1
+    work = engine.features(prepared)
+    p0 = prepared.static.prefix_sizes[int(prepared.args[0].pbucket[0])]
+    f0, fa = token_flops(engine.cfg)
+    assert work.lin_flops == pytest.approx(3 * 4 * 32 * f0, rel=1e-12)
+    assert work.attn_flops == pytest.approx(3 * 4 * 32 * (p0 + 32) * fa, rel=1e-12)
+    assert work.steps == prepared.args[0].op.shape[0]  # padded scan steps count
     # One 50-token sequence (49 entries): 3 chunks pushed, the last 25 entries pop
     # wide (96 against 120 chunked); chunked it pushes 6 chunks. With 4 rows the
     # tail's step would be 3/4 padding (384 > 120): no wide tail.

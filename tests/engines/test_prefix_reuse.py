@@ -161,9 +161,12 @@ def test_deep_groups_go_to_dfs():
             np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
     # The rows form recomputes the shared turns once per leaf; dfs computes them once.
     rows = PrefixReuseEngine(model, microbatch=2, deep_trees=DeepTrees.ROWS)
-    assert aux.stats["work_flops"] > 0
-    split = engine.prepare(batch, LOSSES["dapo"]).stats
-    assert split["computed_tokens"] < rows.prepare(batch, LOSSES["dapo"]).stats["computed_tokens"]
+    split, by_rows = engine.prepare(batch, LOSSES["dapo"]), rows.prepare(batch, LOSSES["dapo"])
+    assert split.stats["computed_tokens"] < by_rows.stats["computed_tokens"]
+    # The split program's work: its rows part plus the DFS program as a sub-program.
+    work = engine.features(split)
+    assert work.sub and work.sub[0] == engine.dfs.features(split.host.dfs)
+    assert work.flops == engine.features(split.host.rows).flops + work.sub[0].flops
 
 
 def test_group_plan_rows_and_slots():

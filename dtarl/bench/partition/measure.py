@@ -155,7 +155,7 @@ def summarise_measured(rows: list[dict]) -> list[dict]:
                 "sim_makespan": float(np.mean([r["sim_makespan"] for r in rs])),
             }
             for col, src in (("measured", "measured_max_s"), ("sim", "sim_makespan")):
-                e[f"{col}pct_lower"] = float(
+                e[f"{col}_pct_lower"] = float(
                     np.mean([pct_lower(o[src], b[src]) for b, o in zip(ref, rs, strict=True)])
                 )
             entry["variants"][v] = e

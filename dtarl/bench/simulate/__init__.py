@@ -34,7 +34,7 @@ fa = FLOPs per attended key (``cfg.flops_per_token(1) - f0``); backward = 2x:
                 (k_p = 4 with ``PrefixActivations.REMAT``, else 3); groups with
                 forks below the top level go to a DFS program inside the same
                 call, a sub-program priced with the dfs coefficients minus their
-                per-call constant (``StepFeatures.sub``, ``price``)
+                per-call constant (``WorkFeatures.sub``, ``price``)
   auto          the program of the engine ``AutoEngine.choose`` picks (with auto's
                 own settings), priced with *that* engine's coefficients, plus the
                 host time of the choice beyond the pick's own ``prepare`` (auto
@@ -104,10 +104,9 @@ from dtarl.bench.simulate.features import (
     ROLLOUT_FEATURE_NAMES,
     TRAIN_KINDS,
     RolloutFeatures,
-    StepFeatures,
+    WorkFeatures,
     engine_features,
     feature_engine,
-    prepared_features,
     rollout_features,
 )
 from dtarl.bench.simulate.fit import (
@@ -148,7 +147,7 @@ __all__ = [
     "EnginePrediction",
     "RolloutCost",
     "RolloutFeatures",
-    "StepFeatures",
+    "WorkFeatures",
     "StepPrediction",
     "ValidationReport",
     "ValidationRow",
@@ -169,7 +168,6 @@ __all__ = [
     "price",
     "predict_step",
     "predict_workload",
-    "prepared_features",
     "profile_engines",
     "rollout_features",
     "validate",

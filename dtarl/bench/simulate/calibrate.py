@@ -25,7 +25,7 @@ from dtarl.bench.replay import (
 )
 from dtarl.bench.simulate.features import (
     AUTO,
-    StepFeatures,
+    WorkFeatures,
     calibration_loss,
     check_kind,
     engine_default,
@@ -312,7 +312,7 @@ class CalibrationPlan:
     with_auto: bool
     batches: tuple[tuple[str, RolloutBatch], ...]
     jobs: tuple[TimingJob, ...]
-    features: tuple[StepFeatures, ...]
+    features: tuple[WorkFeatures, ...]
     rollouts: tuple[tuple[str, list], ...]
 
 

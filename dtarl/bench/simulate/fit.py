@@ -18,7 +18,7 @@ from dtarl.bench.simulate.features import (
     FEATURE_NAMES,
     ROLLOUT_FEATURE_NAMES,
     RolloutFeatures,
-    StepFeatures,
+    WorkFeatures,
     engine_default,
 )
 from dtarl.engines.cost import nnls
@@ -74,7 +74,7 @@ class EngineCost:
     def coef(self) -> np.ndarray:
         return np.array([self.lin_s_per_flop, self.attn_s_per_flop, self.step_s, self.const_s])
 
-    def predict(self, f: StepFeatures, *, flop_divisor: float = 1.0) -> float:
+    def predict(self, f: WorkFeatures, *, flop_divisor: float = 1.0) -> float:
         """Seconds for features ``f``; FLOP terms divided by ``flop_divisor`` (tp x scale)."""
         return (
             (self.lin_s_per_flop * f.lin_flops + self.attn_s_per_flop * f.attn_flops) / flop_divisor
@@ -83,7 +83,7 @@ class EngineCost:
         )
 
     @classmethod
-    def fit(cls, kind: str, features: Sequence[StepFeatures], seconds: Sequence[float]):
+    def fit(cls, kind: str, features: Sequence[WorkFeatures], seconds: Sequence[float]):
         """Non-negative least squares of (1), relative error (``fit_relative``)."""
         c, mape, mx = fit_relative(np.stack([f.row() for f in features]), seconds)
         return cls(
@@ -98,8 +98,8 @@ class EngineCost:
 
 
 def _split_known(
-    f: StepFeatures, costs: Mapping[str, EngineCost], flop_divisor: float = 1.0
-) -> tuple[StepFeatures, float]:
+    f: WorkFeatures, costs: Mapping[str, EngineCost], flop_divisor: float = 1.0
+) -> tuple[WorkFeatures, float]:
     """(f without the sub-programs ``costs`` can price, seconds of those sub-programs).
 
     A sub-program of a kind in ``costs`` (other than f's own) is priced with its
@@ -115,9 +115,9 @@ def _split_known(
     return dataclasses.replace(f, sub=tuple(keep)).merged(), rest
 
 
-def price(costs: Mapping[str, EngineCost], f: StepFeatures, *, flop_divisor: float = 1.0) -> float:
+def price(costs: Mapping[str, EngineCost], f: WorkFeatures, *, flop_divisor: float = 1.0) -> float:
     """Seconds of one engine call with features ``f``: (1) with the coefficients of
-    ``f.program``, plus its sub-programs (``StepFeatures.sub``) at their own."""
+    ``f.program``, plus its sub-programs (``WorkFeatures.sub``) at their own."""
     if f.program not in costs:
         raise KeyError(
             f"engine {f.program!r} is not in the cost profile (profiled: {sorted(costs)}); "
@@ -128,7 +128,7 @@ def price(costs: Mapping[str, EngineCost], f: StepFeatures, *, flop_divisor: flo
 
 
 def fit_engine_costs(
-    points: Mapping[str, Sequence[tuple[StepFeatures, float]]],
+    points: Mapping[str, Sequence[tuple[WorkFeatures, float]]],
 ) -> dict[str, EngineCost]:
     """Fits (1) per engine kind from (features, seconds) points.
 
@@ -241,7 +241,7 @@ class CalibrationPoint:
 
     kind: str  # engine kind, "auto_choose" or "rollout"
     name: str
-    features: StepFeatures | RolloutFeatures | None
+    features: WorkFeatures | RolloutFeatures | None
     measured_s: float
     median_s: float
     background_cores: float | None = None  # other processes during the fastest call
@@ -262,7 +262,7 @@ class CalibrationPoint:
     def from_dict(cls, d: dict[str, Any]) -> CalibrationPoint:
         f = d.get("features")
         if f is not None:
-            f = RolloutFeatures(**f) if d["kind"] == "rollout" else StepFeatures.from_dict(f)
+            f = RolloutFeatures(**f) if d["kind"] == "rollout" else WorkFeatures.from_dict(f)
         return cls(
             kind=d["kind"],
             name=d["name"],

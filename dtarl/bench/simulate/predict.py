@@ -20,7 +20,7 @@ from dtarl.bench.replay import (
 from dtarl.bench.simulate.features import (
     AUTO,
     RolloutFeatures,
-    StepFeatures,
+    WorkFeatures,
     check_kind,
     engine_features,
     rollout_features,
@@ -88,7 +88,7 @@ class EnginePrediction:
     rank_s: tuple[float, ...]
     tp_comm_s: float
     allreduce_s: float
-    features: tuple[StepFeatures, ...]  # per dp rank
+    features: tuple[WorkFeatures, ...]  # per dp rank
     program: str = ""  # the engine whose program runs (auto: its pick)
     choose_s: float = 0.0  # auto: the choice's host time (3)
 
