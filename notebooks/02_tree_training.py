@@ -46,13 +46,13 @@ import jax
 import numpy as np
 from flax import nnx
 
+from dtarl.advantages import grpo_advantages
 from dtarl.engines import EngineKind, RolloutBatch, make_engine
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
 from dtarl.model.tokenizer import ByteTokenizer
-from dtarl.rl.advantages import grpo_advantages
+from dtarl.rl.episodes import encode_prompt
 from dtarl.rl.tasks import ArithmeticTask
-from dtarl.rl.trainer import encode_prompt
 from dtarl.rollout.sampler import Sampler, SamplingParams
 from dtarl.tree import build_tree
 

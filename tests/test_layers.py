@@ -2,7 +2,7 @@
 
     floor 1  dtarl.tree, dtarl.axes, dtarl.timing      (no JAX in tree/)
     floor 2  dtarl.model, dtarl.parallel.mesh
-    floor 3  dtarl.batch, dtarl.losses, dtarl.traces, dtarl.testing
+    floor 3  dtarl.advantages, dtarl.batch, dtarl.losses, dtarl.traces, dtarl.testing
     floor 4  dtarl.rollout, dtarl.engines
     floor 5  dtarl.rl, dtarl.parallel
     floor 6  dtarl.bench
@@ -30,6 +30,7 @@ FLOORS = {
     "dtarl.timing": 1,
     "dtarl.model": 2,
     "dtarl.parallel.mesh": 2,
+    "dtarl.advantages": 3,
     "dtarl.batch": 3,
     "dtarl.losses": 3,
     "dtarl.traces": 3,

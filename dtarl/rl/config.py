@@ -2,8 +2,12 @@
 
 A YAML file (``configs/*.yaml``) holds only overrides of the defaults below,
 nested by section; ``--set section.key=value`` applies more on top (the value is
-parsed as YAML: ``--set rollout.group_size=8``, ``--set model.hf_path=/ckpt``).
-Unknown keys raise a ``ConfigError`` listing the valid keys of that section.
+parsed as YAML: ``--set rollout.group_size=8``, ``--set model.hf_path=/ckpt``,
+``--set engine.dfs.chunk_len=64``). Unknown keys raise a ``ConfigError`` listing
+the valid keys of that section; a bad value names its key and the accepted range.
+
+``algo.engine`` picks the training engine (an ``EngineKind``); the ``engine:``
+section holds every engine's settings (``dtarl.engines.EngineConfig``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from dtarl.engines.config import EngineConfig, EngineKind
 from dtarl.model.config import ModelConfig
 from dtarl.rl.rewards import RewardErrorPolicy
 from dtarl.rl.tasks import TaskKind
@@ -119,8 +124,7 @@ class AlgoSection:
     dynamic_sampling: bool | None = None  # default: True for DAPO only
     overlong_buffer: int = 0  # DAPO soft overlong punishment window (0 = off)
     updates_per_batch: int = 1  # optimizer steps per rollout batch (ratio != 1 after the 1st)
-    engine: str = "auto"  # any kind make_engine accepts
-    fallback_engine: str = "dfs"  # used when make_engine rejects ``engine``
+    engine: EngineKind = EngineKind.AUTO  # its settings: the ``engine:`` section
     gamma: float = 1.0  # PPO GAE
     lam: float = 0.95  # PPO GAE
     value_lr: float = 1e-3  # PPO value model
@@ -188,6 +192,7 @@ class TrainerConfig:
     algo: AlgoSection = dataclasses.field(default_factory=AlgoSection)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
     sft: SFTSection = dataclasses.field(default_factory=SFTSection)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     steps: int = 20
     seed: int = 0
     out_dir: str = "runs/default"
@@ -246,6 +251,13 @@ def _convert(tp, value, where: str):
             raise ConfigError(
                 f"{where}={value!r} is not valid; accepted: {[e.value for e in tp]}"
             ) from None
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}={value!r} must be a list")
+        (item, *rest) = typing.get_args(tp) or (Any,)
+        if rest and rest != [Ellipsis]:
+            raise ConfigError(f"{where}: fixed-length tuples are not supported")
+        return tuple(_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
@@ -285,20 +297,27 @@ def from_dict(cls, data: dict[str, Any], where: str = ""):
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where or 'config'}: {e}") from None
+        # The engine configs' own errors already start with their key.
+        msg = str(e)
+        raise ConfigError(
+            msg if where and msg.startswith(where) else f"{where or 'config'}: {msg}"
+        ) from None
 
 
 def to_dict(obj) -> dict[str, Any]:
-    """Plain YAML/JSON-able dict of a config (enums as their values)."""
-    out = {}
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        if dataclasses.is_dataclass(v):
-            v = to_dict(v)
-        elif isinstance(v, enum.Enum):
-            v = v.value
-        out[f.name] = v
-    return out
+    """Plain YAML/JSON-able dict of a config (enums as their values, tuples as lists);
+    ``from_dict(type(obj), to_dict(obj)) == obj``."""
+    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+def _plain(v):
+    if dataclasses.is_dataclass(v):
+        return to_dict(v)
+    if isinstance(v, enum.Enum):
+        return v.value
+    if isinstance(v, tuple | list):
+        return [_plain(x) for x in v]
+    return v
 
 
 def apply_override(data: dict[str, Any], assignment: str) -> None:

@@ -1,4 +1,5 @@
-"""Per-step metrics: pure summary functions, and a sink to console (rich), JSONL and TensorBoard.
+"""Per-step metrics: pure summary functions (``step_metrics`` for a step's updates),
+and a sink to console (rich), JSONL and TensorBoard.
 
 TensorBoard is optional: ``tensorboardX`` or ``torch.utils.tensorboard`` is used
 when importable (with the ``tensorboard`` package), else the sink says so once
@@ -7,6 +8,7 @@ and writes JSONL only.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -14,6 +16,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+from dtarl.advantages import token_kl
+from dtarl.batch import RolloutBatch
+from dtarl.rl.config import AlgoSection
+from dtarl.rl.optim import UpdateResult
 
 
 def length_stats(lengths: Sequence[int], prefix: str = "response_len") -> dict[str, float]:
@@ -63,19 +72,81 @@ def ratio_stats(
     )
 
 
+def engine_metrics(stats: dict) -> dict:
+    """What a step's engine stats add to its metrics: the engine auto ran (``chosen_engine``),
+    the compiled programs so far (``trace_count``: it grows only when a batch needs a new
+    shape bucket) and auto's tuning time for the step (``autotune_seconds``)."""
+    out = {}
+    if "chosen_engine" in stats:
+        out["chosen_engine"] = stats["chosen_engine"]
+    for key in ("trace_count", "autotune_seconds"):
+        if key in stats:
+            out[key] = stats[key]
+    return out
+
+
+def step_metrics(
+    batch: RolloutBatch, updates: Sequence[UpdateResult], algo: AlgoSection | None = None
+) -> dict[str, Any]:
+    """Metrics of one step's ``updates`` (in order; the last may be a skipped one) on ``batch``.
+
+    Always: the last update's loss, gradient norm and engine stats; the summed train
+    time and tokens/s; ``skipped`` (and ``skip_reason``). An RL step (``algo`` given)
+    adds ``autotune_seconds`` summed over its updates (0 for a fixed engine), the
+    importance ratios and clip fraction of the last update's logprobs against the
+    sampler's (``ratio_stats``), and ``kl``: the k3 estimate against the reference
+    policy when the batch has one, else against the sampling policy.
+    """
+    last = updates[-1]
+    stats = last.aux.stats
+    if algo is not None:
+        tune = sum(float(u.aux.stats.get("autotune_seconds", 0.0)) for u in updates)
+        stats = stats | {"autotune_seconds": tune}
+    seconds = sum(u.seconds for u in updates)
+    passes = algo.updates_per_batch if algo is not None else 1
+    m: dict[str, Any] = dict(
+        loss=last.loss,
+        grad_norm=last.grad_norm,
+        engine=last.engine,
+        **engine_metrics(stats),
+        train_seconds=seconds,
+        train_tokens_per_s=batch.num_tokens * passes / max(seconds, 1e-9),
+        skipped=int(not last.applied),
+    )
+    if not last.applied:
+        m["skip_reason"] = last.skip_reason
+    if algo is None:
+        return m
+    logprobs = last.aux.logprobs
+    m.update(
+        ratio_stats(
+            logprobs,
+            batch.old_logprobs,
+            batch.loss_mask,
+            batch.advantages,
+            eps_low=algo.clip_eps,
+            eps_high=algo.eps_high,
+        )
+    )
+    against = batch.ref_logprobs if batch.ref_logprobs is not None else batch.old_logprobs
+    kls = [
+        token_kl(lp, rf, mk) for lp, rf, mk in zip(logprobs, against, batch.loss_mask, strict=True)
+    ]
+    m["kl"] = float(np.mean(kls))
+    return m
+
+
+# Optional: the first importable of these provides ``SummaryWriter``.
+_TENSORBOARD_MODULES = ("tensorboardX", "torch.utils.tensorboard")
+
+
 def _tensorboard_writer(log_dir: str):
-    try:
-        from tensorboardX import SummaryWriter  # type: ignore
-
-        return SummaryWriter(log_dir)
-    except ImportError:
-        pass
-    try:
-        from torch.utils.tensorboard import SummaryWriter  # type: ignore
-
-        return SummaryWriter(log_dir)
-    except ImportError:
-        return None
+    for name in _TENSORBOARD_MODULES:
+        try:
+            return importlib.import_module(name).SummaryWriter(log_dir)
+        except ImportError:
+            continue
+    return None
 
 
 _CONSOLE_KEYS = (
@@ -131,9 +202,6 @@ class MetricsLogger:
         self._progress = None
         self._console = None
         if console:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
             self._console = Console()
             self._progress = Progress(
                 "[progress.description]{task.description}",
@@ -198,4 +266,12 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-__all__ = ["MetricsLogger", "format_line", "length_stats", "ratio_stats", "read_metrics"]
+__all__ = [
+    "MetricsLogger",
+    "engine_metrics",
+    "format_line",
+    "length_stats",
+    "ratio_stats",
+    "read_metrics",
+    "step_metrics",
+]

@@ -3,7 +3,7 @@
 Value convention: per-token arrays are aligned with the tokens; ``V[t]`` is the
 value of the state *before* token t (the head applied to the hidden state at
 t - 1), so action t (a response token) pairs with V[t] and GAE runs over the
-action positions of each sequence (``dtarl.rl.advantages.gae_advantages``).
+action positions of each sequence (``dtarl.advantages.gae_advantages``).
 
 Rewards per token (PPO-RLHF): ``r_t = -beta (logp_t - logp_ref_t)`` on every
 action, plus the task reward on the last one (``kl_penalty_rewards``; beta = 0
@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dtarl.rl import advantages as adv_fns
+from dtarl import advantages as adv_fns
 from dtarl.tree.plan import bucket
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dtarl.advantages import grpo_advantages
 from dtarl.batch import RolloutBatch
 from dtarl.traces.fitted import (
     MATH_MAX_LEN,
@@ -313,16 +314,6 @@ def sample_group_specs(
 # ----------------------------------------------------------------------------- tokens
 
 
-def _grpo_advantages(rewards_N: np.ndarray, groups_N: np.ndarray) -> np.ndarray:
-    """A_i = (r_i - mean_g r) / (std_g r + 1e-6) over the trajectories of i's group g."""
-    adv = np.zeros_like(rewards_N)
-    for g in np.unique(groups_N):
-        sel = groups_N == g
-        r = rewards_N[sel]
-        adv[sel] = (r - r.mean()) / (r.std() + 1e-6)
-    return adv
-
-
 def build_workload(
     specs: Sequence[GroupSpec],
     *,
@@ -387,7 +378,11 @@ def build_workload(
             traj += 1
     if not tokens:
         raise ValueError("the workload has no sequences (per_turn mode needs model turns)")
-    adv_T = _grpo_advantages(np.asarray(rewards_T, np.float32), np.asarray(traj_groups_T))
+    adv_T = grpo_advantages(
+        np.asarray(rewards_T, np.float32),
+        np.asarray(traj_groups_T),
+        compute_dtype=np.float32,
+    )
     trajs = np.array([r["traj"] for r in rows], np.int32)
     batch = RolloutBatch.create(
         tokens=tokens,

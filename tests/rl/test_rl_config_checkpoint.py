@@ -2,14 +2,24 @@
 
 import errno
 import glob
+import json
 import os
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dtarl.engines import EngineConfig, EngineKind
 from dtarl.rl.checkpoint import CheckpointError, CheckpointManager
-from dtarl.rl.config import Algorithm, ConfigError, TrainerConfig, load_config, to_dict
+from dtarl.rl.config import (
+    Algorithm,
+    ConfigError,
+    TrainerConfig,
+    from_dict,
+    load_config,
+    to_dict,
+)
+from dtarl.rl.optim import make_loss
 from dtarl.rl.tasks import TaskKind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,6 +60,45 @@ def test_unknown_keys_list_valid_keys():
         load_config(None, ["steps=abc"])
     with pytest.raises(ConfigError, match="model.overrides: unknown keys"):
         load_config(None, ["model.overrides={hiden_size: 8}"])
+
+
+def test_engine_kind_and_engine_section(tmp_path):
+    cfg = load_config(None, ["algo.engine=dfs", "engine.dfs.chunk_len=64"])
+    assert cfg.algo.engine is EngineKind.DFS and cfg.engine.dfs.chunk_len == 64
+    assert (
+        TrainerConfig().algo.engine is EngineKind.AUTO and TrainerConfig().engine == EngineConfig()
+    )
+    path = tmp_path / "engine.yaml"
+    path.write_text(
+        "algo: {engine: prefix_reuse}\n"
+        "engine: {dfs: {chunk_len: 32, order: greedy}, auto: {candidates: [dfs, dense]}}\n"
+    )
+    cfg = load_config(path)
+    assert cfg.algo.engine is EngineKind.PREFIX_REUSE
+    assert cfg.engine.dfs.chunk_len == 32 and cfg.engine.auto.candidates == ("dfs", "dense")
+    # to_dict round-trips (checkpoint metadata is JSON): enums as values, tuples as lists.
+    data = json.loads(json.dumps(to_dict(cfg)))
+    assert data["engine"]["auto"]["candidates"] == ["dfs", "dense"]
+    assert data["algo"]["engine"] == "prefix_reuse"
+    assert from_dict(TrainerConfig, data) == cfg
+
+
+def test_engine_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"algo.engine='dfz' is not valid; accepted: \['dense', "):
+        load_config(None, ["algo.engine=dfz"])
+    with pytest.raises(ConfigError, match=r"^engine.dfs.chunk_len=0: must be >= 1$"):
+        load_config(None, ["engine.dfs.chunk_len=0"])
+    with pytest.raises(ConfigError, match=r"engine.dfs: unknown keys \['chunk'\]; valid keys"):
+        load_config(None, ["engine.dfs.chunk=64"])
+    with pytest.raises(
+        ConfigError, match="engine.auto.candidates=\\['foo'\\]: each must be one of"
+    ):
+        load_config(None, ["engine.auto.candidates=[foo]"])
+    with pytest.raises(ConfigError, match="engine.prefix_reuse.deep_trees='x' is not valid"):
+        load_config(None, ["engine.prefix_reuse.deep_trees=x"])
+    # The silent fallback is gone: an old YAML key is an unknown key.
+    with pytest.raises(ConfigError, match=r"algo: unknown keys \['fallback_engine'\]"):
+        load_config(None, ["algo.fallback_engine=dfs"])
 
 
 def _tree(x):
@@ -98,8 +147,6 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def test_entropy_coef_reaches_the_loss():
-    from dtarl.rl.trainer import make_loss
-
     path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.yaml")
     loss = make_loss(load_config(path, overrides=["algo.entropy_coef=0.01"]), 32)
     assert loss.entropy_coef == 0.01 and loss.needs_entropy

@@ -11,10 +11,12 @@ from dtarl.commands.train import main as cli_main
 from dtarl.engines.cost import ENGINES
 from dtarl.model.tokenizer import ByteTokenizer
 from dtarl.rl.config import load_config
+from dtarl.rl.episodes import rollout
+from dtarl.rl.hooks import Phase
 from dtarl.rl.metrics import read_metrics
 from dtarl.rl.rewards import RewardError, RewardErrorPolicy
 from dtarl.rl.tasks import CalculatorTask
-from dtarl.rl.trainer import Trainer, build_model, rollout
+from dtarl.rl.trainer import Trainer, build_model
 from dtarl.rollout.sampler import FinishReason, SampleResult
 from dtarl.tree import build_tree
 
@@ -52,6 +54,9 @@ def runs(tmp_path_factory):
     a_dir = tmp_path_factory.mktemp("a")
     b_dir = tmp_path_factory.mktemp("b")
     a = Trainer(tiny_config(a_dir, "algo.engine=dfs"))
+    a.seen = {"every 2": [], "rl every 2": []}
+    a.add_hook(lambda i: a.seen["every 2"].append((i.step, i.phase, i.phase_step)), every=2)
+    a.add_hook(lambda i: a.seen["rl every 2"].append(i), every=2, phase=Phase.RL)
     res_a = a.run()
     # "Kill after step 2": B starts from nothing but the checkpoint written after step 2.
     step2 = "checkpoints/step_00000002"
@@ -88,6 +93,19 @@ def test_run_writes_metrics_and_checkpoints(runs):
     # Buckets were reserved for the run's largest batch: the second RL step
     # compiles nothing new.
     assert rl["engine"] == "dfs" and rl["trace_count"] == recs[-2]["trace_count"] > 0
+
+
+def test_hooks_run_on_their_steps(runs):
+    a, res_a, _, _ = runs
+    assert a.seen["every 2"] == [(2, Phase.RL, 1)]  # global step 2 = the first RL step
+    (info,) = a.seen["rl every 2"]  # RL steps are counted from the end of the warm-up
+    assert (info.step, info.phase_step) == (3, 2)
+    assert info.metrics is res_a.history[-1]  # hooks added later see the logged record
+
+
+def test_engine_section_reaches_the_engine(tmp_path):
+    t = Trainer(tiny_config(tmp_path, "algo.engine=dfs", "engine.dfs.chunk_len=64"))
+    assert t.engine.name == "dfs" and t.engine.config.chunk_len == 64
 
 
 def test_resume_reproduces_the_uninterrupted_run(runs):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dtarl.rl import advantages as A
+from dtarl import advantages as A
 
 
 def test_grpo_group_normalised():

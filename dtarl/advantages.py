@@ -1,4 +1,7 @@
-"""Advantage estimators and reward shaping as pure functions (numpy on the host, or jnp).
+"""Advantage estimators and reward shaping as pure functions (numpy on the host).
+
+Ground floor: the RL trainer (``dtarl.rl``) and the trace workloads
+(``dtarl.traces.workload``) share these.
 
 Letters: N sequences, T tokens (per-token arrays of one sequence or [N, T] padded).
 
@@ -16,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 
-def _check_groups(rewards_N, group_ids_N):
-    r = np.asarray(rewards_N, np.float64).reshape(-1)
+def _check_groups(rewards_N, group_ids_N, dtype=np.float64):
+    r = np.asarray(rewards_N, dtype).reshape(-1)
     g = np.asarray(group_ids_N).reshape(-1)
     if r.shape != g.shape:
         raise ValueError(f"rewards {r.shape} and group_ids {g.shape} must have the same shape [N]")
@@ -28,17 +31,23 @@ def _check_groups(rewards_N, group_ids_N):
 
 
 def grpo_advantages(
-    rewards_N, group_ids_N, *, scale_std: bool = True, eps: float = 1e-6
+    rewards_N,
+    group_ids_N,
+    *,
+    scale_std: bool = True,
+    eps: float = 1e-6,
+    compute_dtype=np.float64,
 ) -> np.ndarray:
-    """Group-normalised advantages.
+    """Group-normalised advantages, as float32.
 
         A_i = (r_i - mean_{j in g(i)} r_j) / (std_{j in g(i)} r_j + eps)   (GRPO)
         A_i =  r_i - mean_{j in g(i)} r_j                    (Dr.GRPO: scale_std=False)
 
     std is the population standard deviation. A group of one, or one whose rewards
-    are all equal, gets A = 0.
+    are all equal, gets A = 0. The means and stds are taken in ``compute_dtype``
+    (the trainer: float64; the trace workloads: float32).
     """
-    r, g = _check_groups(rewards_N, group_ids_N)
+    r, g = _check_groups(rewards_N, group_ids_N, compute_dtype)
     adv = np.zeros_like(r)
     for gid in np.unique(g):
         sel = g == gid

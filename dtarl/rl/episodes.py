@@ -1,0 +1,356 @@
+"""Episodes: from problems to a training batch.
+
+    rollout -> trajectories -> rewards (+ DAPO overlong shaping) -> dynamic sampling
+            -> reference logprobs -> advantages (GRPO groups or PPO's GAE) -> RolloutBatch
+
+``rl_batch`` runs that chain for one RL step; its pieces (``rollout``,
+``shaped_rewards``, ``group_advantages``, ``reference_batch`` for SFT, ``Scorer``)
+are plain functions usable on their own (see notebooks/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dtarl import advantages as adv_fns
+from dtarl.batch import RolloutBatch
+from dtarl.model.decoder import token_logprobs
+from dtarl.rl.config import Algorithm, ConfigError, TrainerConfig
+from dtarl.rl.metrics import length_stats
+from dtarl.rl.rewards import RewardFn, compute_rewards
+from dtarl.rl.tasks import Problem, Role, Task
+from dtarl.rl.value import ValueModel
+from dtarl.rollout.sampler import FinishReason, Sampler
+from dtarl.tree.plan import bucket
+
+# The reference policy's per-token logprobs of a list of sequences.
+ReferenceFn = Callable[[Sequence[np.ndarray]], list[np.ndarray]]
+
+
+# ------------------------------------------------------------ trajectories
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Trajectory:
+    """One sample: prompt, then assistant turns and tool outputs, as tokens.
+
+    ``loss_mask`` is 1 on assistant tokens only; ``old_logprobs`` holds the
+    sampler's logprobs (temperature 1, the training policy) there, 0 elsewhere.
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    old_logprobs: np.ndarray
+    prompt_len: int
+    response_len: int  # assistant tokens
+    completion: str  # decoded text after the prompt (assistant + tool)
+    truncated: bool  # the last turn hit its length limit
+    num_turns: int
+    problem_index: int
+
+
+def encode_prompt(tokenizer, text: str) -> np.ndarray:
+    ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(text)
+    return np.asarray(ids, np.int32)
+
+
+def single_token(tokenizer, s: str, what: str) -> int:
+    ids = tokenizer.encode(s)
+    if len(ids) != 1:
+        raise ConfigError(
+            f"{what} {s!r} encodes to {len(ids)} tokens with this tokenizer; the sampler "
+            "stops on single tokens"
+        )
+    return int(ids[0])
+
+
+def tool_stop_ids(tokenizer, task: Task) -> tuple[int, ...]:
+    return tuple(single_token(tokenizer, s, "task stop string") for s in task.stop_strings)
+
+
+def rollout(
+    sampler: Sampler,
+    weights,
+    tokenizer,
+    task: Task,
+    problems: Sequence[Problem],
+    *,
+    group_size: int,
+    key: jax.Array,
+) -> tuple[list[Trajectory], dict[str, float]]:
+    """Samples ``group_size`` trajectories per problem, running tool turns (multi-turn tasks).
+
+    Turn 0 prefills each prompt once for its whole group; later turns re-prefill
+    each distinct history once (samples that made the same calls share it).
+    """
+    tool_ids = set(tool_stop_ids(tokenizer, task))
+    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+    n = len(problems) * group_size
+    owner = np.repeat(np.arange(len(problems)), group_size)
+    parts: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
+    turn_text = [""] * n
+    truncated = np.zeros(n, bool)
+    turns = np.zeros(n, np.int64)
+    active = list(range(n))
+    gen_tokens, seconds = 0, 0.0
+    for turn in range(task.max_turns):
+        if not active:
+            break
+        histories = {}
+        for row in active:
+            h = np.concatenate([prompts[owner[row]]] + [p[0] for p in parts[row]])
+            histories.setdefault(h.tobytes(), (h, []))[1].append(row)
+        uniq = list(histories.values())
+        rows = [r for _, rs in uniq for r in rs]
+        res = sampler.generate(
+            weights,
+            [h for h, _ in uniq],
+            num_samples=[len(rs) for _, rs in uniq],
+            seed=jax.random.fold_in(key, turn),
+        )
+        gen_tokens += res.stats["generated_tokens"]
+        seconds += res.stats["seconds"]
+        nxt = []
+        for j, row in enumerate(rows):
+            tk = res.tokens[j].astype(np.int32)
+            parts[row].append((tk, np.ones(tk.shape, np.float32), res.raw_logprobs[j]))
+            turns[row] += 1
+            text = tokenizer.decode(tk.tolist())
+            finish = FinishReason(int(res.finish[j]))
+            truncated[row] = finish is FinishReason.LENGTH
+            if (
+                finish is FinishReason.STOP
+                and int(tk[-1]) in tool_ids
+                and turn + 1 < task.max_turns
+            ):
+                out = task.tool(problems[owner[row]], turn_text[row] + text)
+                if out is not None:
+                    ids = np.asarray(tokenizer.encode(out), np.int32)
+                    parts[row].append(
+                        (ids, np.zeros(ids.shape, np.float32), np.zeros(ids.shape, np.float32))
+                    )
+                    turn_text[row] += text + out
+                    nxt.append(row)
+        active = nxt
+    trajs = []
+    for row in range(n):
+        p = prompts[owner[row]]
+        toks = np.concatenate([p] + [x[0] for x in parts[row]]).astype(np.int32)
+        mask = np.concatenate([np.zeros(p.shape, np.float32)] + [x[1] for x in parts[row]])
+        old = np.concatenate([np.zeros(p.shape, np.float32)] + [x[2] for x in parts[row]])
+        trajs.append(
+            Trajectory(
+                tokens=toks,
+                loss_mask=mask,
+                old_logprobs=old.astype(np.float32),
+                prompt_len=int(p.shape[0]),
+                response_len=int(mask.sum()),
+                completion=tokenizer.decode(toks[p.shape[0] :].tolist()),
+                truncated=bool(truncated[row]),
+                num_turns=int(turns[row]),
+                problem_index=int(owner[row]),
+            )
+        )
+    stats = dict(
+        rollout_seconds=seconds,
+        rollout_tokens=gen_tokens,
+        rollout_tokens_per_s=gen_tokens / max(seconds, 1e-9),
+    )
+    return trajs, stats
+
+
+def reference_batch(tokenizer, problems: Sequence[Problem]) -> RolloutBatch:
+    """SFT batch: prompt + the reference trajectory + eos; loss on assistant tokens."""
+    toks, masks = [], []
+    for p in problems:
+        seq = [encode_prompt(tokenizer, p.prompt)]
+        mask = [np.zeros(seq[0].shape, np.float32)]
+        for role, text in p.reference:
+            ids = np.asarray(tokenizer.encode(text), np.int32)
+            seq.append(ids)
+            mask.append(np.full(ids.shape, 1.0 if role is Role.ASSISTANT else 0.0, np.float32))
+        seq.append(np.asarray([tokenizer.eos_id], np.int32))
+        mask.append(np.ones(1, np.float32))
+        toks.append(np.concatenate(seq))
+        masks.append(np.concatenate(mask))
+    return RolloutBatch.create(tokens=toks, loss_mask=masks)
+
+
+def success_rate(rewards: np.ndarray) -> float:
+    """Fraction of samples with reward >= 1 (the built-in tasks score 0 or 1)."""
+    r = np.asarray(rewards)
+    return float(np.mean(r >= 1.0)) if r.size else 0.0
+
+
+# ------------------------------------------------------ rewards, advantages
+
+
+def shaped_rewards(cfg: TrainerConfig, rewards: np.ndarray, trajs: Sequence[Trajectory]):
+    """Task rewards plus DAPO's overlong shaping (when ``algo.overlong_buffer > 0``)."""
+    r = np.asarray(rewards, np.float32)
+    if cfg.algo.overlong_buffer > 0:
+        max_len = cfg.rollout.max_new_tokens * cfg.task.max_turns
+        lens = [t.response_len for t in trajs]
+        r = r + adv_fns.overlong_penalty(
+            lens, max_len=max_len, buffer=min(cfg.algo.overlong_buffer, max_len)
+        )
+    return r
+
+
+def group_advantages(cfg: TrainerConfig, rewards: np.ndarray, group_ids: np.ndarray):
+    """``grpo_advantages`` with the algorithm's options (Dr.GRPO: no std scaling)."""
+    scale = cfg.algo.algorithm is not Algorithm.DR_GRPO
+    return adv_fns.grpo_advantages(rewards, group_ids, scale_std=scale)
+
+
+class Scorer:
+    """Jitted dense per-token logprobs of a batch under given weights (reference policy)."""
+
+    def __init__(self, model):
+        self.graphdef, _ = nnx.split(model, nnx.Param)
+        self.cfg = model.cfg
+        self._fn = jax.jit(self._score)
+        self._min = dict(n=1, t=8)
+
+    def _score(self, weights, tokens_NxT):
+        model = nnx.merge(self.graphdef, weights)
+        n, t = tokens_NxT.shape
+        pos = jnp.broadcast_to(jnp.arange(t), (n, t))
+        hidden, _ = model(tokens_NxT, pos, return_hidden=True)
+        lp, _ = token_logprobs(
+            model.lm_head_weight(), hidden[:, :-1], tokens_NxT[:, 1:], chunk=self.cfg.logits_chunk
+        )
+        return jnp.concatenate([jnp.zeros((n, 1), jnp.float32), lp], axis=1)
+
+    def __call__(self, weights, tokens: Sequence[np.ndarray]) -> list[np.ndarray]:
+        self._min["n"] = n = bucket(len(tokens), self._min["n"])
+        self._min["t"] = t = bucket(max(len(x) for x in tokens), self._min["t"])
+        arr = np.zeros((n, t), np.int32)
+        for i, x in enumerate(tokens):
+            arr[i, : len(x)] = x
+        out = np.asarray(self._fn(weights, arr))
+        return [out[i, : len(x)].copy() for i, x in enumerate(tokens)]
+
+
+# ---------------------------------------------------------------- rl_batch
+
+
+def rl_batch(
+    cfg: TrainerConfig,
+    problems: Sequence[Problem],
+    *,
+    sampler: Sampler,
+    params,
+    tokenizer,
+    task: Task,
+    reward_fn: RewardFn,
+    key: jax.Array,
+    reference: ReferenceFn | None = None,
+    value: ValueModel | None = None,
+) -> tuple[RolloutBatch | None, dict[str, Any]]:
+    """One RL step's batch: ``cfg.rollout.group_size`` samples of each problem under
+    ``params``, scored by ``reward_fn`` and shaped, filtered by dynamic sampling
+    (DAPO), with reference logprobs (``reference``, for a KL term) and advantages:
+    GRPO's group-normalised ones, or per-token GAE from ``value`` (PPO).
+
+    Returns ``(batch, metrics)``; ``batch`` is None when dynamic sampling kept no
+    group (``metrics`` then say ``skipped=1`` and why).
+    """
+    trajs, rollout_stats = rollout(
+        sampler, params, tokenizer, task, problems, group_size=cfg.rollout.group_size, key=key
+    )
+    t_reward = time.perf_counter()
+    scored = compute_rewards(
+        reward_fn,
+        [problems[t.problem_index] for t in trajs],
+        [t.completion for t in trajs],
+        on_error=cfg.reward_on_error,
+    )
+    reward_s = time.perf_counter() - t_reward
+    rewards = shaped_rewards(cfg, scored.rewards, trajs)
+    gids = np.array([t.problem_index for t in trajs], np.int32)
+    m: dict[str, Any] = dict(
+        reward_mean=float(rewards.mean()),
+        reward_std=float(rewards.std()),
+        success_rate=success_rate(scored.rewards),
+        truncated_fraction=float(np.mean([t.truncated for t in trajs])),
+        turns_mean=float(np.mean([t.num_turns for t in trajs])),
+        reward_errors=len(scored.errors),
+        reward_seconds=reward_s,
+        **rollout_stats,
+        **length_stats([t.response_len for t in trajs]),
+    )
+
+    keep = np.ones(len(trajs), bool)
+    if cfg.algo.use_dynamic_sampling:
+        keep = adv_fns.dynamic_sampling_mask(rewards, gids)
+    m["kept_fraction"] = float(keep.mean())
+    if not keep.any():
+        m.update(skipped=1, skip_reason="every group has equal rewards (no signal)")
+        return None, m
+    idx = np.flatnonzero(keep)
+    trajs = [trajs[i] for i in idx]
+    rewards, gids = rewards[idx], gids[idx]
+    toks = [t.tokens for t in trajs]
+    masks = [t.loss_mask for t in trajs]
+    olds = [t.old_logprobs for t in trajs]
+
+    ref = reference(toks) if reference is not None else None
+    if value is not None:
+        advs = np.zeros(len(trajs), np.float32)
+        token_adv, value_stats = value.advantages(
+            toks,
+            masks,
+            olds,
+            rewards,
+            ref,
+            kl_coef=cfg.algo.kl_coef,
+            gamma=cfg.algo.gamma,
+            lam=cfg.algo.lam,
+        )
+        m.update(value_stats)
+    else:
+        advs = group_advantages(cfg, rewards, gids)
+        token_adv = None
+    batch = RolloutBatch.create(
+        tokens=toks,
+        loss_mask=masks,
+        advantages=advs,
+        old_logprobs=olds,
+        ref_logprobs=ref,
+        token_advantages=token_adv,
+        group_ids=gids,
+        rewards=rewards,
+    )
+    tree = batch.prefix_tree()  # built once: the engine reuses it
+    m.update(
+        advantage_abs_mean=float(np.abs(advs).mean()),
+        tree_token_ratio=tree.stats.ideal_token_ratio,
+        num_tokens=batch.num_tokens,
+        tree_tokens=tree.stats.tree_tokens,
+    )
+    return batch, m
+
+
+__all__ = [
+    "ReferenceFn",
+    "Scorer",
+    "Trajectory",
+    "encode_prompt",
+    "group_advantages",
+    "reference_batch",
+    "rl_batch",
+    "rollout",
+    "shaped_rewards",
+    "single_token",
+    "success_rate",
+    "tool_stop_ids",
+]

@@ -1,0 +1,177 @@
+"""What one update minimises and how: the loss of each algorithm, AdamW with its
+learning-rate schedule, and ``update`` (one engine gradient + one optimiser step).
+
+    loss = make_loss(cfg, max_response)
+    opt = make_optimizer(lr=1e-3, warmup=0, total=100, schedule=Schedule.CONSTANT, cfg=cfg.optim)
+    state = opt.tx.init(params)
+    u = update(params, state, batch, engine=engine, loss=loss, optimizer=opt)
+    params, state = u.params, u.opt_state         # unchanged when ``not u.applied``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+from dtarl.batch import LossNorm, RolloutBatch
+from dtarl.engines import EngineAux
+from dtarl.losses import ClippedSurrogateLoss
+from dtarl.rl.config import Algorithm, OptimSection, Schedule, TrainerConfig
+
+# optax >= 0.2.5 renamed tree_l2_norm to tree_norm (the old name warns).
+_tree_norm = getattr(optax.tree_utils, "tree_norm", None) or optax.tree_utils.tree_l2_norm
+
+# ||g||_2 over every leaf of a gradient pytree.
+grad_norm = jax.jit(_tree_norm)
+
+
+# ------------------------------------------------------------------ losses
+
+
+def make_loss(cfg: TrainerConfig, max_response: int) -> ClippedSurrogateLoss:
+    """The policy loss of ``cfg.algo.algorithm``.
+
+    GRPO: per-sequence mean; DAPO: token-level mean; Dr.GRPO: a constant
+    normaliser (``max_response``); PPO: token-level, GAE advantages in the batch's
+    ``token_advantages`` and the KL in the reward instead of the loss.
+    """
+    a = cfg.algo
+    if a.algorithm is Algorithm.DR_GRPO:
+        return ClippedSurrogateLoss(
+            eps_low=a.clip_eps,
+            eps_high=a.eps_high,
+            kl_coef=a.kl_coef,
+            entropy_coef=a.entropy_coef,
+            norm=LossNorm.CONSTANT,
+            norm_constant=float(max_response),
+        )
+    if a.algorithm is Algorithm.PPO:
+        return ClippedSurrogateLoss(
+            eps_low=a.clip_eps,
+            eps_high=a.eps_high,
+            entropy_coef=a.entropy_coef,
+            norm=LossNorm.TOKEN,
+        )
+    norm = LossNorm.TOKEN if a.algorithm is Algorithm.DAPO else LossNorm.SEQUENCE
+    return ClippedSurrogateLoss(
+        eps_low=a.clip_eps,
+        eps_high=a.eps_high,
+        kl_coef=a.kl_coef,
+        entropy_coef=a.entropy_coef,
+        norm=norm,
+    )
+
+
+# --------------------------------------------------------------- optimiser
+
+
+def make_schedule(lr: float, warmup: int, total: int, kind: Schedule) -> optax.Schedule:
+    """Linear warm-up over ``warmup`` steps, then ``kind`` over the remaining ones."""
+    decay = max(total - warmup, 1)
+    if kind is Schedule.CONSTANT:
+        main = optax.constant_schedule(lr)
+    elif kind is Schedule.COSINE:
+        main = optax.cosine_decay_schedule(lr, decay, alpha=0.1)
+    else:
+        main = optax.linear_schedule(lr, 0.0, decay)
+    if warmup <= 0:
+        return main
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), main], [warmup])
+
+
+def _apply_updates(tx, params, grads, opt_state):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Optimizer:
+    """An optax transformation, its learning-rate schedule, and its jitted apply:
+    ``apply(params, grads, opt_state) -> (params, opt_state)``."""
+
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+
+    def __post_init__(self):
+        object.__setattr__(self, "apply", jax.jit(lambda p, g, s: _apply_updates(self.tx, p, g, s)))
+
+    def init(self, params):
+        return self.tx.init(params)
+
+
+def make_optimizer(
+    *, lr: float, warmup: int, total: int, schedule: Schedule, cfg: OptimSection
+) -> Optimizer:
+    """AdamW behind global-norm clipping, on ``make_schedule(lr, warmup, total, schedule)``."""
+    sched = make_schedule(lr, warmup, total, schedule)
+    tx = optax.chain(
+        optax.clip_by_global_norm(cfg.max_grad_norm),
+        optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+    )
+    return Optimizer(tx, sched)
+
+
+# ------------------------------------------------------------------ update
+
+
+class UpdateResult(NamedTuple):
+    """One update: the new state (the old one when it was skipped) and what it did."""
+
+    params: Any
+    opt_state: Any
+    loss: float
+    grad_norm: float
+    applied: bool  # False: a non-finite loss or gradient; the state is unchanged
+    skip_reason: str  # "" when applied
+    aux: EngineAux  # per-token logprobs and the engine's stats
+    engine: str  # the engine's name (auto: "auto"; its pick is in aux.stats)
+    seconds: float
+
+
+def update(
+    params,
+    opt_state,
+    batch: RolloutBatch,
+    *,
+    engine,
+    loss,
+    optimizer: Optimizer,
+) -> UpdateResult:
+    """``engine.value_and_grad(params, batch, loss)``, then one optimiser step, unless
+    the loss or the gradient norm is not finite (then the state comes back unchanged)."""
+    t0 = time.perf_counter()
+    value, grads, aux = engine.value_and_grad(params, batch, loss)
+    gnorm = float(grad_norm(grads))
+    applied = bool(np.isfinite(float(value)) and np.isfinite(gnorm))
+    why = ""
+    if applied:
+        params, opt_state = optimizer.apply(params, grads, opt_state)
+    else:
+        why = "non-finite loss or gradient"
+    return UpdateResult(
+        params=params,
+        opt_state=opt_state,
+        loss=float(value),
+        grad_norm=gnorm,
+        applied=applied,
+        skip_reason=why,
+        aux=aux,
+        engine=aux.stats.get("engine", getattr(engine, "name", "?")),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+__all__ = [
+    "Optimizer",
+    "UpdateResult",
+    "grad_norm",
+    "make_loss",
+    "make_optimizer",
+    "make_schedule",
+    "update",
+]
