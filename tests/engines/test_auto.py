@@ -32,6 +32,11 @@ from dtarl.tree import build_tree
 CFG = ModelConfig.tiny()
 
 
+def NO_HOST(kind, batch):
+    """A fixed host cost: no choice checked here depends on this machine's speed."""
+    return 0.0
+
+
 def multiturn(turns, branch, prompt, turn_len, seed=0):
     rs = np.random.RandomState(seed)
     seqs = [list(rs.randint(3, 256, prompt))]
@@ -76,7 +81,7 @@ def test_engine_work_orders():
 
 
 def test_default_choice():
-    auto = AutoEngine(_model(ModelFamily.QWEN3)[0])
+    auto = AutoEngine(_model(ModelFamily.QWEN3)[0], host_seconds=NO_HOST)
     grpo = grpo_groups(num_groups=2, group_size=8, prompt_len=256, response_len=64)
     kind, reason, pred = auto.choose(grpo)
     assert kind == "prefix_reuse" and reason.startswith("prefix_reuse: predicted")
@@ -84,12 +89,18 @@ def test_default_choice():
     no_share = RolloutBatch.create(tokens=[[i, 5, 6, 7] for i in range(3, 11)])
     # A fresh engine: buckets only grow, so after the GRPO batch dense would pad
     # these 4-token sequences to the GRPO length (and the prediction says so).
-    assert AutoEngine(auto.model).choose(no_share)[0] == "dense"
+    assert AutoEngine(auto.model, host_seconds=NO_HOST).choose(no_share)[0] == "dense"
     # Candidates restrict the choice.
-    only = AutoEngine(auto.model, candidates=("dense", "dfs"))
+    only = AutoEngine(auto.model, candidates=("dense", "dfs"), host_seconds=NO_HOST)
     assert only.choose(grpo)[0] in ("dense", "dfs")
     with pytest.raises(ValueError, match="candidates"):
         AutoEngine(auto.model, candidates=("tree",))
+    # The host cost is part of each estimate: a prefix_reuse prepare of 10 s loses.
+    slow_host = AutoEngine(
+        auto.model, host_seconds=lambda kind, batch: 10.0 if kind == "prefix_reuse" else 0.0
+    )
+    kind, reason, _ = slow_host.choose(grpo)
+    assert kind != "prefix_reuse" and "prefix_reuse 1e+04 ms" in reason
 
 
 def test_fit_cost_model_recovers_coefficients():
@@ -178,7 +189,7 @@ def test_auto_delegates_and_reports():
     model, params = _model(ModelFamily.QWEN3)
     engines = _engines()
     timer = FakeTimer({})
-    auto = AutoEngine(model, engines=engines, autotune=False, timer=timer)
+    auto = AutoEngine(model, engines=engines, autotune=False, timer=timer, host_seconds=NO_HOST)
     loss = MaskedNLLLoss()
     batch = _batch()
     kind = auto.choose(batch)[0]
@@ -203,7 +214,7 @@ def test_autotune_overrides_a_wrong_cost_model():
     batch = _batch()
     fake = {"dense": 0.3, "prefix_reuse": 0.2, "dfs": 0.1}
     timer = FakeTimer(fake)
-    auto = AutoEngine(model, engines=_engines(), tune_margin=4.0, timer=timer)
+    auto = AutoEngine(model, engines=_engines(), tune_margin=4.0, timer=timer, host_seconds=NO_HOST)
     auto.cost_model = _model_predicting(
         auto, batch, loss, {"dense": 0.1, "prefix_reuse": 0.2, "dfs": 0.3}
     )
@@ -276,7 +287,7 @@ def test_autotune_margin():
     loss = MaskedNLLLoss()
     batch = _batch()
     timer = FakeTimer({"dense": 1.0, "prefix_reuse": 0.4, "dfs": 0.1})
-    auto = AutoEngine(model, engines=_engines(), tune_margin=2.0, timer=timer)
+    auto = AutoEngine(model, engines=_engines(), tune_margin=2.0, timer=timer, host_seconds=NO_HOST)
     auto.cost_model = _model_predicting(
         auto, batch, loss, {"dense": 0.1, "prefix_reuse": 0.3, "dfs": 10.0}
     )
@@ -297,7 +308,9 @@ def test_autotune_margin():
     # A program timed in an earlier round that is still in margin is timed again,
     # side by side with the new one: dense measures 0.5 s, inside 2 x 0.3 s.
     timer = FakeTimer({"dense": 0.5, "prefix_reuse": 0.4, "dfs": 0.1})
-    auto = AutoEngine(model, engines=auto.engines, tune_margin=2.0, timer=timer)
+    auto = AutoEngine(
+        model, engines=auto.engines, tune_margin=2.0, timer=timer, host_seconds=NO_HOST
+    )
     auto.cost_model = _model_predicting(
         auto, batch, loss, {"dense": 0.1, "prefix_reuse": 0.3, "dfs": 10.0}
     )
@@ -307,7 +320,9 @@ def test_autotune_margin():
     assert aux.stats["autotuned"] == ["dense", "prefix_reuse"]
     # A batch whose best estimate is under tune_all_below times every candidate.
     timer = FakeTimer({"dense": 0.01, "prefix_reuse": 0.02, "dfs": 0.03})
-    auto = AutoEngine(model, engines=auto.engines, tune_all_below=0.05, timer=timer)
+    auto = AutoEngine(
+        model, engines=auto.engines, tune_all_below=0.05, timer=timer, host_seconds=NO_HOST
+    )
     auto.cost_model = _model_predicting(
         auto, batch, loss, {"dense": 0.1, "prefix_reuse": 0.004, "dfs": 0.04}
     )
@@ -365,7 +380,9 @@ def test_time_programs_interleaves(monkeypatch):
 def test_prepared_work_counts_padding():
     """auto predicts from what each program computes, padding included."""
     auto = AutoEngine(
-        _model(ModelFamily.QWEN3)[0], engine_config=EngineConfig(dfs=DFSConfig(chunk_len=32))
+        _model(ModelFamily.QWEN3)[0],
+        engine_config=EngineConfig(dfs=DFSConfig(chunk_len=32)),
+        host_seconds=NO_HOST,
     )
     batch = grpo_groups(num_groups=2, group_size=4, prompt_len=40, response_len=(5, 20), seed=9)
     work, prepared = auto.prepared_work(batch)
