@@ -1,11 +1,7 @@
 """``dtarl train CONFIG [--set key=value ...]`` (thin: parse the config, call the trainer).
 
-The lead wires ``register(subparsers)`` into ``dtarl``'s top-level subparsers::
-
-    from dtarl.commands import train as rl_cli
-    rl_cli.register(sub)
-
-Standalone: ``python -m dtarl.commands.train CONFIG [--set k=v ...]``.
+``dtarl.cli`` adds it with ``register(subparsers)``. Standalone:
+``python -m dtarl.commands.train CONFIG [--set k=v ...]``.
 """
 
 from __future__ import annotations
@@ -14,10 +10,11 @@ import argparse
 import json
 import sys
 
+from dtarl.rl.config import ConfigError, load_config, to_dict
+from dtarl.rl.trainer import Trainer
+
 
 def _train(args: argparse.Namespace) -> int:
-    from dtarl.rl.config import ConfigError, load_config, to_dict
-
     try:
         cfg = load_config(args.config, args.set or ())
     except ConfigError as e:
@@ -26,8 +23,6 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(to_dict(cfg), indent=1))
         return 0
-    from dtarl.rl.trainer import Trainer
-
     try:
         result = Trainer(cfg).run()
     except ConfigError as e:

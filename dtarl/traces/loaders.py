@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from dtarl.traces.fitted import load_fitted
 from dtarl.traces.records import (
     DapoFilterBatch,
     PromptGroup,
@@ -466,7 +467,6 @@ def load_trace(path: str | os.PathLike):
     Returns a ``RunTrace`` (records are streamed on demand) or, for the fitted
     JSON, a ``FittedWorkload``. Raises ``TraceFormatError`` if nothing is recognised.
     """
-    from dtarl.traces.fitted import load_fitted
 
     p = Path(path)
     if not p.exists():
@@ -496,7 +496,6 @@ def load_trace(path: str | os.PathLike):
 
 def find_traces(root: str | os.PathLike) -> list:
     """Every run directory and fitted JSON below ``root`` (sorted by path), unopened records."""
-    from dtarl.traces.fitted import load_fitted
 
     root = Path(root)
     if root.is_file():

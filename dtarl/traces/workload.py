@@ -37,9 +37,11 @@ from dtarl.traces.fitted import (
 )
 from dtarl.traces.loaders import (
     FITTED_RELPATH,
+    FileKind,
     RunKind,
     RunTrace,
     default_polytrace_root,
+    iter_jsonl,
     load_trace,
 )
 from dtarl.traces.records import PromptGroup, TraceFormatError, Trajectory
@@ -111,8 +113,6 @@ class Workload:
 @functools.lru_cache(maxsize=64)
 def _run_max_output(step_files: tuple[tuple[int, str], ...]) -> int:
     """Largest response length over all steps of a run (the truncation budget proxy)."""
-    from dtarl.traces.loaders import FileKind, iter_jsonl
-
     best = 0
     for step, f in step_files:
         for rec in iter_jsonl(f, FileKind.PACKED_LENGTHS, expect_step=step):
