@@ -161,8 +161,9 @@ class BucketState:
 class Prepared:
     """A batch compiled for one engine on the host.
 
-    ``static`` (hashable) fixes the device program's shapes; ``args`` are the
-    numpy pytrees it takes after ``params``; ``host`` keeps what ``finish`` needs.
+    ``static`` (a hashable NamedTuple of the engine's, e.g. ``DFSStatic``) fixes the
+    device program's shapes; ``args`` are the numpy pytrees it takes after
+    ``params``; ``host`` (a NamedTuple too) keeps what ``finish`` needs.
     Sharded runners stack ``args`` of several ranks prepared with equal ``static``.
     """
 
@@ -173,17 +174,33 @@ class Prepared:
 
 
 class Engine(Protocol):
+    """The contract every training engine keeps (module docstring)."""
+
     name: str
+    config: Any  # the engine's frozen settings (``dtarl.engines.config``)
 
-    def prepare(self, batch: RolloutBatch, loss, *, weights=None) -> Prepared: ...
+    def prepare(self, batch: RolloutBatch, loss, *, weights=None) -> Prepared:
+        """Host side: the batch padded to the engine's buckets (typed static/host)."""
+        ...
 
-    def device_fn(self, loss, static: tuple):
+    def device_fn(self, loss, static):
         """Pure ``f(params, *args) -> (loss, grads_f32, out)``; jit/shard_map-able."""
         ...
 
     def finish(self, prepared: Prepared, out) -> tuple[np.ndarray, ...]:
         """Per-sequence logprobs from the device output."""
         ...
+
+    def features(self, prepared: Prepared) -> WorkFeatures:
+        """What the device program computes for ``prepared``, padding included."""
+        ...
+
+    def reserve(self, capacity) -> Engine:
+        """Grows the shape buckets to a ``Capacity``; returns the engine."""
+        ...
+
+    @property
+    def buckets(self) -> Buckets: ...
 
     def value_and_grad(
         self, params: nnx.State, batch: RolloutBatch, loss, *, weights: np.ndarray | None = None

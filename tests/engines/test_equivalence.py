@@ -135,7 +135,11 @@ def check(
     model, params = _model(family)
     engine = _engine(engine_kind, family, chunk, order, levels, rows, wide)
     want_loss, want_grads, want_logp = reference(model, params, batch, loss)
+    reserved = engine.buckets
     got_loss, got_grads, aux = engine.value_and_grad(params, batch, loss)
+    # The shared engine's buckets cover every batch of the module, so no test grows
+    # them: each runs the same program whatever ran before it (order-independent).
+    assert engine.buckets == reserved, f"batch outgrew the reserve: {engine.buckets}"
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=RTOL, atol=1e-7)
     for got, want in zip(aux.logprobs, want_logp, strict=True):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)

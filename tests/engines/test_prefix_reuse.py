@@ -34,6 +34,7 @@ from dtarl.engines import (
     RolloutBatch,
     make_engine,
 )
+from dtarl.engines.base import Buckets
 from dtarl.engines.prefix_reuse import (
     deep_sequences,
     group_plan,
@@ -58,9 +59,16 @@ RESERVE = Capacity(
 
 @functools.cache
 def pr_engine(
-    family=ModelFamily.QWEN3, microbatch=4, mode=PrefixActivations.OFFLOAD, deep=DeepTrees.DFS
+    family=ModelFamily.QWEN3,
+    microbatch=4,
+    mode=PrefixActivations.OFFLOAD,
+    deep=DeepTrees.DFS,
+    split=False,
 ):
-    """Pre-sized: one compilation per loss for the whole module."""
+    """Pre-sized: one compilation per loss for the whole module. ``split``: the
+    engine for batches with deep groups, in its two-program form from the start
+    (the form only ever switches once, so a shared engine would otherwise run
+    shallow batches in either form depending on which test ran first)."""
     model, _ = _model(family)
     engine = PrefixReuseEngine(
         model,
@@ -68,15 +76,24 @@ def pr_engine(
         prefix_activations=mode,
         deep_trees=deep,
         offload_on_cpu=True,  # the offload program itself, also on a CPU
-    )
-    return engine.reserve(RESERVE)
+    ).reserve(RESERVE)
+    if split:
+        engine.merge_buckets(Buckets.of(split=1))
+    return engine
 
 
 def check_pr(batch, loss, family=ModelFamily.QWEN3, **kw):
     model, params = _model(family)
-    engine = pr_engine(family, **kw)
+    split = kw.get("deep", DeepTrees.DFS) is DeepTrees.DFS and bool(
+        deep_sequences(build_tree(batch.tokens)).any()
+    )
+    engine = pr_engine(family, split=split, **kw)
     want_loss, want_grads, want_logp = reference(model, params, batch, loss)
+    reserved = engine.buckets
     got_loss, got_grads, aux = engine.value_and_grad(params, batch, loss)
+    # The shared engine's buckets cover every batch of the module, so no test grows
+    # them: each runs the same program whatever ran before it (order-independent).
+    assert engine.buckets == reserved, f"batch outgrew the reserve: {engine.buckets}"
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=RTOL, atol=1e-7)
     for got, want in zip(aux.logprobs, want_logp, strict=True):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
