@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import re
 import types
 import typing
 from typing import Any
@@ -229,6 +230,22 @@ def _configs_dir() -> str:
 # ------------------------------------------------------------------ parsing
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 floats: ``1e-3`` and ``5E4`` are numbers
+    (YAML 1.1 wants a dot and a signed exponent, ``1.0e-3``, and reads ``1e-3`` as a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml_load(stream):
+    return yaml.load(stream, Loader=_Loader)
+
+
 def _convert(tp, value, where: str):
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -329,7 +346,7 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     if not all(parts):
         raise ConfigError(f"--set {assignment!r}: malformed key {key!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {assignment!r}: value is not valid YAML ({e})") from None
     node = data
@@ -348,7 +365,7 @@ def load_config(path: str | os.PathLike | None, overrides=()) -> TrainerConfig:
         p = os.fspath(path)
         try:
             with open(p) as f:
-                loaded = yaml.safe_load(f)
+                loaded = _yaml_load(f)
         except FileNotFoundError:
             raise ConfigError(f"{p}: no such config file") from None
         except yaml.YAMLError as e:

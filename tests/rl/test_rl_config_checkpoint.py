@@ -153,3 +153,16 @@ def test_entropy_coef_reaches_the_loss():
     assert not make_loss(load_config(path), 32).needs_entropy
     with pytest.raises(ConfigError, match="entropy_coef"):
         load_config(path, overrides=["algo.entropy_coef=-1"])
+
+
+def test_exponent_floats_parse_as_numbers(tmp_path):
+    """``1e-3`` as users type it (YAML 1.1 wants ``1.0e-3`` and reads ``1e-3`` as a string)."""
+    cfg = load_config(None, ["optim.lr=1e-3", "sft.lr=5E-4", "algo.value_lr=2.5e-2"])
+    assert cfg.optim.lr == 0.001 and cfg.sft.lr == 0.0005 and cfg.algo.value_lr == 0.025
+    path = tmp_path / "lr.yaml"
+    path.write_text("optim:\n  lr: 1e-3\n  weight_decay: 1e-2\nsteps: 3\nout_dir: 1e3run\n")
+    cfg = load_config(path)
+    assert cfg.optim.lr == 0.001 and cfg.optim.weight_decay == 0.01
+    assert cfg.steps == 3 and cfg.out_dir == "1e3run"  # ints and strings are unchanged
+    with pytest.raises(ConfigError, match="steps=1000.0 must be an integer"):
+        load_config(None, ["steps=1e3"])
