@@ -45,18 +45,32 @@ class Schedule(enum.Enum):
     LINEAR = "linear"  # linear warm-up then linear decay to 0
 
 
+def _key(obj, name: str) -> str:
+    """The key as a user writes it: ``rollout.top_p``; top-level fields bare (``steps``)."""
+    return name if obj.SECTION == "trainer" else f"{obj.SECTION}.{name}"
+
+
 def _positive(obj, *names):
     for n in names:
         v = getattr(obj, n)
         if not v > 0:
-            raise ConfigError(f"{obj.SECTION}.{n}={v!r} must be > 0")
+            raise ConfigError(f"{_key(obj, n)}={v!r} must be > 0")
 
 
 def _nonneg(obj, *names):
     for n in names:
         v = getattr(obj, n)
         if not v >= 0:
-            raise ConfigError(f"{obj.SECTION}.{n}={v!r} must be >= 0")
+            raise ConfigError(f"{_key(obj, n)}={v!r} must be >= 0")
+
+
+def _in_range(obj, name, lo, hi, *, lo_open=False, hi_open=False):
+    """``lo <= v <= hi`` (``<`` on an open end); the error names key, value and range."""
+    v = getattr(obj, name)
+    ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not ok:
+        rng = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ConfigError(f"{_key(obj, name)}={v!r} must be in {rng}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,10 +89,16 @@ class ModelSection:
             raise ConfigError(
                 f"model.preset={self.preset!r} is not known; accepted: {ModelConfig.PRESETS}"
             )
+        _nonneg(self, "seed")
         valid = {f.name for f in dataclasses.fields(ModelConfig)}
         bad = sorted(set(self.overrides) - valid)
         if bad:
             raise ConfigError(f"model.overrides: unknown keys {bad}; valid keys: {sorted(valid)}")
+        if self.hf_path is None and self.overrides:
+            try:  # the preset's ranges, checked before any weights exist
+                ModelConfig.preset(self.preset).replace(**self.overrides)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"model.overrides={self.overrides!r}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,6 +110,24 @@ class TaskSection:
     num_numbers: int = 3  # countdown
     max_number: int = 9  # countdown
     max_turns: int = 2  # calculator
+
+    def __post_init__(self):
+        if self.kind in (TaskKind.ARITHMETIC, TaskKind.CALCULATOR):
+            _positive(self, "max_operand")
+        if self.kind is TaskKind.ARITHMETIC and (not self.ops or set(self.ops) - set("+-*")):
+            raise ConfigError(f"task.ops={self.ops!r} must be a non-empty subset of '+-*'")
+        if self.kind is TaskKind.COUNTDOWN:
+            _in_range(self, "num_numbers", 2, 6)
+            if not self.max_number >= 2:
+                raise ConfigError(f"task.max_number={self.max_number!r} must be >= 2")
+        if self.kind is TaskKind.CALCULATOR:
+            if not self.max_turns >= 2:
+                raise ConfigError(f"task.max_turns={self.max_turns!r} must be >= 2 (calculator)")
+        elif self.max_turns != TaskSection.max_turns:
+            raise ConfigError(
+                f"task.max_turns={self.max_turns!r}: only the calculator task has turns "
+                f"(task.kind={self.kind.value!r} is single-turn); remove the key"
+            )
 
     def options(self) -> dict[str, Any]:
         if self.kind is TaskKind.ARITHMETIC:
@@ -110,7 +148,8 @@ class RolloutSection:
     max_new_tokens: int = 8  # per turn
 
     def __post_init__(self):
-        _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "top_p")
+        _positive(self, "prompts_per_step", "group_size", "max_new_tokens")
+        _in_range(self, "top_p", 0, 1, lo_open=True)
         _nonneg(self, "temperature", "top_k")
 
 
@@ -131,10 +170,13 @@ class AlgoSection:
     value_lr: float = 1e-3  # PPO value model
 
     def __post_init__(self):
-        _nonneg(self, "clip_eps", "kl_coef", "entropy_coef", "overlong_buffer")
+        _in_range(self, "clip_eps", 0, 1, hi_open=True)
+        if self.clip_eps_high is not None:
+            _nonneg(self, "clip_eps_high")
+        _nonneg(self, "kl_coef", "entropy_coef", "overlong_buffer")
         _positive(self, "updates_per_batch", "value_lr")
-        if self.clip_eps >= 1:
-            raise ConfigError(f"algo.clip_eps={self.clip_eps} must be < 1")
+        _in_range(self, "gamma", 0, 1)
+        _in_range(self, "lam", 0, 1)
 
     @property
     def eps_high(self) -> float:
@@ -165,6 +207,8 @@ class OptimSection:
     def __post_init__(self):
         _positive(self, "lr", "max_grad_norm")
         _nonneg(self, "weight_decay", "warmup_steps")
+        _in_range(self, "b1", 0, 1, hi_open=True)
+        _in_range(self, "b2", 0, 1, hi_open=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -207,8 +251,19 @@ class TrainerConfig:
     reward_on_error: RewardErrorPolicy = RewardErrorPolicy.RAISE
 
     def __post_init__(self):
-        _nonneg(self, "steps", "checkpoint_every", "eval_problems", "eval_every")
+        _nonneg(self, "steps", "seed", "checkpoint_every", "eval_problems", "eval_every")
         _positive(self, "keep_checkpoints")
+        if not self.out_dir:
+            raise ConfigError("out_dir='' must name a directory")
+        if self.algo.overlong_buffer > self.rollout.max_new_tokens * self._turns():
+            raise ConfigError(
+                f"algo.overlong_buffer={self.algo.overlong_buffer} must be <= the response "
+                f"budget rollout.max_new_tokens x turns = "
+                f"{self.rollout.max_new_tokens * self._turns()}"
+            )
+
+    def _turns(self) -> int:
+        return self.task.max_turns if self.task.kind is TaskKind.CALCULATOR else 1
 
     @property
     def total_steps(self) -> int:
@@ -244,6 +299,13 @@ _Loader.add_implicit_resolver(
 
 def _yaml_load(stream):
     return yaml.load(stream, Loader=_Loader)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A one-line description of a YAML error (PyYAML's own spans several lines)."""
+    parts = [getattr(e, "context", None), getattr(e, "problem", None)]
+    text = ", ".join(p for p in parts if p) or str(e)
+    return " ".join(text.split())
 
 
 def _convert(tp, value, where: str):
@@ -348,7 +410,10 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     try:
         value = _yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {assignment!r}: value is not valid YAML ({e})") from None
+        raise ConfigError(
+            f"--set {assignment!r}: value is not valid YAML ({_yaml_problem(e)}); "
+            "quote it, e.g. --set \"task.ops='+-*'\""
+        ) from None
     node = data
     for p in parts[:-1]:
         child = node.setdefault(p, {})
@@ -371,7 +436,7 @@ def load_config(path: str | os.PathLike | None, overrides=()) -> TrainerConfig:
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f":{mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{p}{line}: malformed YAML ({e})") from None
+            raise ConfigError(f"{p}{line}: malformed YAML ({_yaml_problem(e)})") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
         data = loaded or {}

@@ -80,9 +80,13 @@ class TrainResult:
 def build_model(cfg: TrainerConfig):
     """(model, tokenizer) from the model section: a HF checkpoint or a preset."""
     m = cfg.model
+    if m.hf_path is not None and not os.path.isdir(m.hf_path):
+        raise ConfigError(f"model.hf_path={m.hf_path!r} is not a directory")
+    if m.tokenizer_path is not None and not os.path.exists(
+        os.path.join(m.tokenizer_path, "tokenizer.json")
+    ):
+        raise ConfigError(f"model.tokenizer_path={m.tokenizer_path!r} has no tokenizer.json")
     if m.hf_path is not None:
-        if not os.path.isdir(m.hf_path):
-            raise ConfigError(f"model.hf_path={m.hf_path!r} is not a directory")
         model = load_hf(m.hf_path, **m.overrides)
     else:
         mc = ModelConfig.preset(m.preset).replace(**m.overrides)
@@ -90,8 +94,6 @@ def build_model(cfg: TrainerConfig):
     tok_dir = m.tokenizer_path or m.hf_path
     if tok_dir is not None and os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
         tokenizer = load_tokenizer(tok_dir)
-    elif m.tokenizer_path is not None:
-        raise ConfigError(f"model.tokenizer_path={m.tokenizer_path!r} has no tokenizer.json")
     else:
         tokenizer = ByteTokenizer()
     if tokenizer.vocab_size > model.cfg.vocab_size:

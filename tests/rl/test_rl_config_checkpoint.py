@@ -166,3 +166,59 @@ def test_exponent_floats_parse_as_numbers(tmp_path):
     assert cfg.steps == 3 and cfg.out_dir == "1e3run"  # ints and strings are unchanged
     with pytest.raises(ConfigError, match="steps=1000.0 must be an integer"):
         load_config(None, ["steps=1e3"])
+
+
+@pytest.mark.parametrize(
+    "assignment, message",
+    [
+        ("rollout.top_p=1.5", "rollout.top_p=1.5 must be in (0, 1]"),
+        ("rollout.top_p=0", "rollout.top_p=0.0 must be in (0, 1]"),
+        ("rollout.temperature=-0.5", "rollout.temperature=-0.5 must be >= 0"),
+        ("rollout.top_k=-1", "rollout.top_k=-1 must be >= 0"),
+        ("rollout.max_new_tokens=0", "rollout.max_new_tokens=0 must be > 0"),
+        ("algo.clip_eps=1.2", "algo.clip_eps=1.2 must be in [0, 1)"),
+        ("algo.clip_eps=-0.1", "algo.clip_eps=-0.1 must be in [0, 1)"),
+        ("algo.clip_eps_high=-0.1", "algo.clip_eps_high=-0.1 must be >= 0"),
+        ("algo.kl_coef=-1", "algo.kl_coef=-1.0 must be >= 0"),
+        ("algo.gamma=1.5", "algo.gamma=1.5 must be in [0, 1]"),
+        ("algo.lam=-0.1", "algo.lam=-0.1 must be in [0, 1]"),
+        ("algo.updates_per_batch=0", "algo.updates_per_batch=0 must be > 0"),
+        ("algo.overlong_buffer=7", "algo.overlong_buffer=7 must be <= the response budget"),
+        ("task.max_turns=3", "task.max_turns=3: only the calculator task has turns"),
+        ("task.max_operand=0", "task.max_operand=0 must be > 0"),
+        ("task.ops='+/'", "task.ops='+/' must be a non-empty subset of '+-*'"),
+        ("optim.lr=-1e-3", "optim.lr=-0.001 must be > 0"),
+        ("optim.b1=1", "optim.b1=1.0 must be in [0, 1)"),
+        ("optim.weight_decay=-1", "optim.weight_decay=-1.0 must be >= 0"),
+        ("optim.max_grad_norm=0", "optim.max_grad_norm=0.0 must be > 0"),
+        ("sft.lr=0", "sft.lr=0.0 must be > 0"),
+        ("sft.batch_size=0", "sft.batch_size=0 must be > 0"),
+        ("model.seed=-1", "model.seed=-1 must be >= 0"),
+        ("model.overrides={num_layers: 0}", "model.overrides={'num_layers': 0}: num_layers=0"),
+        ("seed=-1", "seed=-1 must be >= 0"),
+        ("steps=-1", "steps=-1 must be >= 0"),
+        ("keep_checkpoints=0", "keep_checkpoints=0 must be > 0"),
+        ("model.tokenizer_path=/nonexistent", "model.tokenizer_path='/nonexistent' has no"),
+    ],
+)
+def test_bad_values_exit_2_before_any_model(assignment, message, capsys, monkeypatch):
+    """Every range check runs at config load: one line naming key, value and range,
+    exit code 2, and no model is built."""
+    import dtarl.rl.trainer as trainer_mod
+    from dtarl import cli
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was built for a bad config")
+
+    monkeypatch.setattr(trainer_mod, "init_model", no_model)
+    monkeypatch.setattr(trainer_mod, "load_hf", no_model)
+    quickstart = os.path.join(ROOT, "configs", "quickstart.yaml")
+    assert cli.main(["train", quickstart, "--set", assignment]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_calculator_turns_are_checked():
+    assert load_config(None, ["task.kind=calculator", "task.max_turns=3"]).task.max_turns == 3
+    with pytest.raises(ConfigError, match=r"task.max_turns=1 must be >= 2 \(calculator\)"):
+        load_config(None, ["task.kind=calculator", "task.max_turns=1"])
