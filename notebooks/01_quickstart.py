@@ -46,13 +46,13 @@ import tempfile
 import matplotlib.pyplot as plt
 import numpy as np
 
-from dtarl.rl.config import TrainerConfig
+from dtarl.rl.config import ResumeSection, TrainerConfig
 from dtarl.rl.trainer import Trainer
 
 FAST = os.environ.get("DTARL_NOTEBOOK_FAST") == "1"
 out_dir = tempfile.mkdtemp(prefix="dtarl_quickstart_")
 cfg = TrainerConfig.quickstart()
-cfg = cfg.replace(out_dir=out_dir, console=not FAST, resume=False)
+cfg = cfg.replace(out_dir=out_dir, console=not FAST, resume=ResumeSection(enabled=False))
 if FAST:
     cfg = cfg.replace(
         steps=2,

@@ -227,6 +227,58 @@ class SFTSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ResumeSection:
+    """Continue from the latest checkpoint in ``out_dir/checkpoints``. The saved run's
+    config must match this one (except ``RESUME_FREE_KEYS``), or the resume is refused
+    with the differing keys; ``allow_changes: true`` resumes anyway. ``resume: false``
+    is short for ``resume: {enabled: false}``."""
+
+    SECTION: typing.ClassVar[str] = "resume"
+    enabled: bool = True
+    allow_changes: bool = False
+
+
+# Keys that change how a run is observed or laid out, not what it computes: a resume
+# may change them freely (dotted; a section name covers the whole section).
+RESUME_FREE_KEYS = (
+    "out_dir",
+    "resume",
+    "console",
+    "tensorboard",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "eval_every",
+    "eval_problems",
+    "algo.engine",
+    "engine",
+)
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``["optim.lr: 0.001 -> 0.002", ...]``: the keys whose values differ between two
+    ``to_dict`` configs, outside ``RESUME_FREE_KEYS``."""
+    a, b = _flatten(saved), _flatten(current)
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if any(k == f or k.startswith(f + ".") for f in RESUME_FREE_KEYS):
+            continue
+        missing = "<absent>"
+        if a.get(k, missing) != b.get(k, missing):
+            out.append(f"{k}: {a.get(k, missing)!r} -> {b.get(k, missing)!r}")
+    return out
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     """``dtarl train CONFIG``: SFT warm-up (``sft.steps``) then ``steps`` RL steps."""
 
@@ -243,7 +295,7 @@ class TrainerConfig:
     out_dir: str = "runs/default"
     checkpoint_every: int = 0  # 0 = only at the end
     keep_checkpoints: int = 2
-    resume: bool = True  # continue from the latest checkpoint in out_dir/checkpoints
+    resume: ResumeSection = dataclasses.field(default_factory=ResumeSection)
     eval_problems: int = 64  # greedy success rate on a fixed set, before and after
     eval_every: int = 0  # also every N RL steps (0 = only before and after)
     tensorboard: bool = True  # when tensorboardX / torch.utils.tensorboard is importable
@@ -318,6 +370,8 @@ def _convert(tp, value, where: str):
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
+        if isinstance(value, bool) and "enabled" in {f.name for f in dataclasses.fields(tp)}:
+            value = {"enabled": value}  # ``resume: false`` = ``resume: {enabled: false}``
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return from_dict(tp, value, where)
@@ -417,6 +471,8 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     node = data
     for p in parts[:-1]:
         child = node.setdefault(p, {})
+        if isinstance(child, bool):  # ``resume: false`` then ``--set resume.allow_changes=..``
+            child = node[p] = {"enabled": child}
         if not isinstance(child, dict):
             raise ConfigError(f"--set {assignment!r}: {p!r} is not a section")
         node = child
@@ -451,12 +507,15 @@ __all__ = [
     "ConfigError",
     "ModelSection",
     "OptimSection",
+    "RESUME_FREE_KEYS",
+    "ResumeSection",
     "RolloutSection",
     "SFTSection",
     "Schedule",
     "TaskSection",
     "TrainerConfig",
     "apply_override",
+    "config_changes",
     "from_dict",
     "load_config",
     "to_dict",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import time
 from collections.abc import Callable
@@ -44,7 +45,14 @@ from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model, load_hf
 from dtarl.model.tokenizer import ByteTokenizer, load_tokenizer
 from dtarl.rl.checkpoint import CheckpointManager
-from dtarl.rl.config import Algorithm, ConfigError, Schedule, TrainerConfig, to_dict
+from dtarl.rl.config import (
+    Algorithm,
+    ConfigError,
+    Schedule,
+    TrainerConfig,
+    config_changes,
+    to_dict,
+)
 from dtarl.rl.episodes import (
     Scorer,
     encode_prompt,
@@ -390,6 +398,7 @@ class Trainer:
         if step is None:
             return False
         meta = self.ckpt.read_meta(step)
+        self._check_resume(step, meta)
         # The optimizer state saved after global step s belongs to the phase of step s - 1.
         self.opt_state = self._phase_opt(step - 1).init(self.params)
         self.ref_params = self.params if meta.get("has_ref") else None
@@ -404,6 +413,62 @@ class Trainer:
         self.skipped = int(meta.get("skipped", 0))
         return True
 
+    def _check_resume(self, step: int, meta: dict[str, Any]) -> None:
+        """Refuses to continue a checkpoint written by a different config or seed
+        (``resume.allow_changes`` overrides); keys in ``RESUME_FREE_KEYS`` may change."""
+        if self.cfg.resume.allow_changes:
+            return
+        diffs = []
+        if "seed" in meta and meta["seed"] != self.cfg.seed:
+            diffs.append(f"seed: {meta['seed']!r} -> {self.cfg.seed!r}")
+        if "config" in meta:
+            diffs += [
+                d for d in config_changes(meta["config"], to_dict(self.cfg)) if d not in diffs
+            ]
+        if diffs:
+            raise ConfigError(
+                f"cannot resume from {self.ckpt.path(step)}: the config changed "
+                f"({'; '.join(diffs)}); restore those values, use another out_dir, or "
+                "--set resume.allow_changes=true"
+            )
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drops metrics.jsonl records written after the checkpoint of global ``step``
+        (the killed run's last steps, which the resumed run logs again)."""
+        path = os.path.join(self.cfg.out_dir, "metrics.jsonl")
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            lines = f.readlines()
+        recs = []
+        for line in lines:
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:
+                recs.append(None)  # a line cut short by the kill
+        # Everything up to the checkpointed step's own record; eval records logged
+        # after it (e.g. after the warm-up, or the final eval) belong to later steps.
+        ends = [
+            i
+            for i, r in enumerate(recs)
+            if r is not None and r.get("phase") != "eval" and r.get("global_step") == step
+        ]
+        if ends:
+            keep = lines[: ends[-1] + 1]
+        else:
+            keep = [
+                line
+                for line, r in zip(lines, recs, strict=True)
+                if r is not None
+                and (r.get("global_step", 0), r.get("phase") == "eval") <= (step, False)
+            ]
+        if keep == lines:
+            return
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
+
     # ------------------------------------------------------------------ run
 
     def run(self, *, max_steps: int | None = None) -> TrainResult:
@@ -411,7 +476,9 @@ class Trainer:
         to simulate an interruption), resuming from out_dir's checkpoint when asked."""
         cfg = self.cfg
         t_start = time.perf_counter()
-        resumed = cfg.resume and self.try_resume()
+        resumed = cfg.resume.enabled and self.try_resume()
+        if resumed:
+            self._truncate_metrics(self.step)
         if not resumed:
             self.opt_state = (self.sft_opt if cfg.sft.steps else self.rl_opt).init(self.params)
             if cfg.sft.steps == 0:

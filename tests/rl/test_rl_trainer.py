@@ -10,7 +10,7 @@ import pytest
 from dtarl.commands.train import main as cli_main
 from dtarl.engines.cost import ENGINES
 from dtarl.model.tokenizer import ByteTokenizer
-from dtarl.rl.config import load_config
+from dtarl.rl.config import ConfigError, load_config
 from dtarl.rl.episodes import rollout
 from dtarl.rl.hooks import Phase
 from dtarl.rl.metrics import read_metrics
@@ -250,3 +250,39 @@ def test_auto_candidates_get_the_buckets_they_would_get_alone(tmp_path):
     deep = Trainer(tiny_config(tmp_path / "pr", "algo.engine=prefix_reuse")).engine.dfs
     assert deep.buckets == auto.engines["prefix_reuse"].dfs.buckets
     assert deep.buckets["steps"] > 1  # the deep groups' DFS program is sized too
+
+
+def test_killed_run_resumes_without_duplicate_metrics(tmp_path, capsys):
+    """A run killed after step 3 (last checkpoint: step 2) and resumed: every step's
+    metrics record appears once, and a changed config is refused with its keys."""
+    extra = ("algo.engine=dfs", "steps=3", "checkpoint_every=2", "eval_problems=2")
+    Trainer(tiny_config(tmp_path, *extra)).run(max_steps=3)  # "killed" after step 3
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"phase": "rl", "glob')  # ... in the middle of a write
+    res = Trainer(tiny_config(tmp_path, *extra)).run()
+    assert res.steps_done == 4
+    recs = read_metrics(tmp_path)
+    assert [r["global_step"] for r in recs if r["phase"] != "eval"] == [1, 2, 3, 4]
+    assert [(r["global_step"], r.get("after")) for r in recs if r["phase"] == "eval"] == [
+        (0, None),
+        (1, "sft"),
+        (4, None),
+    ]
+    # A changed config (or seed) is refused, naming the keys; allow_changes resumes.
+    changed = tiny_config(tmp_path, *extra, "optim.lr=2e-3", "seed=5", "console=true")
+    with pytest.raises(ConfigError, match=r"the config changed \(seed: 0 -> 5; optim.lr: "):
+        Trainer(changed).run()
+    args = [*TINY, f"out_dir={tmp_path}", *extra, "rollout.top_k=3"]
+    assert cli_main(sum((["--set", a] for a in args), [])) == 2
+    err = capsys.readouterr().err
+    assert "rollout.top_k: 0 -> 3" in err and "resume.allow_changes=true" in err
+    allowed = tiny_config(tmp_path, *extra, "optim.lr=2e-3", "resume.allow_changes=true")
+    assert Trainer(allowed).try_resume()
+    # Keys that do not change the computation (out_dir, logging, eval, engine) are free.
+    assert Trainer(tiny_config(tmp_path, *extra[1:], "algo.engine=dense")).try_resume()
+
+
+def test_resume_section_shorthand():
+    assert load_config(None, ["resume=false"]).resume.enabled is False
+    cfg = load_config(None, ["resume=false", "resume.allow_changes=true"])
+    assert not cfg.resume.enabled and cfg.resume.allow_changes
