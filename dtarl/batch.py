@@ -36,6 +36,23 @@ class LossNorm(enum.Enum):
     CONSTANT = "constant"
 
 
+MAX_TOKEN_ID = 2**31  # token ids are stored as int32: 0 <= id < 2**31
+
+
+def token_ids(name: str, values, *, error: type[ValueError] | None = None) -> np.ndarray:
+    """``values`` as an int64 array of token ids, checked before any cast: an integer
+    dtype (a float 5.7 is not silently 5) and ``0 <= id < 2**31`` (2**32 + 7 does
+    not wrap to 7). Errors name ``name`` and the position: ``tokens[3][5] = ...``."""
+    err = error or BatchError
+    a = np.asarray(values)
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise err(f"{name}: token ids must have an integer dtype, got {a.dtype}")
+    if a.size and (a.min() < 0 or a.max() >= MAX_TOKEN_ID):
+        bad = np.flatnonzero((a.reshape(-1) < 0) | (a.reshape(-1) >= MAX_TOKEN_ID))[0]
+        raise err(f"{name}[{bad}] = {a.reshape(-1)[bad]} is not a token id (0 <= id < 2**31)")
+    return a.astype(np.int64)
+
+
 def _as_ragged(name: str, arrays, n: int, dtype, lengths: Sequence[int] | None):
     if arrays is None:
         return None
@@ -48,8 +65,15 @@ def _as_ragged(name: str, arrays, n: int, dtype, lengths: Sequence[int] | None):
             raise BatchError(f"{name}[{i}]: expected a 1-D array, got shape {a.shape}")
         if lengths is not None and a.shape[0] != lengths[i]:
             raise BatchError(f"{name}[{i}]: length {a.shape[0]} != tokens[{i}] length {lengths[i]}")
-        out.append(np.ascontiguousarray(a, dtype=dtype))
+        out.append(a if dtype is None else np.ascontiguousarray(a, dtype=dtype))
     return tuple(out)
+
+
+def _check_vocab(tokens, vocab_size: int) -> None:
+    for i, t in enumerate(tokens):
+        if t.max() >= vocab_size:
+            j = int(np.argmax(t >= vocab_size))
+            raise BatchError(f"tokens[{i}][{j}] = {int(t[j])} >= vocab_size {vocab_size}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -92,33 +116,43 @@ class RolloutBatch:
         group_ids=None,
         rewards=None,
         prompt_lens: Sequence[int] | None = None,
+        vocab_size: int | None = None,
     ) -> RolloutBatch:
         """Validates and normalises user input into a batch.
 
+        ``tokens`` must hold integers in [0, 2**31) (and < ``vocab_size`` when given).
         ``loss_mask`` defaults to all tokens after the prompt (``prompt_lens``)
-        or, without prompt lengths, to every token but the first.
-        ``advantages`` defaults to ones.
+        or, without prompt lengths, to every token but the first; giving both is
+        an error. ``advantages`` defaults to ones.
         """
         n = len(tokens)
         if n == 0:
             raise BatchError("tokens: the batch is empty (need at least 1 sequence)")
-        toks = _as_ragged("tokens", tokens, n, np.int64, None)
+        _as_ragged("tokens", tokens, n, None, None)  # count and rank
+        toks = tuple(token_ids(f"tokens[{i}]", t) for i, t in enumerate(tokens))
         for i, t in enumerate(toks):
             if t.shape[0] < 2:
                 raise BatchError(
                     f"tokens[{i}]: length {t.shape[0]} < 2; a sequence needs at least one "
                     "predicted token"
                 )
-            if t.min() < 0:
-                raise BatchError(f"tokens[{i}]: negative token id {int(t.min())}")
         toks = tuple(t.astype(np.int32) for t in toks)
+        if vocab_size is not None:
+            _check_vocab(toks, vocab_size)
         lengths = [t.shape[0] for t in toks]
+        if prompt_lens is not None and loss_mask is not None:
+            raise BatchError(
+                "prompt_lens: given together with loss_mask, which already says which "
+                "tokens are trained on; pass one of them"
+            )
         if loss_mask is None:
             if prompt_lens is not None:
                 if len(prompt_lens) != n:
                     raise BatchError(f"prompt_lens: expected {n} entries, got {len(prompt_lens)}")
                 loss_mask = []
                 for i, (p, ln) in enumerate(zip(prompt_lens, lengths, strict=True)):
+                    if isinstance(p, bool) or not isinstance(p, int | np.integer):
+                        raise BatchError(f"prompt_lens[{i}]={p!r} must be an integer")
                     if not 1 <= p < ln:
                         raise BatchError(
                             f"prompt_lens[{i}]={p} outside [1, {ln - 1}] for a sequence of "
@@ -165,7 +199,12 @@ class RolloutBatch:
         if group_ids is None:
             gids = np.arange(n, dtype=np.int32)
         else:
-            gids = np.asarray(group_ids, np.int32).reshape(-1)
+            gids = np.asarray(group_ids).reshape(-1)
+            if gids.size and not np.issubdtype(gids.dtype, np.integer):
+                raise BatchError(f"group_ids: must have an integer dtype, got {gids.dtype}")
+            if gids.size and (gids.min() < 0 or gids.max() >= MAX_TOKEN_ID):
+                raise BatchError(f"group_ids: ids must be in [0, 2**31), got {gids.tolist()}")
+            gids = gids.astype(np.int32)
             if gids.shape != (n,):
                 raise BatchError(f"group_ids: expected shape ({n},), got {np.shape(group_ids)}")
         rw = None
@@ -206,9 +245,7 @@ class RolloutBatch:
         return int(self.lengths.sum())
 
     def check_vocab(self, vocab_size: int) -> None:
-        for i, t in enumerate(self.tokens):
-            if t.max() >= vocab_size:
-                raise BatchError(f"tokens[{i}]: token id {int(t.max())} >= vocab_size {vocab_size}")
+        _check_vocab(self.tokens, vocab_size)
 
     def sequence_weights(self, norm: LossNorm, constant: float | None = None) -> np.ndarray:
         """Per-sequence weight w_i so that L = sum_i w_i sum_t m_it l_it (see LossNorm)."""

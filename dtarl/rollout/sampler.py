@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dtarl.batch import token_ids
 from dtarl.model.decoder import Decoder, KVCache
 from dtarl.tree.plan import bucket
 
@@ -396,7 +397,7 @@ class Sampler:
             raise SamplerError("prompts: empty (need at least one prompt)")
         plist = []
         for i, pr in enumerate(prompts):
-            a = np.asarray(pr, np.int64).reshape(-1)
+            a = token_ids(f"prompts[{i}]", pr, error=SamplerError).reshape(-1)
             if a.size == 0:
                 raise SamplerError(f"prompts[{i}] is empty (need at least one token, e.g. bos)")
             if a.min() < 0 or a.max() >= self.cfg.vocab_size:

@@ -146,3 +146,8 @@ def test_bad_input_names_the_argument(weights, greedy):
         greedy.generate(weights, [[1, 2]], max_new_tokens=[99])
     with pytest.raises(SamplerError, match="top_p"):
         SamplingParams(top_p=0.0)
+    # Prompt ids are checked before the int32 cast: 5.7 is not 5, 2**32 + 1 is not 1.
+    with pytest.raises(SamplerError, match=r"^prompts\[1\]: token ids must have an integer dtype"):
+        greedy.generate(weights, [[1, 2], [5.7]])
+    with pytest.raises(SamplerError, match=r"^prompts\[0\]\[1\] = 4294967297 is not a token id"):
+        greedy.generate(weights, [[1, 2**32 + 1]])
