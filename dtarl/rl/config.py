@@ -146,8 +146,12 @@ class RolloutSection:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 8  # per turn
+    stop: tuple[str, ...] = ()  # strings that end a sample (any length in tokens), besides eos
 
     def __post_init__(self):
+        for i, s in enumerate(self.stop):
+            if not s:
+                raise ConfigError(f"rollout.stop[{i}]='' must be a non-empty string")
         _positive(self, "prompts_per_step", "group_size", "max_new_tokens")
         _in_range(self, "top_p", 0, 1, lo_open=True)
         _nonneg(self, "temperature", "top_k")

@@ -112,6 +112,20 @@ def build_model(cfg: TrainerConfig):
     return model, tokenizer
 
 
+def stop_sequences(tokenizer, strings) -> tuple[tuple[int, ...], ...]:
+    """``rollout.stop`` strings as token id sequences of the run's tokenizer."""
+    out = []
+    for i, s in enumerate(strings):
+        try:
+            ids = tuple(int(t) for t in tokenizer.encode(s))
+        except ValueError as e:
+            raise ConfigError(f"rollout.stop[{i}]={s!r} cannot be encoded: {e}") from None
+        if not ids:
+            raise ConfigError(f"rollout.stop[{i}]={s!r} encodes to no tokens")
+        out.append(ids)
+    return tuple(out)
+
+
 class Trainer:
     """Runs a ``TrainerConfig``. ``reward_fn`` (sync or async) replaces the task's verifier."""
 
@@ -129,6 +143,7 @@ class Trainer:
         self.reward_fn = reward_fn if reward_fn is not None else self.task.reward
         r = cfg.rollout
         stops = (self.tokenizer.eos_id,) + tool_stop_ids(self.tokenizer, self.task)
+        stop_seqs = stop_sequences(self.tokenizer, r.stop)
         self.sampler = Sampler(
             self.model,
             SamplingParams(
@@ -137,12 +152,15 @@ class Trainer:
                 top_k=r.top_k,
                 max_new_tokens=r.max_new_tokens,
                 stop_tokens=stops,
+                stop_sequences=stop_seqs,
             ),
             pad_id=self.tokenizer.pad_id,
         )
         self.eval_sampler = Sampler(
             self.model,
-            SamplingParams.greedy(max_new_tokens=r.max_new_tokens, stop_tokens=stops),
+            SamplingParams.greedy(
+                max_new_tokens=r.max_new_tokens, stop_tokens=stops, stop_sequences=stop_seqs
+            ),
             pad_id=self.tokenizer.pad_id,
         )
         self.max_response = r.max_new_tokens * self.task.max_turns
@@ -524,4 +542,4 @@ def train(cfg: TrainerConfig, **kwargs) -> TrainResult:
     return Trainer(cfg, **kwargs).run()
 
 
-__all__ = ["TrainResult", "Trainer", "build_model", "train"]
+__all__ = ["TrainResult", "Trainer", "build_model", "stop_sequences", "train"]

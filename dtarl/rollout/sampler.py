@@ -68,6 +68,9 @@ class SamplingParams:
     temperature: 0 = greedy (argmax); otherwise logits / temperature.
     top_k: keep the k largest logits (0 = off). top_p: nucleus mass (1 = off).
     stop_tokens: ids that end a sample (kept as its last token).
+    stop_sequences: id sequences that end a sample when its generated tokens end
+      with one (kept in the output), e.g. a stop string's tokens. Checked on the
+      device at every step (one compare per sequence, static shapes).
     max_new_tokens: the default per-sample generation limit.
     """
 
@@ -75,6 +78,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     stop_tokens: tuple[int, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
     max_new_tokens: int = 64
 
     def __post_init__(self):
@@ -87,10 +91,24 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise SamplerError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+        seqs = []
+        for i, sq in enumerate(self.stop_sequences):
+            ids = token_ids(f"stop_sequences[{i}]", list(sq), error=SamplerError).reshape(-1)
+            if ids.size == 0:
+                raise SamplerError(f"stop_sequences[{i}] is empty (need at least one id)")
+            seqs.append(tuple(int(t) for t in ids))
+        object.__setattr__(self, "stop_sequences", tuple(seqs))
 
     @classmethod
-    def greedy(cls, *, max_new_tokens: int = 64, stop_tokens=()) -> SamplingParams:
-        return cls(temperature=0.0, max_new_tokens=max_new_tokens, stop_tokens=tuple(stop_tokens))
+    def greedy(
+        cls, *, max_new_tokens: int = 64, stop_tokens=(), stop_sequences=()
+    ) -> SamplingParams:
+        return cls(
+            temperature=0.0,
+            max_new_tokens=max_new_tokens,
+            stop_tokens=tuple(stop_tokens),
+            stop_sequences=tuple(stop_sequences),
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -161,12 +179,27 @@ def sample_tokens(logits_BxV, keys_Bx2, index_B, params: SamplingParams):
     return tok, lp, raw_lp
 
 
-def _finish_after(tok_B, num_gen_B, max_new_B, forced_B, params: SamplingParams):
-    """Finish reason of rows that just produced their ``num_gen``-th token."""
+def _ends_with_stop(tokens_BxR, num_gen_B, params: SamplingParams):
+    """Rows whose first ``num_gen`` generated tokens end with a stop sequence."""
+    hit = jnp.zeros(num_gen_B.shape, bool)
+    r = tokens_BxR.shape[1]
+    for seq in params.stop_sequences:  # static: one gather + compare per sequence
+        n = len(seq)
+        idx_BxL = num_gen_B[:, None] - n + jnp.arange(n)[None, :]
+        got = jnp.take_along_axis(tokens_BxR, jnp.clip(idx_BxL, 0, r - 1), axis=1)
+        hit |= (num_gen_B >= n) & jnp.all(got == jnp.asarray(seq, jnp.int32)[None, :], axis=1)
+    return hit
+
+
+def _finish_after(tok_B, num_gen_B, max_new_B, forced_B, params: SamplingParams, tokens_BxR):
+    """Finish reason of rows that just produced their ``num_gen``-th token (the last
+    entry of their ``tokens`` so far)."""
+    is_stop = jnp.zeros_like(forced_B)
     if params.stop_tokens:
-        is_stop = jnp.isin(tok_B, jnp.asarray(params.stop_tokens, jnp.int32)) & ~forced_B
-    else:
-        is_stop = jnp.zeros_like(forced_B)
+        is_stop |= jnp.isin(tok_B, jnp.asarray(params.stop_tokens, jnp.int32))
+    if params.stop_sequences:
+        is_stop |= _ends_with_stop(tokens_BxR, num_gen_B, params)
+    is_stop &= ~forced_B
     at_len = num_gen_B >= max_new_B
     reason = jnp.where(
         is_stop, FinishReason.STOP, jnp.where(at_len, FinishReason.LENGTH, FinishReason.RUNNING)
@@ -216,8 +249,8 @@ def prefill(
     tok, lp, raw_lp = sample_tokens(logits_QxV[prompt_of_B], keys_Bx2, zeros_i, params)
     real = max_new_B > 0
     num_gen = real.astype(jnp.int32)
-    finish = jnp.where(real, _finish_after(tok, num_gen, max_new_B, forced_B, params), 0)
     tokens = jnp.zeros((b, r), jnp.int32).at[:, 0].set(jnp.where(real, tok, 0))
+    finish = jnp.where(real, _finish_after(tok, num_gen, max_new_B, forced_B, params, tokens), 0)
     logprobs = jnp.zeros((b, r), jnp.float32).at[:, 0].set(jnp.where(real, lp, 0.0))
     raw = jnp.zeros((b, r), jnp.float32).at[:, 0].set(jnp.where(real, raw_lp, 0.0))
     return DecodeState(
@@ -258,10 +291,11 @@ def decode_step(model: Decoder, state: DecodeState, params: SamplingParams) -> D
     tok, lp, raw_lp = sample_tokens(logits[:, 0], state.keys, n, params)
     write = jnp.minimum(n, r - 1)
     new_n = jnp.where(running, n + 1, n)
-    reason = _finish_after(tok, new_n, state.max_new, state.forced, params)
+    tokens = state.tokens.at[rows, write].set(jnp.where(running, tok, state.tokens[rows, write]))
+    reason = _finish_after(tok, new_n, state.max_new, state.forced, params, tokens)
     return state._replace(
         cache=cache,
-        tokens=state.tokens.at[rows, write].set(jnp.where(running, tok, state.tokens[rows, write])),
+        tokens=tokens,
         logprobs=state.logprobs.at[rows, write].set(
             jnp.where(running, lp, state.logprobs[rows, write])
         ),

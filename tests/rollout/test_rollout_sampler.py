@@ -151,3 +151,46 @@ def test_bad_input_names_the_argument(weights, greedy):
         greedy.generate(weights, [[1, 2], [5.7]])
     with pytest.raises(SamplerError, match=r"^prompts\[0\]\[1\] = 4294967297 is not a token id"):
         greedy.generate(weights, [[1, 2**32 + 1]])
+
+
+def test_multi_token_stop_sequences(model, weights):
+    """A row stops when its generated tokens end with a stop sequence (kept in the
+    output); single-token sequences and stop tokens still work; no recompiles."""
+    free = Sampler(model, SamplingParams.greedy(max_new_tokens=10))
+    ref = free.generate(weights, PROMPTS)
+    u = ref.tokens[0].tolist()
+    # The first position k >= 1 whose pair (u[k-1], u[k]) has not occurred before.
+    k = next(
+        k for k in range(1, 10) if (u[k - 1], u[k]) not in zip(u[: k - 1], u[1:k], strict=True)
+    )
+    pair = (u[k - 1], u[k])
+    stopped = Sampler(model, SamplingParams.greedy(max_new_tokens=10, stop_sequences=[pair]))
+    res = stopped.generate(weights, PROMPTS)
+    assert res.tokens[0].tolist() == u[: k + 1] and res.finish[0] == FinishReason.STOP
+    w = ref.tokens[1].tolist()
+    pairs1 = list(zip(w[:-1], w[1:], strict=True))
+    j = pairs1.index(pair) + 2 if pair in pairs1 else 10
+    assert res.tokens[1].tolist() == w[:j]
+    assert stopped.trace_count == 2  # prefill + decode loop: traced once, not per step
+    stopped.generate(weights, [[1, 3, 4], [1, 9]])
+    assert stopped.trace_count == 2
+    # One-token sequences behave as stop tokens.
+    single = Sampler(model, SamplingParams.greedy(max_new_tokens=10, stop_sequences=[(u[2],)]))
+    by_token = Sampler(model, SamplingParams.greedy(max_new_tokens=10, stop_tokens=(u[2],)))
+    a, b = single.generate(weights, PROMPTS), by_token.generate(weights, PROMPTS)
+    assert [t.tolist() for t in a.tokens] == [t.tolist() for t in b.tokens]
+    assert a.tokens[0].tolist() == u[: u.index(u[2]) + 1]
+    with pytest.raises(SamplerError, match=r"stop_sequences\[0\] is empty"):
+        SamplingParams(stop_sequences=[()])
+
+
+def test_stop_strings_use_the_run_tokenizer():
+    from dtarl.model.tokenizer import ByteTokenizer
+    from dtarl.rl.config import ConfigError, load_config
+    from dtarl.rl.trainer import stop_sequences
+
+    cfg = load_config(None, ['rollout.stop=["=\\n", "!"]'])
+    assert cfg.rollout.stop == ("=\n", "!")
+    assert stop_sequences(ByteTokenizer(), cfg.rollout.stop) == ((61, 10), (33,))
+    with pytest.raises(ConfigError, match=r"rollout.stop\[0\]='' must be a non-empty"):
+        load_config(None, ["rollout.stop=['']"])
