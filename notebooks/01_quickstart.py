@@ -14,7 +14,10 @@
 # %% [markdown]
 # # dtarl quickstart: GRPO on a tiny model
 #
-# [Open in Colab](https://colab.research.google.com/github/OWNER/dtarl/blob/main/notebooks/01_quickstart.ipynb)
+# On Colab or another fresh kernel: put a checkout of the dtarl repository on the
+# machine (upload or clone it; dtarl is not on PyPI), open this notebook from its
+# `notebooks/` folder (or set `DTARL_SRC=/path/to/dtarl`) and run the first cell:
+# it installs that checkout with `pip install -e`.
 #
 # A tiny random decoder (2 layers, hidden 64, byte tokenizer) learns integer
 # arithmetic: a short SFT warm-up on reference solutions, then GRPO with a
@@ -22,22 +25,27 @@
 # Set `DTARL_NOTEBOOK_FAST=1` for a seconds-long smoke run.
 
 # %%
+import importlib.util
+import os
+import subprocess
 import sys
 
-if "google.colab" in sys.modules:  # Colab only: install dtarl from the repository
-    import subprocess
-
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "dtarl @ git+https://github.com/OWNER/dtarl",
-        ],
-        check=True,
-    )
+if "google.colab" in sys.modules and importlib.util.find_spec("dtarl") is None:
+    # Colab only: install dtarl from a local checkout ($DTARL_SRC, the folder above
+    # this notebook, or ./dtarl, e.g. after `git clone <your dtarl repository URL>`).
+    found = [
+        d
+        for d in (os.environ.get("DTARL_SRC", ""), "..", "dtarl")
+        if d and os.path.exists(os.path.join(d, "pyproject.toml"))
+    ]
+    if not found:
+        raise RuntimeError(
+            "dtarl is not installed and no checkout was found: upload or clone the "
+            "repository, set os.environ['DTARL_SRC'] = '/path/to/dtarl' and rerun this cell"
+        )
+    src = os.path.abspath(found[0])
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", src], check=True)
+    sys.path.insert(0, src)
 
 # %%
 import os

@@ -14,29 +14,37 @@
 # %% [markdown]
 # # Tree training: one forward/backward per prefix-tree node
 #
-# [Open in Colab](https://colab.research.google.com/github/OWNER/dtarl/blob/main/notebooks/02_tree_training.ipynb)
+# On Colab or another fresh kernel: put a checkout of the dtarl repository on the
+# machine (upload or clone it; dtarl is not on PyPI), open this notebook from its
+# `notebooks/` folder (or set `DTARL_SRC=/path/to/dtarl`) and run the first cell:
+# it installs that checkout with `pip install -e`.
 #
 # We sample G responses per prompt with the KV-cache sampler (the prompt is
 # prefilled once per group), build the prefix tree of the rollouts, check that
 # the tree engines' gradients equal the dense baseline's, and time them.
 
 # %%
+import importlib.util
+import os
+import subprocess
 import sys
 
-if "google.colab" in sys.modules:  # Colab only: install dtarl from the repository
-    import subprocess
-
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "dtarl @ git+https://github.com/OWNER/dtarl",
-        ],
-        check=True,
-    )
+if "google.colab" in sys.modules and importlib.util.find_spec("dtarl") is None:
+    # Colab only: install dtarl from a local checkout ($DTARL_SRC, the folder above
+    # this notebook, or ./dtarl, e.g. after `git clone <your dtarl repository URL>`).
+    found = [
+        d
+        for d in (os.environ.get("DTARL_SRC", ""), "..", "dtarl")
+        if d and os.path.exists(os.path.join(d, "pyproject.toml"))
+    ]
+    if not found:
+        raise RuntimeError(
+            "dtarl is not installed and no checkout was found: upload or clone the "
+            "repository, set os.environ['DTARL_SRC'] = '/path/to/dtarl' and rerun this cell"
+        )
+    src = os.path.abspath(found[0])
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", src], check=True)
+    sys.path.insert(0, src)
 
 # %%
 import os

@@ -14,7 +14,10 @@
 # %% [markdown]
 # # PolyTrace: real RL workload distributions
 #
-# [Open in Colab](https://colab.research.google.com/github/OWNER/dtarl/blob/main/notebooks/03_polytrace.ipynb)
+# On Colab or another fresh kernel: put a checkout of the dtarl repository on the
+# machine (upload or clone it; dtarl is not on PyPI), open this notebook from its
+# `notebooks/` folder (or set `DTARL_SRC=/path/to/dtarl`) and run the first cell:
+# it installs that checkout with `pip install -e`.
 #
 # Loads a PolyTrace run (response lengths of every prompt group), plots its
 # distributions, samples a training batch with the same prefix structure and
@@ -23,22 +26,27 @@
 # notebook says so and stops early.
 
 # %%
+import importlib.util
+import os
+import subprocess
 import sys
 
-if "google.colab" in sys.modules:  # Colab only: install dtarl from the repository
-    import subprocess
-
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "dtarl @ git+https://github.com/OWNER/dtarl",
-        ],
-        check=True,
-    )
+if "google.colab" in sys.modules and importlib.util.find_spec("dtarl") is None:
+    # Colab only: install dtarl from a local checkout ($DTARL_SRC, the folder above
+    # this notebook, or ./dtarl, e.g. after `git clone <your dtarl repository URL>`).
+    found = [
+        d
+        for d in (os.environ.get("DTARL_SRC", ""), "..", "dtarl")
+        if d and os.path.exists(os.path.join(d, "pyproject.toml"))
+    ]
+    if not found:
+        raise RuntimeError(
+            "dtarl is not installed and no checkout was found: upload or clone the "
+            "repository, set os.environ['DTARL_SRC'] = '/path/to/dtarl' and rerun this cell"
+        )
+    src = os.path.abspath(found[0])
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", src], check=True)
+    sys.path.insert(0, src)
 
 # %%
 import os

@@ -3,8 +3,10 @@
 A YAML file (``configs/*.yaml``) holds only overrides of the defaults below,
 nested by section; ``--set section.key=value`` applies more on top (the value is
 parsed as YAML: ``--set rollout.group_size=8``, ``--set model.hf_path=/ckpt``,
-``--set engine.dfs.chunk_len=64``). Unknown keys raise a ``ConfigError`` listing
-the valid keys of that section; a bad value names its key and the accepted range.
+``--set engine.dfs.chunk_len=64``). Numbers read as YAML 1.2 (``1e-3`` is 0.001,
+in files and ``--set``). Unknown keys raise a ``ConfigError`` listing the valid
+keys of that section; a bad value names its key and the accepted range, at load,
+before any model is built.
 
 ``algo.engine`` picks the training engine (an ``EngineKind``); the ``engine:``
 section holds every engine's settings (``dtarl.engines.EngineConfig``).
