@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from dtarl.batch import LossNorm
 from dtarl.engines.config import EngineConfig, EngineKind
 from dtarl.model.config import ModelConfig
 from dtarl.rl.rewards import RewardErrorPolicy
@@ -36,6 +37,33 @@ class Algorithm(enum.Enum):
     DR_GRPO = "dr_grpo"  # no std scaling, constant normaliser
     DAPO = "dapo"  # clip-higher, token-level loss, dynamic sampling, overlong shaping
     PPO = "ppo"  # value model + GAE, per-token advantages, KL in the reward
+
+
+class LossAggMode(enum.Enum):
+    """How the per-token policy losses l_it (mask m_it, N sequences, c = the maximum
+    response length) become the batch loss (verl's ``loss_agg_mode`` names):
+
+        token-mean               L = sum_i sum_t m_it l_it / sum_i sum_t m_it   (DAPO, PPO)
+        seq-mean-token-mean      L = 1/N sum_i (sum_t m_it l_it / sum_t m_it)   (GRPO)
+        seq-mean-token-sum       L = 1/N sum_i sum_t m_it l_it
+        seq-mean-token-sum-norm  L = 1/(N c) sum_i sum_t m_it l_it              (Dr.GRPO)
+
+    ``algo.loss_agg_mode`` left unset takes the algorithm's (in brackets).
+    """
+
+    TOKEN_MEAN = "token-mean"
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+
+    @property
+    def norm(self) -> LossNorm:
+        return {
+            LossAggMode.TOKEN_MEAN: LossNorm.TOKEN,
+            LossAggMode.SEQ_MEAN_TOKEN_MEAN: LossNorm.SEQUENCE,
+            LossAggMode.SEQ_MEAN_TOKEN_SUM: LossNorm.SEQUENCE_SUM,
+            LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM: LossNorm.CONSTANT,
+        }[self]
 
 
 class Schedule(enum.Enum):
@@ -121,7 +149,11 @@ class AlgoSection:
     clip_eps_high: float | None = None  # default: clip_eps (0.28 for DAPO)
     kl_coef: float = 0.0  # > 0: KL to the frozen reference policy (the post-SFT weights)
     entropy_coef: float = 0.0  # > 0: entropy bonus in the policy loss (per token, same norm)
+    loss_agg_mode: LossAggMode | None = None  # default: the algorithm's (see LossAggMode)
     dynamic_sampling: bool | None = None  # default: True for DAPO only
+    # Dynamic sampling re-samples up to this many prompt batches per step to fill it.
+    max_generation_batches: int = 3
+    std_ddof: int = 0  # GRPO's group std: 0 = population (default), 1 = unbiased (n - 1)
     overlong_buffer: int = 0  # DAPO soft overlong punishment window (0 = off)
     updates_per_batch: int = 1  # optimizer steps per rollout batch (ratio != 1 after the 1st)
     engine: EngineKind = EngineKind.AUTO  # its settings: the ``engine:`` section
@@ -131,7 +163,9 @@ class AlgoSection:
 
     def __post_init__(self):
         _nonneg(self, "clip_eps", "kl_coef", "entropy_coef", "overlong_buffer")
-        _positive(self, "updates_per_batch", "value_lr")
+        _positive(self, "updates_per_batch", "value_lr", "max_generation_batches")
+        if self.std_ddof not in (0, 1):
+            raise ConfigError(f"algo.std_ddof={self.std_ddof} must be 0 or 1")
         if self.clip_eps >= 1:
             raise ConfigError(f"algo.clip_eps={self.clip_eps} must be < 1")
 
@@ -140,6 +174,17 @@ class AlgoSection:
         if self.clip_eps_high is not None:
             return self.clip_eps_high
         return 0.28 if self.algorithm is Algorithm.DAPO else self.clip_eps
+
+    @property
+    def agg_mode(self) -> LossAggMode:
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        return {
+            Algorithm.GRPO: LossAggMode.SEQ_MEAN_TOKEN_MEAN,
+            Algorithm.DR_GRPO: LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM,
+            Algorithm.DAPO: LossAggMode.TOKEN_MEAN,
+            Algorithm.PPO: LossAggMode.TOKEN_MEAN,
+        }[self.algorithm]
 
     @property
     def use_dynamic_sampling(self) -> bool:
@@ -367,6 +412,7 @@ __all__ = [
     "AlgoSection",
     "Algorithm",
     "ConfigError",
+    "LossAggMode",
     "ModelSection",
     "OptimSection",
     "RolloutSection",

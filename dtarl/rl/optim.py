@@ -34,36 +34,22 @@ grad_norm = jax.jit(_tree_norm)
 
 
 def make_loss(cfg: TrainerConfig, max_response: int) -> ClippedSurrogateLoss:
-    """The policy loss of ``cfg.algo.algorithm``.
+    """The policy loss of ``cfg.algo.algorithm``, aggregated by ``cfg.algo.agg_mode``.
 
-    GRPO: per-sequence mean; DAPO: token-level mean; Dr.GRPO: a constant
-    normaliser (``max_response``); PPO: token-level, GAE advantages in the batch's
-    ``token_advantages`` and the KL in the reward instead of the loss.
+    GRPO: per-sequence mean; DAPO: token-level mean; Dr.GRPO: the token sum over
+    N * ``max_response`` (also the constant of ``seq-mean-token-sum-norm`` under any
+    algorithm); PPO: token-level, GAE advantages in the batch's ``token_advantages``
+    and the KL in the reward instead of the loss.
     """
     a = cfg.algo
-    if a.algorithm is Algorithm.DR_GRPO:
-        return ClippedSurrogateLoss(
-            eps_low=a.clip_eps,
-            eps_high=a.eps_high,
-            kl_coef=a.kl_coef,
-            entropy_coef=a.entropy_coef,
-            norm=LossNorm.CONSTANT,
-            norm_constant=float(max_response),
-        )
-    if a.algorithm is Algorithm.PPO:
-        return ClippedSurrogateLoss(
-            eps_low=a.clip_eps,
-            eps_high=a.eps_high,
-            entropy_coef=a.entropy_coef,
-            norm=LossNorm.TOKEN,
-        )
-    norm = LossNorm.TOKEN if a.algorithm is Algorithm.DAPO else LossNorm.SEQUENCE
+    norm = a.agg_mode.norm
     return ClippedSurrogateLoss(
         eps_low=a.clip_eps,
         eps_high=a.eps_high,
-        kl_coef=a.kl_coef,
+        kl_coef=0.0 if a.algorithm is Algorithm.PPO else a.kl_coef,
         entropy_coef=a.entropy_coef,
         norm=norm,
+        norm_constant=float(max_response) if norm is LossNorm.CONSTANT else None,
     )
 
 
