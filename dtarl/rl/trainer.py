@@ -228,6 +228,13 @@ class Trainer:
         self.data_cursor += len(problems)
         return problems
 
+    def _refill_problems(self, step: int, k: int) -> list[Problem]:
+        """Generation batch ``k`` >= 1 of RL step ``step`` (dynamic sampling's refill)."""
+        rng = np.random.default_rng([self.cfg.seed, _SEED_RL, step, k])
+        problems = self.task.generate(rng, self.cfg.rollout.prompts_per_step)
+        self.data_cursor += len(problems)
+        return problems
+
     def _update(self, batch: RolloutBatch, loss, optimizer: Optimizer, times: int):
         """Up to ``times`` updates on ``batch``; stops after a skipped one."""
         updates: list[UpdateResult] = []
@@ -277,6 +284,7 @@ class Trainer:
             key=jax.random.fold_in(self.base_key, cfg.sft.steps + step),
             reference=reference,
             value=self.value,
+            more_problems=functools.partial(self._refill_problems, step),
         )
         m = dict(phase="rl", step=step, global_step=cfg.sft.steps + step + 1)
         m["lr"] = float(self.rl_opt.schedule(step * cfg.algo.updates_per_batch))

@@ -1,6 +1,8 @@
 """Algorithm choices of the RL trainer, hand-computed: the loss aggregation modes
-(``algo.loss_agg_mode``) and the algorithms' defaults."""
+(``algo.loss_agg_mode``) and the algorithms' defaults, DAPO's dynamic sampling
+(filter on task accuracy, refill up to ``algo.max_generation_batches``)."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -8,8 +10,12 @@ from flax import nnx
 from dtarl.batch import LossNorm, RolloutBatch
 from dtarl.engines import DenseEngine
 from dtarl.model import init_model
+from dtarl.model.tokenizer import ByteTokenizer
 from dtarl.rl.config import Algorithm, ConfigError, LossAggMode, load_config
+from dtarl.rl.episodes import rl_batch
 from dtarl.rl.optim import make_loss
+from dtarl.rl.tasks import ArithmeticTask, Problem
+from dtarl.rollout.sampler import FinishReason, SampleResult
 from dtarl.testing import tiny_config
 
 # Three sequences with mask sums M = (2, 3, 1.5) and advantages A = (1, -2, 0.5):
@@ -74,3 +80,113 @@ def test_loss_agg_mode_end_to_end(dense_engine, mode, want):
 def test_bad_loss_agg_mode_lists_the_accepted_ones():
     with pytest.raises(ConfigError, match="algo.loss_agg_mode='mean'.*seq-mean-token-sum-norm"):
         cfg("algo.loss_agg_mode=mean")
+
+
+# ------------------------------------------------------- DAPO dynamic sampling
+
+
+class TableSampler:
+    """A sampler double: prompt text -> the completions of its group, in order."""
+
+    def __init__(self, tok, table):
+        self.tok, self.table = tok, table
+        self.calls = 0
+
+    def generate(self, weights, prompts, *, num_samples, seed):
+        self.calls += 1
+        counts = [num_samples] * len(prompts) if np.ndim(num_samples) == 0 else num_samples
+        toks = []
+        for p, c in zip(prompts, counts, strict=True):
+            texts = self.table[self.tok.decode(list(p))]
+            assert len(texts) == c
+            toks += [np.append(self.tok.encode(t), self.tok.eos_id).astype(np.int32) for t in texts]
+        return SampleResult(
+            tokens=tuple(toks),
+            logprobs=tuple(np.full(len(t), -0.5, np.float32) for t in toks),
+            raw_logprobs=tuple(np.full(len(t), -0.5, np.float32) for t in toks),
+            finish=np.full(len(toks), FinishReason.STOP),
+            prompt_index=np.repeat(np.arange(len(prompts)), counts),
+            stats=dict(generated_tokens=sum(len(t) for t in toks), seconds=1.0),
+        )
+
+
+def _problem(name):
+    return Problem(prompt=name, answer="", reference=())
+
+
+def _reward(problem, completion):
+    """The verifier: pass iff the completion starts with "y"."""
+    return float(completion.startswith("y"))
+
+
+DAPO = (
+    "algo.algorithm=dapo",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=8",
+    "algo.overlong_buffer=4",  # lengths > 8 - 4 = 4 are penalised
+)
+# "p" = pass with different lengths (2 and 7 tokens with eos: shaped rewards differ),
+# "f" = all fail, "m" = mixed (one pass, one fail).
+TABLE = {
+    "p0": ["y", "yyyyyy"],
+    "p1": ["y", "yyyyyy"],
+    "f0": ["n", "n"],
+    "m0": ["y", "n"],
+    "m1": ["n", "y"],
+    "m2": ["yy", "nn"],
+}
+
+
+def _rl_batch(c, problems, refills=()):
+    tok = ByteTokenizer()
+    sampler = TableSampler(tok, TABLE)
+    more = None
+    if refills:
+
+        def more(k):
+            return [_problem(n) for n in refills[k - 1]]
+
+    batch, m = rl_batch(
+        c,
+        [_problem(n) for n in problems],
+        sampler=sampler,
+        params=None,
+        tokenizer=tok,
+        task=ArithmeticTask(),
+        reward_fn=_reward,
+        key=jax.random.PRNGKey(0),
+        more_problems=more,
+    )
+    return batch, m, sampler
+
+
+def test_all_correct_group_with_different_lengths_is_dropped():
+    """Group p0 passes twice; overlong shaping gives its samples different rewards
+    (0 and -0.75), which the old filter (on shaped rewards) kept as signal. Filtering
+    on the verifier's pass/fail drops it and keeps only the mixed group m0."""
+    c = cfg(*DAPO)
+    batch, m, _ = _rl_batch(c, ["p0", "m0"])
+    assert batch.num_sequences == 2
+    np.testing.assert_array_equal(batch.rewards, [1.0, 0.0])  # m0: "y" passes, "n" fails
+    assert (m["generation_batches"], m["kept_fraction"], m["groups_short"]) == (1, 0.5, 1)
+
+
+def test_refill_reaches_the_target_number_of_groups():
+    """Target 2 groups: batch 1 keeps m0, batch 2 (refill) keeps m1 and m2, and only
+    the first two kept groups are trained on."""
+    c = cfg(*DAPO)
+    batch, m, sampler = _rl_batch(c, ["p0", "m0"], refills=[["m1", "m2"], ["m0", "m1"]])
+    assert sampler.calls == 2
+    assert (m["generation_batches"], m["kept_fraction"], m["groups_short"]) == (2, 0.75, 0)
+    assert batch.num_sequences == 4 and len(np.unique(batch.group_ids)) == 2
+    np.testing.assert_array_equal(batch.rewards, [1.0, 0.0, 0.0, 1.0])  # m0 then m1
+
+
+def test_refill_is_bounded_and_reports_the_shortfall():
+    """Every batch has only one group with signal: after max_generation_batches = 2
+    the step trains on what it has and says it is one group short."""
+    c = cfg(*DAPO, "algo.max_generation_batches=2")
+    batch, m, sampler = _rl_batch(c, ["p0", "f0"], refills=[["m0", "p1"], ["m1", "m2"]])
+    assert sampler.calls == 2
+    assert (m["generation_batches"], m["kept_fraction"], m["groups_short"]) == (2, 0.25, 1)
+    assert batch.num_sequences == 2
