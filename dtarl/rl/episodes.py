@@ -240,6 +240,16 @@ class Scorer:
         return [out[i, : len(x)].copy() for i, x in enumerate(tokens)]
 
 
+def advantage_abs_mean(batch: RolloutBatch) -> float:
+    """Mean |A| of the advantages the loss uses: per trained token where the batch has
+    per-token advantages (PPO/GAE; its sequence advantages are then 0), else per sequence."""
+    if batch.token_advantages is None:
+        return float(np.abs(batch.advantages).mean())
+    pairs = zip(batch.token_advantages, batch.loss_mask, strict=True)
+    num = sum(float(np.sum(m * np.abs(a))) for a, m in pairs)
+    return num / max(sum(float(m.sum()) for m in batch.loss_mask), 1e-30)
+
+
 # ---------------------------------------------------------------- rl_batch
 
 
@@ -391,7 +401,7 @@ def rl_batch(
     )
     tree = batch.prefix_tree()  # built once: the engine reuses it
     m.update(
-        advantage_abs_mean=float(np.abs(advs).mean()),
+        advantage_abs_mean=advantage_abs_mean(batch),
         tree_token_ratio=tree.stats.ideal_token_ratio,
         num_tokens=batch.num_tokens,
         tree_tokens=tree.stats.tree_tokens,
@@ -402,6 +412,7 @@ def rl_batch(
 __all__ = [
     "ReferenceFn",
     "Scorer",
+    "advantage_abs_mean",
     "Trajectory",
     "encode_prompt",
     "group_advantages",

@@ -45,20 +45,26 @@ def ratio_stats(
     *,
     eps_low: float,
     eps_high: float,
+    token_advantages: Sequence[np.ndarray] | None = None,
 ) -> dict[str, float]:
     """Importance ratio r_t = exp(logp_t - logp_old_t) over trained tokens, and clip fraction.
 
     A token is clipped when the clip is active in the surrogate:
-    A >= 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low.
+    A_t >= 0 and r > 1 + eps_high, or A_t < 0 and r < 1 - eps_low, with A_t the
+    per-token advantage where given (PPO/GAE), else the sequence's.
     """
     rs, clipped, total = [], 0.0, 0.0
-    for lp, old, m, a in zip(logprobs, old_logprobs, masks, advantages, strict=True):
+    for i, (lp, old, m) in enumerate(zip(logprobs, old_logprobs, masks, strict=True)):
         sel = np.asarray(m) > 0
         if not sel.any():
             continue
         r = np.exp(np.asarray(lp, np.float64)[sel] - np.asarray(old, np.float64)[sel])
         rs.append(r)
-        hit = r > 1 + eps_high if a >= 0 else r < 1 - eps_low
+        if token_advantages is not None:
+            a = np.asarray(token_advantages[i], np.float64)[sel]
+        else:
+            a = np.full(r.shape, float(advantages[i]))
+        hit = np.where(a >= 0, r > 1 + eps_high, r < 1 - eps_low)
         clipped += float(np.sum(hit))
         total += float(sel.sum())
     if not rs:
@@ -126,6 +132,7 @@ def step_metrics(
             batch.advantages,
             eps_low=algo.clip_eps,
             eps_high=algo.eps_high,
+            token_advantages=batch.token_advantages,
         )
     )
     against = batch.ref_logprobs if batch.ref_logprobs is not None else batch.old_logprobs

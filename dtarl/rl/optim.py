@@ -89,6 +89,13 @@ class Optimizer:
     def init(self, params):
         return self.tx.init(params)
 
+    def lr(self, opt_state) -> float:
+        """The learning rate the next update from ``opt_state`` applies: the schedule at
+        the optimiser's own step count (which skipped, non-finite updates do not advance)."""
+        is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+        (state,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_sched) if is_sched(x)]
+        return float(self.schedule(int(state.count)))
+
 
 def make_optimizer(
     *, lr: float, warmup: int, total: int, schedule: Schedule, cfg: OptimSection

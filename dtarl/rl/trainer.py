@@ -258,10 +258,9 @@ class Trainer:
         batch = reference_batch(
             self.tokenizer, self._problems(_SEED_SFT, step, self.cfg.sft.batch_size)
         )
+        lr = self.sft_opt.lr(self.opt_state)
         updates = self._update(batch, self.sft_loss, self.sft_opt, 1)
-        m = dict(
-            phase="sft", step=step, global_step=step + 1, lr=float(self.sft_opt.schedule(step))
-        )
+        m = dict(phase="sft", step=step, global_step=step + 1, lr=lr)
         m.update(step_metrics(batch, updates))
         self.skipped += m["skipped"]
         return m
@@ -287,7 +286,7 @@ class Trainer:
             more_problems=functools.partial(self._refill_problems, step),
         )
         m = dict(phase="rl", step=step, global_step=cfg.sft.steps + step + 1)
-        m["lr"] = float(self.rl_opt.schedule(step * cfg.algo.updates_per_batch))
+        m["lr"] = self.rl_opt.lr(self.opt_state)  # this step's first update's
         m.update(episode_metrics)
         if batch is None:
             self.skipped += 1

@@ -3,17 +3,19 @@
 (filter on task accuracy, refill up to ``algo.max_generation_batches``)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from dtarl.batch import LossNorm, RolloutBatch
-from dtarl.engines import DenseEngine
+from dtarl.engines import DenseEngine, EngineAux
 from dtarl.model import init_model
 from dtarl.model.tokenizer import ByteTokenizer
-from dtarl.rl.config import Algorithm, ConfigError, LossAggMode, load_config
-from dtarl.rl.episodes import rl_batch
-from dtarl.rl.optim import make_loss
+from dtarl.rl.config import Algorithm, ConfigError, LossAggMode, Schedule, load_config
+from dtarl.rl.episodes import advantage_abs_mean, rl_batch
+from dtarl.rl.metrics import ratio_stats
+from dtarl.rl.optim import make_loss, make_optimizer, update
 from dtarl.rl.tasks import ArithmeticTask, Problem
 from dtarl.rollout.sampler import FinishReason, SampleResult
 from dtarl.testing import tiny_config
@@ -190,3 +192,72 @@ def test_refill_is_bounded_and_reports_the_shortfall():
     assert sampler.calls == 2
     assert (m["generation_batches"], m["kept_fraction"], m["groups_short"]) == (2, 0.25, 1)
     assert batch.num_sequences == 2
+
+
+# ------------------------------------------------------------------- metrics
+
+
+def test_clip_fraction_uses_per_token_advantages():
+    """PPO: the sequence advantage is 0 and A_t = (-1, +1). Ratios 0.5 (A < 0: below
+    1 - eps, clipped) and 1.5 (A > 0: above 1 + eps, clipped): 2 of 2. With the
+    sequence's A = 0 >= 0 only the second would count (the old 1/2)."""
+    lp = [np.array([0.0, np.log(0.5), np.log(1.5)])]
+    old = [np.zeros(3)]
+    mask = [np.array([0.0, 1.0, 1.0])]
+    m = ratio_stats(
+        lp,
+        old,
+        mask,
+        np.zeros(1),
+        eps_low=0.2,
+        eps_high=0.2,
+        token_advantages=[np.array([0.0, -1.0, 1.0])],
+    )
+    assert m["clip_fraction"] == 1.0
+    seq = ratio_stats(lp, old, mask, np.array([-1.0]), eps_low=0.2, eps_high=0.2)
+    assert seq["clip_fraction"] == 0.5  # A = -1 everywhere: only r = 0.5 is clipped
+
+
+def test_advantage_abs_mean_reads_per_token_advantages():
+    """Masked mean |A_t| = (|-1| + |3| + 0.5 |2|) / 2.5 = 2 where the sequence advantages
+    are all 0 (the old metric: 0)."""
+    batch = RolloutBatch.create(
+        tokens=[[1, 2, 3], [1, 2]],
+        loss_mask=[[0, 1, 1], [0, 0.5]],
+        advantages=[0.0, 0.0],
+        token_advantages=[[0.0, -1.0, 3.0], [0.0, 2.0]],
+    )
+    assert advantage_abs_mean(batch) == pytest.approx(5.0 / 2.5)
+    assert advantage_abs_mean(batch.select([0])) == pytest.approx(2.0)
+    plain = RolloutBatch.create(tokens=[[1, 2], [1, 2]], advantages=[1.0, -3.0])
+    assert advantage_abs_mean(plain) == 2.0
+
+
+class ConstGradEngine:
+    """An engine double: gradient ``g`` for every parameter (NaN: a skipped update)."""
+
+    name = "const"
+
+    def __init__(self, g):
+        self.g = g
+
+    def value_and_grad(self, params, batch, loss):
+        grads = jax.tree.map(lambda p: jnp.full_like(p, self.g), params)
+        return jnp.float32(self.g), grads, EngineAux(logprobs=(), stats={})
+
+
+def test_lr_follows_the_optimiser_step_count():
+    """A linear warm-up 0 -> 1 over 4 steps: lr = count / 4. A skipped (non-finite)
+    update does not advance the count, so neither does the logged lr; the old
+    schedule(step) said 0.5 at the third step after one of two updates was skipped."""
+    opt = make_optimizer(lr=1.0, warmup=4, total=8, schedule=Schedule.CONSTANT, cfg=cfg().optim)
+    params = {"w": jnp.ones(3)}
+    state = opt.init(params)
+    batch = RolloutBatch.create(tokens=[[1, 2]])
+    lrs = []
+    for g in (1.0, np.nan, 1.0):
+        lrs.append(opt.lr(state))
+        u = update(params, state, batch, engine=ConstGradEngine(g), loss=None, optimizer=opt)
+        assert u.applied == np.isfinite(g)
+        params, state = u.params, u.opt_state
+    assert lrs + [opt.lr(state)] == [0.0, 0.25, 0.25, 0.5]
