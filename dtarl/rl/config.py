@@ -116,13 +116,18 @@ class TaskSection:
     ops: str = "+-"  # arithmetic
     num_numbers: int = 3  # countdown
     max_number: int = 9  # countdown
+    allow_unused: bool = False  # countdown: accept answers that leave given numbers out
     max_turns: int = 2  # calculator
 
     def options(self) -> dict[str, Any]:
         if self.kind is TaskKind.ARITHMETIC:
             return dict(max_operand=self.max_operand, ops=self.ops)
         if self.kind is TaskKind.COUNTDOWN:
-            return dict(num_numbers=self.num_numbers, max_number=self.max_number)
+            return dict(
+                num_numbers=self.num_numbers,
+                max_number=self.max_number,
+                allow_unused=self.allow_unused,
+            )
         return dict(max_operand=self.max_operand, max_turns=self.max_turns)
 
 

@@ -206,9 +206,10 @@ def shaped_rewards(cfg: TrainerConfig, rewards: np.ndarray, trajs: Sequence[Traj
 
 
 def group_advantages(cfg: TrainerConfig, rewards: np.ndarray, group_ids: np.ndarray):
-    """``grpo_advantages`` with the algorithm's options (Dr.GRPO: no std scaling)."""
+    """``grpo_advantages`` with the algorithm's options (Dr.GRPO: no std scaling;
+    ``algo.std_ddof``)."""
     scale = cfg.algo.algorithm is not Algorithm.DR_GRPO
-    return adv_fns.grpo_advantages(rewards, group_ids, scale_std=scale)
+    return adv_fns.grpo_advantages(rewards, group_ids, scale_std=scale, ddof=cfg.algo.std_ddof)
 
 
 class Scorer:

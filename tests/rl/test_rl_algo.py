@@ -13,7 +13,7 @@ from dtarl.engines import DenseEngine, EngineAux
 from dtarl.model import init_model
 from dtarl.model.tokenizer import ByteTokenizer
 from dtarl.rl.config import Algorithm, ConfigError, LossAggMode, Schedule, load_config
-from dtarl.rl.episodes import advantage_abs_mean, rl_batch
+from dtarl.rl.episodes import advantage_abs_mean, group_advantages, rl_batch
 from dtarl.rl.metrics import ratio_stats
 from dtarl.rl.optim import make_loss, make_optimizer, update
 from dtarl.rl.tasks import ArithmeticTask, Problem
@@ -261,3 +261,14 @@ def test_lr_follows_the_optimiser_step_count():
         assert u.applied == np.isfinite(g)
         params, state = u.params, u.opt_state
     assert lrs + [opt.lr(state)] == [0.0, 0.25, 0.25, 0.5]
+
+
+def test_std_ddof_reaches_group_advantages():
+    """algo.std_ddof=1 divides by the unbiased std: group (1, 0) has population std
+    0.5 (A = +-1) and unbiased std sqrt(0.5) (A = +-0.7071)."""
+    r, g = np.array([1.0, 0.0]), np.array([0, 0])
+    np.testing.assert_allclose(group_advantages(cfg(), r, g), [1, -1], rtol=1e-5)
+    one = group_advantages(cfg("algo.std_ddof=1"), r, g)
+    np.testing.assert_allclose(one, [0.5 / np.sqrt(0.5), -0.5 / np.sqrt(0.5)], rtol=1e-5)
+    with pytest.raises(ConfigError, match="algo.std_ddof=2"):
+        cfg("algo.std_ddof=2")
