@@ -160,7 +160,9 @@ class AlgoSection:
     max_generation_batches: int = 3
     std_ddof: int = 0  # GRPO's group std: 0 = population (default), 1 = unbiased (n - 1)
     overlong_buffer: int = 0  # DAPO soft overlong punishment window (0 = off)
-    updates_per_batch: int = 1  # optimizer steps per rollout batch (ratio != 1 after the 1st)
+    updates_per_batch: int = 1  # passes over each rollout batch (ratio != 1 after the 1st)
+    minibatches: int = 1  # optimizer steps per pass: the batch split into whole groups
+    grad_accum: int = 1  # > 1: each step's gradient summed in fp32 over this many parts
     engine: EngineKind = EngineKind.AUTO  # its settings: the ``engine:`` section
     gamma: float = 1.0  # PPO GAE
     lam: float = 0.95  # PPO GAE
@@ -168,7 +170,14 @@ class AlgoSection:
 
     def __post_init__(self):
         _nonneg(self, "clip_eps", "kl_coef", "entropy_coef", "overlong_buffer")
-        _positive(self, "updates_per_batch", "value_lr", "max_generation_batches")
+        _positive(
+            self,
+            "updates_per_batch",
+            "value_lr",
+            "max_generation_batches",
+            "minibatches",
+            "grad_accum",
+        )
         if self.std_ddof not in (0, 1):
             raise ConfigError(f"algo.std_ddof={self.std_ddof} must be 0 or 1")
         if self.clip_eps >= 1:

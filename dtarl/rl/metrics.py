@@ -92,7 +92,11 @@ def engine_metrics(stats: dict) -> dict:
 
 
 def step_metrics(
-    batch: RolloutBatch, updates: Sequence[UpdateResult], algo: AlgoSection | None = None
+    batch: RolloutBatch,
+    updates: Sequence[UpdateResult],
+    algo: AlgoSection | None = None,
+    *,
+    last_batch: RolloutBatch | None = None,
 ) -> dict[str, Any]:
     """Metrics of one step's ``updates`` (in order; the last may be a skipped one) on ``batch``.
 
@@ -101,7 +105,9 @@ def step_metrics(
     adds ``autotune_seconds`` summed over its updates (0 for a fixed engine), the
     importance ratios and clip fraction of the last update's logprobs against the
     sampler's (``ratio_stats``), and ``kl``: the k3 estimate against the reference
-    policy when the batch has one, else against the sampling policy.
+    policy when the batch has one, else against the sampling policy. With minibatches
+    (``algo.minibatches``) ``last_batch`` is the last update's sub-batch, which the
+    ratios and the kl are measured on.
     """
     last = updates[-1]
     stats = last.aux.stats
@@ -124,6 +130,7 @@ def step_metrics(
     if algo is None:
         return m
     logprobs = last.aux.logprobs
+    batch = batch if last_batch is None else last_batch
     m.update(
         ratio_stats(
             logprobs,

@@ -5,6 +5,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -15,8 +16,15 @@ from dtarl.model.tokenizer import ByteTokenizer
 from dtarl.rl.config import Algorithm, ConfigError, LossAggMode, Schedule, load_config
 from dtarl.rl.episodes import advantage_abs_mean, group_advantages, rl_batch
 from dtarl.rl.metrics import ratio_stats
-from dtarl.rl.optim import make_loss, make_optimizer, update
+from dtarl.rl.optim import (
+    accumulated_value_and_grad,
+    group_splits,
+    make_loss,
+    make_optimizer,
+    update,
+)
 from dtarl.rl.tasks import ArithmeticTask, Problem
+from dtarl.rl.trainer import Trainer
 from dtarl.rollout.sampler import FinishReason, SampleResult
 from dtarl.testing import tiny_config
 
@@ -272,3 +280,80 @@ def test_std_ddof_reaches_group_advantages():
     np.testing.assert_allclose(one, [0.5 / np.sqrt(0.5), -0.5 / np.sqrt(0.5)], rtol=1e-5)
     with pytest.raises(ConfigError, match="algo.std_ddof=2"):
         cfg("algo.std_ddof=2")
+
+
+# ------------------------------------------ minibatches and gradient accumulation
+
+GROUPED = dict(
+    tokens=[[5, 6, 7], [5, 6, 8, 9], [11, 12, 13, 14, 15], [11, 12], [20, 21, 22]],
+    loss_mask=[[0, 1, 1], [0, 0, 1, 1], [0, 1, 1, 1, 1], [0, 1], [0, 0.5, 1]],
+    advantages=[1.0, -1.0, 0.5, -0.5, 2.0],
+    group_ids=[0, 0, 1, 1, 2],
+)
+
+
+def _rel_err(a, b):
+    """max over parameter tensors of ||a - b|| / ||b|| (the equivalence tests' measure)."""
+    return max(
+        float(np.linalg.norm(np.asarray(x) - np.asarray(y)) / max(np.linalg.norm(y), 1e-30))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def test_group_splits_keep_groups_whole():
+    batch = RolloutBatch.create(**GROUPED)
+    assert [ix.tolist() for ix in group_splits(batch, 2)] == [[0, 1, 2, 3], [4]]
+    assert [ix.tolist() for ix in group_splits(batch, 3)] == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="3 groups into 4 parts"):
+        group_splits(batch, 4)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("parts", [2, 3])
+def test_accumulated_gradient_equals_the_full_batch(dense_engine, mode, parts):
+    """Summing the parts' fp32 gradients, each weighted with the whole batch's w_i,
+    gives the full batch's loss and gradient, and the same optimiser update."""
+    engine, params = dense_engine
+    loss = make_loss(cfg(f"algo.loss_agg_mode={mode}"), MAX_RESPONSE)
+    batch = RolloutBatch.create(**GROUPED)
+    v_full, g_full, aux_full = engine.value_and_grad(params, batch, loss)
+    v_acc, g_acc, aux_acc = accumulated_value_and_grad(engine, params, batch, loss, parts)
+    np.testing.assert_allclose(float(v_acc), float(v_full), rtol=1e-5)
+    assert _rel_err(g_acc, g_full) < 1e-5
+    for a, b in zip(aux_acc.logprobs, aux_full.logprobs, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    opt = make_optimizer(lr=1e-2, warmup=0, total=1, schedule=Schedule.CONSTANT, cfg=cfg().optim)
+    state = opt.init(params)
+    one = update(params, state, batch, engine=engine, loss=loss, optimizer=opt)
+    acc = update(params, state, batch, engine=engine, loss=loss, optimizer=opt, grad_accum=parts)
+    assert _rel_err(acc.params, one.params) < 1e-5
+
+
+def test_trainer_step_with_minibatches_and_accumulation(tmp_path):
+    """One RL step on 4 groups: 2 minibatches of 2 groups, each gradient accumulated
+    over 2 parts: two optimiser steps (the count), metrics on the last minibatch."""
+    c = load_config(
+        None,
+        [
+            "model.overrides={num_layers: 1}",
+            "task.max_operand=5",
+            "steps=1",
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=3",
+            "algo.engine=dense",
+            "algo.minibatches=2",
+            "algo.grad_accum=2",
+            "eval_problems=0",
+            "console=false",
+            "tensorboard=false",
+            f"out_dir={tmp_path}",
+        ],
+    )
+    t = Trainer(c)
+    t.opt_state = t.rl_opt.init(t.params)
+    m = t.rl_step(0)
+    assert m["skipped"] == 0 and np.isfinite(m["loss"]) and np.isfinite(m["clip_fraction"])
+    is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    (sched,) = [x for x in jax.tree.leaves(t.opt_state, is_leaf=is_sched) if is_sched(x)]
+    assert int(sched.count) == 2
