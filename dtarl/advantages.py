@@ -36,6 +36,7 @@ def grpo_advantages(
     *,
     scale_std: bool = True,
     eps: float = 1e-6,
+    ddof: int = 0,
     compute_dtype=np.float64,
 ) -> np.ndarray:
     """Group-normalised advantages, as float32.
@@ -43,16 +44,20 @@ def grpo_advantages(
         A_i = (r_i - mean_{j in g(i)} r_j) / (std_{j in g(i)} r_j + eps)   (GRPO)
         A_i =  r_i - mean_{j in g(i)} r_j                    (Dr.GRPO: scale_std=False)
 
-    std is the population standard deviation. A group of one, or one whose rewards
-    are all equal, gets A = 0. The means and stds are taken in ``compute_dtype``
+    std_g = sqrt(sum_j (r_j - mean_g)^2 / (|g| - ddof)): ``ddof=0`` the population
+    std (the default, as DeepSeekMath's GRPO and verl), ``ddof=1`` the unbiased
+    sample std (torch's ``std()``, TRL). A group of one, or one whose rewards are
+    all equal, gets A = 0. The means and stds are taken in ``compute_dtype``
     (the trainer: float64; the trace workloads: float32).
     """
+    if ddof not in (0, 1):
+        raise ValueError(f"ddof={ddof} must be 0 (population std) or 1 (unbiased)")
     r, g = _check_groups(rewards_N, group_ids_N, compute_dtype)
     adv = np.zeros_like(r)
     for gid in np.unique(g):
         sel = g == gid
         centred = r[sel] - r[sel].mean()
-        sd = r[sel].std()
+        sd = r[sel].std(ddof=ddof) if sel.sum() > ddof else 0.0
         if scale_std:
             adv[sel] = centred / (sd + eps) if sd + eps > 0 else 0.0
         else:

@@ -24,15 +24,22 @@ class BatchError(ValueError):
 
 
 class LossNorm(enum.Enum):
-    """How per-token losses are normalised into the batch loss.
+    """How per-token losses l_it (mask m_it, N sequences) are normalised into the batch loss.
 
-    TOKEN:    L = sum_i sum_t m_it l_it / sum_i sum_t m_it       (DAPO token-level)
-    SEQUENCE: L = 1/N sum_i (sum_t m_it l_it / sum_t m_it)       (GRPO)
-    CONSTANT: L = sum_i sum_t m_it l_it / c                      (Dr.GRPO, c = max length)
+    TOKEN:        L = sum_i sum_t m_it l_it / sum_i sum_t m_it     (DAPO, PPO; "token-mean")
+    SEQUENCE:     L = 1/N sum_i (sum_t m_it l_it / sum_t m_it)     (GRPO; "seq-mean-token-mean")
+    SEQUENCE_SUM: L = 1/N sum_i sum_t m_it l_it                    ("seq-mean-token-sum")
+    CONSTANT:     L = 1/(N c) sum_i sum_t m_it l_it                (Dr.GRPO, c = max response
+                  length; "seq-mean-token-sum-norm")
+
+    Every mode is a per-sequence weight w_i with L = sum_i w_i sum_t m_it l_it
+    (``RolloutBatch.sequence_weights``). A sequence with no trained token still
+    counts in N. The quoted names are verl's ``loss_agg_mode``s (``algo.loss_agg_mode``).
     """
 
     TOKEN = "token"
     SEQUENCE = "sequence"
+    SEQUENCE_SUM = "sequence_sum"
     CONSTANT = "constant"
 
 
@@ -256,10 +263,12 @@ class RolloutBatch:
             w = np.full(n, 0.0 if total == 0 else 1.0 / total)
         elif norm is LossNorm.SEQUENCE:
             w = np.where(msum > 0, 1.0 / (n * np.maximum(msum, 1e-30)), 0.0)
+        elif norm is LossNorm.SEQUENCE_SUM:
+            w = np.full(n, 1.0 / n)
         elif norm is LossNorm.CONSTANT:
             if constant is None or not constant > 0:
                 raise BatchError(f"LossNorm.CONSTANT needs a constant > 0, got {constant}")
-            w = np.full(n, 1.0 / constant)
+            w = np.full(n, 1.0 / (n * constant))
         else:  # pragma: no cover - exhaustive enum
             raise BatchError(f"unknown normalisation {norm}")
         return w.astype(np.float32)

@@ -114,8 +114,10 @@ class ClippedSurrogateLoss:
 
     Presets: ``grpo()`` (symmetric clip, per-sequence mean), ``dapo()``
     (clip-higher eps_high = 0.28, token-level normalisation), ``dr_grpo()``
-    (constant normaliser), ``ppo()`` (token-level, symmetric clip). A_t is the
-    batch's per-token advantage where given (PPO/GAE), else the sequence's A_i.
+    (normaliser N * max_len: each sequence's token sum, no per-length mean, and
+    the batch size does not scale the gradient), ``ppo()`` (token-level,
+    symmetric clip). A_t is the batch's per-token advantage where given
+    (PPO/GAE), else the sequence's A_i.
     Without old logprobs the rollout is taken as on-policy: logp_old =
     stop_gradient(logp), so r_t = 1 with gradient A_i * grad(logp_t).
     """

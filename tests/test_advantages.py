@@ -15,6 +15,21 @@ def test_grpo_group_normalised():
     np.testing.assert_allclose(adv, [0.5, -0.5, 0.5, -0.5, 0, 0], atol=1e-6)
 
 
+def test_grpo_std_ddof():
+    """Group (1, 0, 0, 0): mean 0.25, squared deviations sum 0.75. ddof=0 (default):
+    std = sqrt(0.75 / 4) = 0.4330; ddof=1: sqrt(0.75 / 3) = 0.5. A group of one is 0
+    under both (no n - 1 = 0 division)."""
+    r = np.array([1.0, 0.0, 0.0, 0.0, 7.0])
+    g = np.array([0, 0, 0, 0, 1])
+    centred = np.array([0.75, -0.25, -0.25, -0.25, 0.0])
+    pop = A.grpo_advantages(r, g, eps=0.0)
+    np.testing.assert_allclose(pop, centred / np.sqrt(0.75 / 4) * [1, 1, 1, 1, 0], atol=1e-6)
+    unbiased = A.grpo_advantages(r, g, eps=0.0, ddof=1)
+    np.testing.assert_allclose(unbiased, centred / 0.5, atol=1e-6)
+    with pytest.raises(ValueError, match="ddof=2"):
+        A.grpo_advantages(r, g, ddof=2)
+
+
 def test_grpo_rejects_bad_input():
     with pytest.raises(ValueError, match="same shape"):
         A.grpo_advantages([1.0, 2.0], [0])

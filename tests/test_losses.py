@@ -304,10 +304,18 @@ def test_sequence_norm_weights():
     np.testing.assert_allclose(w, [1 / (3 * 2), 1 / (3 * 3), 1 / (3 * 1.5)], rtol=RTOL)
 
 
+def test_sequence_sum_norm_weights():
+    """SEQUENCE_SUM (seq-mean-token-sum): w_i = 1 / N = 1/3, independent of M_i."""
+    w = _batch().sequence_weights(LossNorm.SEQUENCE_SUM)
+    np.testing.assert_allclose(w, [1 / 3] * 3, rtol=RTOL)
+
+
 def test_constant_norm_weights():
-    """CONSTANT (as documented in LossNorm): w_i = 1 / c, independent of N and M_i."""
+    """CONSTANT (Dr.GRPO, seq-mean-token-sum-norm): w_i = 1 / (N c) = 1 / (3 * 8).
+
+    Before the fix the weight was 1 / c, so the loss grew with the batch."""
     w = _batch().sequence_weights(LossNorm.CONSTANT, 8.0)
-    np.testing.assert_allclose(w, [1 / 8] * 3, rtol=RTOL)
+    np.testing.assert_allclose(w, [1 / 24] * 3, rtol=RTOL)
     with pytest.raises(BatchError, match="constant > 0"):
         _batch().sequence_weights(LossNorm.CONSTANT)
 
@@ -324,6 +332,9 @@ def test_fully_masked_sequence_weights():
     all_masked = _batch(([0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0]))
     for norm in (LossNorm.TOKEN, LossNorm.SEQUENCE):
         np.testing.assert_array_equal(all_masked.sequence_weights(norm), [0.0] * 3)
+    # The sum modes count the empty sequence in N too: nothing to divide by zero.
+    np.testing.assert_allclose(b.sequence_weights(LossNorm.SEQUENCE_SUM), [1 / 3] * 3)
+    np.testing.assert_allclose(b.sequence_weights(LossNorm.CONSTANT, 4.0), [1 / 12] * 3)
 
 
 @pytest.fixture(scope="module")
@@ -341,10 +352,12 @@ def dense_engine():
         pytest.param(ClippedSurrogateLoss(norm=LossNorm.TOKEN), 3.25 / 6.5, id="token"),
         # SEQUENCE: -(1/3) (2/2 - 6/3 + 0.75/1.5) = -(1/3)(1 - 2 + 0.5) = 1/6
         pytest.param(ClippedSurrogateLoss(norm=LossNorm.SEQUENCE), 0.5 / 3, id="sequence"),
-        # CONSTANT c = 8: -(2 - 6 + 0.75) / 8 (no 1/N: see LossNorm's docstring)
+        # SEQUENCE_SUM: -(1/3)(2 - 6 + 0.75) = 3.25 / 3
+        pytest.param(ClippedSurrogateLoss(norm=LossNorm.SEQUENCE_SUM), 3.25 / 3, id="sequence_sum"),
+        # CONSTANT c = 8: -(2 - 6 + 0.75) / (N c) = 3.25 / 24
         pytest.param(
             ClippedSurrogateLoss(norm=LossNorm.CONSTANT, norm_constant=8.0),
-            3.25 / 8,
+            3.25 / 24,
             id="constant",
         ),
     ],
@@ -355,3 +368,19 @@ def test_norm_end_to_end_through_dense_engine(dense_engine, loss, want):
     engine, params = dense_engine
     value, _, _ = engine.value_and_grad(params, _batch(), loss)
     np.testing.assert_allclose(float(value), want, rtol=1e-5)
+
+
+def test_dr_grpo_loss_is_the_token_sum_over_n_max_len(dense_engine):
+    """Dr.GRPO on policy, end to end: L = -sum_i A_i |o_i| / (N L_max), with
+    |o_i| = M_i = (2, 3, 1.5), A = (1, -2, 0.5), N = 3, L_max = 8. The loss does not
+    change when the batch is repeated (the old 1/L_max normaliser doubled it)."""
+    engine, params = dense_engine
+    loss = ClippedSurrogateLoss.dr_grpo(max_len=8)
+    want = -(1.0 * 2 + -2.0 * 3 + 0.5 * 1.5) / (3 * 8)
+    value, grads, _ = engine.value_and_grad(params, _batch(), loss)
+    np.testing.assert_allclose(float(value), want, rtol=1e-5)
+    twice = RolloutBatch.create(tokens=TOKENS * 2, loss_mask=MASKS * 2, advantages=ADV * 2)
+    value2, grads2, _ = engine.value_and_grad(params, twice, loss)
+    np.testing.assert_allclose(float(value2), want, rtol=1e-5)
+    for g, g2 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads2), strict=True):
+        np.testing.assert_allclose(np.asarray(g2), np.asarray(g), rtol=1e-4, atol=1e-7)

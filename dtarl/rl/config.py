@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from dtarl.batch import LossNorm
 from dtarl.engines.config import EngineConfig, EngineKind
 from dtarl.model.config import ModelConfig
 from dtarl.rl.rewards import RewardErrorPolicy
@@ -39,6 +40,33 @@ class Algorithm(enum.Enum):
     DR_GRPO = "dr_grpo"  # no std scaling, constant normaliser
     DAPO = "dapo"  # clip-higher, token-level loss, dynamic sampling, overlong shaping
     PPO = "ppo"  # value model + GAE, per-token advantages, KL in the reward
+
+
+class LossAggMode(enum.Enum):
+    """How the per-token policy losses l_it (mask m_it, N sequences, c = the maximum
+    response length) become the batch loss (verl's ``loss_agg_mode`` names):
+
+        token-mean               L = sum_i sum_t m_it l_it / sum_i sum_t m_it   (DAPO, PPO)
+        seq-mean-token-mean      L = 1/N sum_i (sum_t m_it l_it / sum_t m_it)   (GRPO)
+        seq-mean-token-sum       L = 1/N sum_i sum_t m_it l_it
+        seq-mean-token-sum-norm  L = 1/(N c) sum_i sum_t m_it l_it              (Dr.GRPO)
+
+    ``algo.loss_agg_mode`` left unset takes the algorithm's (in brackets).
+    """
+
+    TOKEN_MEAN = "token-mean"
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+
+    @property
+    def norm(self) -> LossNorm:
+        return {
+            LossAggMode.TOKEN_MEAN: LossNorm.TOKEN,
+            LossAggMode.SEQ_MEAN_TOKEN_MEAN: LossNorm.SEQUENCE,
+            LossAggMode.SEQ_MEAN_TOKEN_SUM: LossNorm.SEQUENCE_SUM,
+            LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM: LossNorm.CONSTANT,
+        }[self]
 
 
 class Schedule(enum.Enum):
@@ -111,6 +139,7 @@ class TaskSection:
     ops: str = "+-"  # arithmetic
     num_numbers: int = 3  # countdown
     max_number: int = 9  # countdown
+    allow_unused: bool = False  # countdown: accept answers that leave given numbers out
     max_turns: int = 2  # calculator
 
     def __post_init__(self):
@@ -135,7 +164,11 @@ class TaskSection:
         if self.kind is TaskKind.ARITHMETIC:
             return dict(max_operand=self.max_operand, ops=self.ops)
         if self.kind is TaskKind.COUNTDOWN:
-            return dict(num_numbers=self.num_numbers, max_number=self.max_number)
+            return dict(
+                num_numbers=self.num_numbers,
+                max_number=self.max_number,
+                allow_unused=self.allow_unused,
+            )
         return dict(max_operand=self.max_operand, max_turns=self.max_turns)
 
 
@@ -167,9 +200,15 @@ class AlgoSection:
     clip_eps_high: float | None = None  # default: clip_eps (0.28 for DAPO)
     kl_coef: float = 0.0  # > 0: KL to the frozen reference policy (the post-SFT weights)
     entropy_coef: float = 0.0  # > 0: entropy bonus in the policy loss (per token, same norm)
+    loss_agg_mode: LossAggMode | None = None  # default: the algorithm's (see LossAggMode)
     dynamic_sampling: bool | None = None  # default: True for DAPO only
+    # Dynamic sampling re-samples up to this many prompt batches per step to fill it.
+    max_generation_batches: int = 3
+    std_ddof: int = 0  # GRPO's group std: 0 = population (default), 1 = unbiased (n - 1)
     overlong_buffer: int = 0  # DAPO soft overlong punishment window (0 = off)
-    updates_per_batch: int = 1  # optimizer steps per rollout batch (ratio != 1 after the 1st)
+    updates_per_batch: int = 1  # passes over each rollout batch (ratio != 1 after the 1st)
+    minibatches: int = 1  # optimizer steps per pass: the batch split into whole groups
+    grad_accum: int = 1  # > 1: each step's gradient summed in fp32 over this many parts
     engine: EngineKind = EngineKind.AUTO  # its settings: the ``engine:`` section
     gamma: float = 1.0  # PPO GAE
     lam: float = 0.95  # PPO GAE
@@ -180,15 +219,35 @@ class AlgoSection:
         if self.clip_eps_high is not None:
             _nonneg(self, "clip_eps_high")
         _nonneg(self, "kl_coef", "entropy_coef", "overlong_buffer")
-        _positive(self, "updates_per_batch", "value_lr")
+        _positive(
+            self,
+            "updates_per_batch",
+            "value_lr",
+            "max_generation_batches",
+            "minibatches",
+            "grad_accum",
+        )
         _in_range(self, "gamma", 0, 1)
         _in_range(self, "lam", 0, 1)
+        if self.std_ddof not in (0, 1):
+            raise ConfigError(f"algo.std_ddof={self.std_ddof} must be 0 or 1")
 
     @property
     def eps_high(self) -> float:
         if self.clip_eps_high is not None:
             return self.clip_eps_high
         return 0.28 if self.algorithm is Algorithm.DAPO else self.clip_eps
+
+    @property
+    def agg_mode(self) -> LossAggMode:
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        return {
+            Algorithm.GRPO: LossAggMode.SEQ_MEAN_TOKEN_MEAN,
+            Algorithm.DR_GRPO: LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM,
+            Algorithm.DAPO: LossAggMode.TOKEN_MEAN,
+            Algorithm.PPO: LossAggMode.TOKEN_MEAN,
+        }[self.algorithm]
 
     @property
     def use_dynamic_sampling(self) -> bool:
@@ -511,6 +570,7 @@ __all__ = [
     "AlgoSection",
     "Algorithm",
     "ConfigError",
+    "LossAggMode",
     "ModelSection",
     "OptimSection",
     "RESUME_FREE_KEYS",

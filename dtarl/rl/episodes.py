@@ -206,9 +206,10 @@ def shaped_rewards(cfg: TrainerConfig, rewards: np.ndarray, trajs: Sequence[Traj
 
 
 def group_advantages(cfg: TrainerConfig, rewards: np.ndarray, group_ids: np.ndarray):
-    """``grpo_advantages`` with the algorithm's options (Dr.GRPO: no std scaling)."""
+    """``grpo_advantages`` with the algorithm's options (Dr.GRPO: no std scaling;
+    ``algo.std_ddof``)."""
     scale = cfg.algo.algorithm is not Algorithm.DR_GRPO
-    return adv_fns.grpo_advantages(rewards, group_ids, scale_std=scale)
+    return adv_fns.grpo_advantages(rewards, group_ids, scale_std=scale, ddof=cfg.algo.std_ddof)
 
 
 class Scorer:
@@ -240,7 +241,21 @@ class Scorer:
         return [out[i, : len(x)].copy() for i, x in enumerate(tokens)]
 
 
+def advantage_abs_mean(batch: RolloutBatch) -> float:
+    """Mean |A| of the advantages the loss uses: per trained token where the batch has
+    per-token advantages (PPO/GAE; its sequence advantages are then 0), else per sequence."""
+    if batch.token_advantages is None:
+        return float(np.abs(batch.advantages).mean())
+    pairs = zip(batch.token_advantages, batch.loss_mask, strict=True)
+    num = sum(float(np.sum(m * np.abs(a))) for a, m in pairs)
+    return num / max(sum(float(m.sum()) for m in batch.loss_mask), 1e-30)
+
+
 # ---------------------------------------------------------------- rl_batch
+
+
+# Rollout keys of refill batches: fold_in(key, _REFILL_KEY + k) for generation batch k >= 1.
+_REFILL_KEY = 1 << 20
 
 
 def rl_batch(
@@ -255,48 +270,103 @@ def rl_batch(
     key: jax.Array,
     reference: ReferenceFn | None = None,
     value: ValueModel | None = None,
+    more_problems: Callable[[int], Sequence[Problem]] | None = None,
 ) -> tuple[RolloutBatch | None, dict[str, Any]]:
     """One RL step's batch: ``cfg.rollout.group_size`` samples of each problem under
     ``params``, scored by ``reward_fn`` and shaped, filtered by dynamic sampling
     (DAPO), with reference logprobs (``reference``, for a KL term) and advantages:
     GRPO's group-normalised ones, or per-token GAE from ``value`` (PPO).
 
+    Dynamic sampling keeps the groups whose *task* rewards (the verifier's scores,
+    before overlong shaping) are not all equal, as DAPO filters on accuracy. While
+    fewer than ``len(problems)`` groups are kept it samples another batch of
+    ``more_problems(k)`` (k = 1, 2, ...), up to ``algo.max_generation_batches`` in
+    all, and trains on the first ``len(problems)`` kept groups. Metrics:
+    ``generation_batches``, ``kept_fraction`` (kept / generated groups) and
+    ``groups_short`` (groups missing from the target; 0 when it was filled).
+
     Returns ``(batch, metrics)``; ``batch`` is None when dynamic sampling kept no
     group (``metrics`` then say ``skipped=1`` and why).
     """
-    trajs, rollout_stats = rollout(
-        sampler, params, tokenizer, task, problems, group_size=cfg.rollout.group_size, key=key
-    )
-    t_reward = time.perf_counter()
-    scored = compute_rewards(
-        reward_fn,
-        [problems[t.problem_index] for t in trajs],
-        [t.completion for t in trajs],
-        on_error=cfg.reward_on_error,
-    )
-    reward_s = time.perf_counter() - t_reward
-    rewards = shaped_rewards(cfg, scored.rewards, trajs)
-    gids = np.array([t.problem_index for t in trajs], np.int32)
+    target = len(problems)
+    dynamic = cfg.algo.use_dynamic_sampling
+    trajs: list[Trajectory] = []
+    task_r, rewards, gids, keep = [], [], [], []
+    n_errors, reward_s, gen_batches, kept_groups = 0, 0.0, 0, 0
+    roll: dict[str, float] = dict(rollout_seconds=0.0, rollout_tokens=0)
+    batch_problems = list(problems)
+    while True:
+        k = gen_batches
+        t_key = key if k == 0 else jax.random.fold_in(key, _REFILL_KEY + k)
+        b_trajs, stats = rollout(
+            sampler,
+            params,
+            tokenizer,
+            task,
+            batch_problems,
+            group_size=cfg.rollout.group_size,
+            key=t_key,
+        )
+        gen_batches += 1
+        roll["rollout_seconds"] += stats["rollout_seconds"]
+        roll["rollout_tokens"] += stats["rollout_tokens"]
+        t_reward = time.perf_counter()
+        scored = compute_rewards(
+            reward_fn,
+            [batch_problems[t.problem_index] for t in b_trajs],
+            [t.completion for t in b_trajs],
+            on_error=cfg.reward_on_error,
+        )
+        reward_s += time.perf_counter() - t_reward
+        n_errors += len(scored.errors)
+        offset = k * target
+        b_gids = np.array([offset + t.problem_index for t in b_trajs], np.int32)
+        b_keep = np.ones(len(b_trajs), bool)
+        if dynamic:
+            b_keep = adv_fns.dynamic_sampling_mask(scored.rewards, b_gids)
+        trajs += b_trajs
+        task_r.append(np.asarray(scored.rewards, np.float32))
+        rewards.append(shaped_rewards(cfg, scored.rewards, b_trajs))
+        gids.append(b_gids)
+        keep.append(b_keep)
+        kept_groups += len(np.unique(b_gids[b_keep]))
+        if (
+            not dynamic
+            or kept_groups >= target
+            or more_problems is None
+            or gen_batches >= cfg.algo.max_generation_batches
+        ):
+            break
+        batch_problems = list(more_problems(gen_batches))
+        if len(batch_problems) != target:
+            raise ValueError(
+                f"more_problems({gen_batches}) gave {len(batch_problems)} problems; "
+                f"expected {target} (one generation batch)"
+            )
+    task_rewards = np.concatenate(task_r)
+    rewards, gids, keep = np.concatenate(rewards), np.concatenate(gids), np.concatenate(keep)
+    generated_groups = gen_batches * target
     m: dict[str, Any] = dict(
         reward_mean=float(rewards.mean()),
         reward_std=float(rewards.std()),
-        success_rate=success_rate(scored.rewards),
+        success_rate=success_rate(task_rewards),
         truncated_fraction=float(np.mean([t.truncated for t in trajs])),
         turns_mean=float(np.mean([t.num_turns for t in trajs])),
-        reward_errors=len(scored.errors),
+        reward_errors=n_errors,
         reward_seconds=reward_s,
-        **rollout_stats,
+        rollout_tokens_per_s=roll["rollout_tokens"] / max(roll["rollout_seconds"], 1e-9),
+        **roll,
         **length_stats([t.response_len for t in trajs]),
+        generation_batches=gen_batches,
+        kept_fraction=kept_groups / generated_groups,
+        groups_short=max(0, target - kept_groups),
     )
-
-    keep = np.ones(len(trajs), bool)
-    if cfg.algo.use_dynamic_sampling:
-        keep = adv_fns.dynamic_sampling_mask(rewards, gids)
-    m["kept_fraction"] = float(keep.mean())
     if not keep.any():
-        m.update(skipped=1, skip_reason="every group has equal rewards (no signal)")
+        m.update(skipped=1, skip_reason="every group has equal task rewards (no signal)")
         return None, m
-    idx = np.flatnonzero(keep)
+    # The first ``target`` kept groups, in generation order.
+    first = list(dict.fromkeys(gids[keep].tolist()))[:target]
+    idx = np.flatnonzero(keep & np.isin(gids, first))
     trajs = [trajs[i] for i in idx]
     rewards, gids = rewards[idx], gids[idx]
     toks = [t.tokens for t in trajs]
@@ -332,7 +402,7 @@ def rl_batch(
     )
     tree = batch.prefix_tree()  # built once: the engine reuses it
     m.update(
-        advantage_abs_mean=float(np.abs(advs).mean()),
+        advantage_abs_mean=advantage_abs_mean(batch),
         tree_token_ratio=tree.stats.ideal_token_ratio,
         num_tokens=batch.num_tokens,
         tree_tokens=tree.stats.tree_tokens,
@@ -343,6 +413,7 @@ def rl_batch(
 __all__ = [
     "ReferenceFn",
     "Scorer",
+    "advantage_abs_mean",
     "Trajectory",
     "encode_prompt",
     "group_advantages",

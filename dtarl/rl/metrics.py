@@ -45,20 +45,26 @@ def ratio_stats(
     *,
     eps_low: float,
     eps_high: float,
+    token_advantages: Sequence[np.ndarray] | None = None,
 ) -> dict[str, float]:
     """Importance ratio r_t = exp(logp_t - logp_old_t) over trained tokens, and clip fraction.
 
     A token is clipped when the clip is active in the surrogate:
-    A >= 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low.
+    A_t >= 0 and r > 1 + eps_high, or A_t < 0 and r < 1 - eps_low, with A_t the
+    per-token advantage where given (PPO/GAE), else the sequence's.
     """
     rs, clipped, total = [], 0.0, 0.0
-    for lp, old, m, a in zip(logprobs, old_logprobs, masks, advantages, strict=True):
+    for i, (lp, old, m) in enumerate(zip(logprobs, old_logprobs, masks, strict=True)):
         sel = np.asarray(m) > 0
         if not sel.any():
             continue
         r = np.exp(np.asarray(lp, np.float64)[sel] - np.asarray(old, np.float64)[sel])
         rs.append(r)
-        hit = r > 1 + eps_high if a >= 0 else r < 1 - eps_low
+        if token_advantages is not None:
+            a = np.asarray(token_advantages[i], np.float64)[sel]
+        else:
+            a = np.full(r.shape, float(advantages[i]))
+        hit = np.where(a >= 0, r > 1 + eps_high, r < 1 - eps_low)
         clipped += float(np.sum(hit))
         total += float(sel.sum())
     if not rs:
@@ -86,7 +92,11 @@ def engine_metrics(stats: dict) -> dict:
 
 
 def step_metrics(
-    batch: RolloutBatch, updates: Sequence[UpdateResult], algo: AlgoSection | None = None
+    batch: RolloutBatch,
+    updates: Sequence[UpdateResult],
+    algo: AlgoSection | None = None,
+    *,
+    last_batch: RolloutBatch | None = None,
 ) -> dict[str, Any]:
     """Metrics of one step's ``updates`` (in order; the last may be a skipped one) on ``batch``.
 
@@ -95,7 +105,9 @@ def step_metrics(
     adds ``autotune_seconds`` summed over its updates (0 for a fixed engine), the
     importance ratios and clip fraction of the last update's logprobs against the
     sampler's (``ratio_stats``), and ``kl``: the k3 estimate against the reference
-    policy when the batch has one, else against the sampling policy.
+    policy when the batch has one, else against the sampling policy. With minibatches
+    (``algo.minibatches``) ``last_batch`` is the last update's sub-batch, which the
+    ratios and the kl are measured on.
     """
     last = updates[-1]
     stats = last.aux.stats
@@ -118,6 +130,7 @@ def step_metrics(
     if algo is None:
         return m
     logprobs = last.aux.logprobs
+    batch = batch if last_batch is None else last_batch
     m.update(
         ratio_stats(
             logprobs,
@@ -126,6 +139,7 @@ def step_metrics(
             batch.advantages,
             eps_low=algo.clip_eps,
             eps_high=algo.eps_high,
+            token_advantages=batch.token_advantages,
         )
     )
     against = batch.ref_logprobs if batch.ref_logprobs is not None else batch.old_logprobs

@@ -34,36 +34,22 @@ grad_norm = jax.jit(_tree_norm)
 
 
 def make_loss(cfg: TrainerConfig, max_response: int) -> ClippedSurrogateLoss:
-    """The policy loss of ``cfg.algo.algorithm``.
+    """The policy loss of ``cfg.algo.algorithm``, aggregated by ``cfg.algo.agg_mode``.
 
-    GRPO: per-sequence mean; DAPO: token-level mean; Dr.GRPO: a constant
-    normaliser (``max_response``); PPO: token-level, GAE advantages in the batch's
-    ``token_advantages`` and the KL in the reward instead of the loss.
+    GRPO: per-sequence mean; DAPO: token-level mean; Dr.GRPO: the token sum over
+    N * ``max_response`` (also the constant of ``seq-mean-token-sum-norm`` under any
+    algorithm); PPO: token-level, GAE advantages in the batch's ``token_advantages``
+    and the KL in the reward instead of the loss.
     """
     a = cfg.algo
-    if a.algorithm is Algorithm.DR_GRPO:
-        return ClippedSurrogateLoss(
-            eps_low=a.clip_eps,
-            eps_high=a.eps_high,
-            kl_coef=a.kl_coef,
-            entropy_coef=a.entropy_coef,
-            norm=LossNorm.CONSTANT,
-            norm_constant=float(max_response),
-        )
-    if a.algorithm is Algorithm.PPO:
-        return ClippedSurrogateLoss(
-            eps_low=a.clip_eps,
-            eps_high=a.eps_high,
-            entropy_coef=a.entropy_coef,
-            norm=LossNorm.TOKEN,
-        )
-    norm = LossNorm.TOKEN if a.algorithm is Algorithm.DAPO else LossNorm.SEQUENCE
+    norm = a.agg_mode.norm
     return ClippedSurrogateLoss(
         eps_low=a.clip_eps,
         eps_high=a.eps_high,
-        kl_coef=a.kl_coef,
+        kl_coef=0.0 if a.algorithm is Algorithm.PPO else a.kl_coef,
         entropy_coef=a.entropy_coef,
         norm=norm,
+        norm_constant=float(max_response) if norm is LossNorm.CONSTANT else None,
     )
 
 
@@ -103,6 +89,13 @@ class Optimizer:
     def init(self, params):
         return self.tx.init(params)
 
+    def lr(self, opt_state) -> float:
+        """The learning rate the next update from ``opt_state`` applies: the schedule at
+        the optimiser's own step count (which skipped, non-finite updates do not advance)."""
+        is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+        (state,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_sched) if is_sched(x)]
+        return float(self.schedule(int(state.count)))
+
 
 def make_optimizer(
     *, lr: float, warmup: int, total: int, schedule: Schedule, cfg: OptimSection
@@ -133,6 +126,39 @@ class UpdateResult(NamedTuple):
     seconds: float
 
 
+def group_splits(batch: RolloutBatch, parts: int) -> list[np.ndarray]:
+    """Sequence indices of ``parts`` sub-batches of ``batch`` that keep each group whole:
+    the groups in order of first appearance, dealt into ``parts`` contiguous runs of
+    near-equal group counts."""
+    gids = batch.group_ids
+    order = list(dict.fromkeys(gids.tolist()))
+    if not 1 <= parts <= len(order):
+        raise ValueError(
+            f"cannot split a batch of {len(order)} groups into {parts} parts of whole groups "
+            "(algo.minibatches x algo.grad_accum must be <= the groups per step)"
+        )
+    return [np.flatnonzero(np.isin(gids, chunk)) for chunk in np.array_split(order, parts)]
+
+
+def accumulated_value_and_grad(engine, params, batch: RolloutBatch, loss, parts: int):
+    """``engine.value_and_grad`` of ``batch`` as the fp32 sum over ``parts`` sub-batches
+    of whole groups (``group_splits``), each weighted with the *whole* batch's
+    normalisation w_i (``RolloutBatch.sequence_weights``): the loss is linear in the
+    per-sequence terms, L = sum_i w_i sum_t m_it l_it, so the sum equals one pass over
+    the batch. Returns (value, grads, aux) with aux.logprobs in the batch's order."""
+    w = batch.sequence_weights(loss.norm, getattr(loss, "norm_constant", None))
+    value, grads, logps, stats = 0.0, None, [None] * batch.num_sequences, {}
+    for idx in group_splits(batch, parts):
+        v, g, aux = engine.value_and_grad(params, batch.select(idx), loss, weights=w[idx])
+        g = jax.tree.map(lambda x: x.astype(np.float32), g)
+        grads = g if grads is None else jax.tree.map(lambda a, b: a + b, grads, g)
+        value += float(v)
+        for j, i in enumerate(idx):
+            logps[i] = aux.logprobs[j]
+        stats = aux.stats
+    return np.float32(value), grads, EngineAux(logprobs=tuple(logps), stats=stats)
+
+
 def update(
     params,
     opt_state,
@@ -141,11 +167,17 @@ def update(
     engine,
     loss,
     optimizer: Optimizer,
+    grad_accum: int = 1,
 ) -> UpdateResult:
-    """``engine.value_and_grad(params, batch, loss)``, then one optimiser step, unless
-    the loss or the gradient norm is not finite (then the state comes back unchanged)."""
+    """``engine.value_and_grad(params, batch, loss)`` (with ``grad_accum > 1``: accumulated
+    over that many sub-batches of whole groups, ``accumulated_value_and_grad``), then one
+    optimiser step, unless the loss or the gradient norm is not finite (then the state
+    comes back unchanged)."""
     t0 = time.perf_counter()
-    value, grads, aux = engine.value_and_grad(params, batch, loss)
+    if grad_accum > 1:
+        value, grads, aux = accumulated_value_and_grad(engine, params, batch, loss, grad_accum)
+    else:
+        value, grads, aux = engine.value_and_grad(params, batch, loss)
     gnorm = float(grad_norm(grads))
     applied = bool(np.isfinite(float(value)) and np.isfinite(gnorm))
     why = ""
@@ -169,7 +201,9 @@ def update(
 __all__ = [
     "Optimizer",
     "UpdateResult",
+    "accumulated_value_and_grad",
     "grad_norm",
+    "group_splits",
     "make_loss",
     "make_optimizer",
     "make_schedule",

@@ -2,8 +2,9 @@
 
 ARITHMETIC   ``17+5=``            -> ``22``                       reward 1 iff the answer is exact
 COUNTDOWN    ``3 5 7>22:``        -> ``3*5+7``                    reward 1 iff a valid expression
-                                                                  over the numbers (each used at
-                                                                  most once) equals the target
+                                                                  using each given number exactly
+                                                                  once equals the target (at most
+                                                                  once: ``allow_unused=True``)
 CALCULATOR   ``37*12+5=``         -> ``[37*12]`` (tool) ``=444;`` then ``449``
              multi-turn: a turn that ends in ``]`` is a calculator call; the tool appends
              ``=value;`` (masked out of the loss) and generation continues. Reward 1 iff
@@ -127,10 +128,13 @@ class ArithmeticTask:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CountdownTask:
-    """Reach ``target`` from ``num_numbers`` numbers in [1, max_number] with ``+ - *``."""
+    """Reach ``target`` from ``num_numbers`` numbers in [1, max_number] with ``+ - *``,
+    using each number exactly once (the standard rule); ``allow_unused=True`` also
+    accepts expressions that leave some numbers out (each still at most once)."""
 
     num_numbers: int = 3
     max_number: int = 9
+    allow_unused: bool = False
     max_turns = 1
     stop_strings = ()
     kind = TaskKind.COUNTDOWN
@@ -167,8 +171,12 @@ class CountdownTask:
             value, used = safe_eval(_final(completion))
         except ExpressionError:
             return 0.0
-        if Counter(used) - Counter(problem.numbers):
+        used, given = Counter(used), Counter(problem.numbers)
+        if used - given:
             return 0.0  # a number not given, or used too often
+        if not self.allow_unused and used != given:
+            return 0.0  # a given number left out
+
         return float(value == problem.target)
 
     def tool(self, problem: Problem, turn_text: str) -> str | None:

@@ -64,7 +64,14 @@ from dtarl.rl.episodes import (
 )
 from dtarl.rl.hooks import Hook, Phase, StepInfo, run_hooks
 from dtarl.rl.metrics import MetricsLogger, step_metrics
-from dtarl.rl.optim import Optimizer, UpdateResult, make_loss, make_optimizer, update
+from dtarl.rl.optim import (
+    Optimizer,
+    UpdateResult,
+    group_splits,
+    make_loss,
+    make_optimizer,
+    update,
+)
 from dtarl.rl.rewards import RewardErrorPolicy, RewardFn, compute_rewards
 from dtarl.rl.tasks import Problem, Task, make_task
 from dtarl.rl.value import ValueModel
@@ -182,7 +189,7 @@ class Trainer:
         self.rl_opt: Optimizer = make_optimizer(
             lr=cfg.optim.lr,
             warmup=cfg.optim.warmup_steps,
-            total=cfg.steps * cfg.algo.updates_per_batch,
+            total=cfg.steps * cfg.algo.updates_per_batch * cfg.algo.minibatches,
             schedule=cfg.optim.schedule,
             cfg=cfg.optim,
         )
@@ -256,33 +263,58 @@ class Trainer:
         self.data_cursor += len(problems)
         return problems
 
-    def _update(self, batch: RolloutBatch, loss, optimizer: Optimizer, times: int):
-        """Up to ``times`` updates on ``batch``; stops after a skipped one."""
+    def _refill_problems(self, step: int, k: int) -> list[Problem]:
+        """Generation batch ``k`` >= 1 of RL step ``step`` (dynamic sampling's refill)."""
+        rng = np.random.default_rng([self.cfg.seed, _SEED_RL, step, k])
+        problems = self.task.generate(rng, self.cfg.rollout.prompts_per_step)
+        self.data_cursor += len(problems)
+        return problems
+
+    def _update(
+        self,
+        batch: RolloutBatch,
+        loss,
+        optimizer: Optimizer,
+        times: int,
+        *,
+        minibatches: int = 1,
+        grad_accum: int = 1,
+    ):
+        """``times`` passes over ``batch``, each ``minibatches`` updates on sub-batches of
+        whole groups (each normalised on its own), each gradient accumulated over
+        ``grad_accum`` parts; stops after a skipped update. Returns the updates and the
+        sub-batch of the last one."""
         updates: list[UpdateResult] = []
+        parts = (
+            [batch]
+            if minibatches == 1
+            else [batch.select(ix) for ix in group_splits(batch, minibatches)]
+        )
         for _ in range(times):
-            u = update(
-                self.params,
-                self.opt_state,
-                batch,
-                engine=self.engine,
-                loss=loss,
-                optimizer=optimizer,
-            )
-            self.params, self.opt_state = u.params, u.opt_state
-            updates.append(u)
-            if not u.applied:
-                break
-        return updates
+            for part in parts:
+                u = update(
+                    self.params,
+                    self.opt_state,
+                    part,
+                    engine=self.engine,
+                    loss=loss,
+                    optimizer=optimizer,
+                    grad_accum=grad_accum,
+                )
+                self.params, self.opt_state = u.params, u.opt_state
+                updates.append(u)
+                if not u.applied:
+                    return updates, part
+        return updates, parts[-1]
 
     def sft_step(self, step: int) -> dict[str, Any]:
         """One supervised step on the task's reference solutions."""
         batch = reference_batch(
             self.tokenizer, self._problems(_SEED_SFT, step, self.cfg.sft.batch_size)
         )
-        updates = self._update(batch, self.sft_loss, self.sft_opt, 1)
-        m = dict(
-            phase="sft", step=step, global_step=step + 1, lr=float(self.sft_opt.schedule(step))
-        )
+        lr = self.sft_opt.lr(self.opt_state)
+        updates, _ = self._update(batch, self.sft_loss, self.sft_opt, 1)
+        m = dict(phase="sft", step=step, global_step=step + 1, lr=lr)
         m.update(step_metrics(batch, updates))
         self.skipped += m["skipped"]
         return m
@@ -305,17 +337,26 @@ class Trainer:
             key=jax.random.fold_in(self.base_key, cfg.sft.steps + step),
             reference=reference,
             value=self.value,
+            more_problems=functools.partial(self._refill_problems, step),
         )
         m = dict(phase="rl", step=step, global_step=cfg.sft.steps + step + 1)
-        m["lr"] = float(self.rl_opt.schedule(step * cfg.algo.updates_per_batch))
+        m["lr"] = self.rl_opt.lr(self.opt_state)  # this step's first update's
         m.update(episode_metrics)
         if batch is None:
             self.skipped += 1
             return m
-        updates = self._update(batch, self.loss, self.rl_opt, cfg.algo.updates_per_batch)
+        a = cfg.algo
+        updates, last = self._update(
+            batch,
+            self.loss,
+            self.rl_opt,
+            a.updates_per_batch,
+            minibatches=a.minibatches,
+            grad_accum=a.grad_accum,
+        )
         if self.value is not None and updates[-1].applied:
             m.update(self.value.train(batch.tokens, batch.loss_mask))
-        m.update(step_metrics(batch, updates, cfg.algo))
+        m.update(step_metrics(batch, updates, cfg.algo, last_batch=last))
         self.skipped += m["skipped"]
         return m
 

@@ -27,6 +27,7 @@ LOSSES = {
     "nll": MaskedNLLLoss(),
     "grpo_kl": ClippedSurrogateLoss.grpo(kl_coef=0.1),
     "dapo": ClippedSurrogateLoss.dapo(),
+    "dr_grpo": ClippedSurrogateLoss.dr_grpo(max_len=16),
 }
 
 

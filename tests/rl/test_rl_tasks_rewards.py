@@ -6,12 +6,14 @@ import numpy as np
 import pytest
 
 from dtarl.model.tokenizer import ByteTokenizer
+from dtarl.rl.config import load_config
 from dtarl.rl.rewards import RewardError, RewardErrorPolicy, compute_rewards
 from dtarl.rl.tasks import (
     ArithmeticTask,
     CalculatorTask,
     CountdownTask,
     ExpressionError,
+    Problem,
     Role,
     TaskKind,
     make_task,
@@ -42,6 +44,24 @@ def test_countdown_verifier_rules():
     with pytest.raises(ExpressionError):
         safe_eval("2**100")
     assert safe_eval("(2+3)*4") == (20, [2, 3, 4])
+
+
+def test_countdown_uses_each_number_exactly_once():
+    """2 3 4 > 6: "2*3" reaches 6 but leaves 4 out: 0 under the standard rule (the
+    old verifier, "at most once", gave 1), 1 with allow_unused. "(4-2)*3" uses each
+    number once; "4+2*3-4" uses 4 twice and "2*3*1" a number not given."""
+    p = Problem(prompt="2 3 4>6:", answer="", reference=(), numbers=(2, 3, 4), target=6)
+    exact, loose = CountdownTask(), CountdownTask(allow_unused=True)
+    assert exact.reward(p, "2*3") == 0.0 and loose.reward(p, "2*3") == 1.0
+    assert exact.reward(p, "4*3/2") == 0.0  # "/" is not an operator of the task
+    assert exact.reward(p, "(4-2)*3") == 1.0 and loose.reward(p, "(4-2)*3") == 1.0
+    for both in (exact, loose):
+        assert both.reward(p, "4+2*3-4") == 0.0  # 4 twice
+        assert both.reward(p, "2*3*1") == 0.0  # 1 is not given
+    # The config reaches the task.
+    on = make_task(TaskKind.COUNTDOWN, **load_config(None, ["task.kind=countdown"]).task.options())
+    off = load_config(None, ["task.kind=countdown", "task.allow_unused=true"]).task.options()
+    assert not on.allow_unused and make_task(TaskKind.COUNTDOWN, **off).allow_unused
 
 
 def test_calculator_tool():
