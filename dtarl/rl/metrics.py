@@ -280,6 +280,43 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def truncate_metrics(path: str, step: int) -> None:
+    """Drops the records of metrics.jsonl at ``path`` written after the checkpoint of
+    global ``step`` (a killed run's last steps, which the resumed run logs again)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    recs = []
+    for line in lines:
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:
+            recs.append(None)  # a line cut short by the kill
+    # Everything up to the checkpointed step's own record; eval records logged
+    # after it (e.g. after the warm-up, or the final eval) belong to later steps.
+    ends = [
+        i
+        for i, r in enumerate(recs)
+        if r is not None and r.get("phase") != "eval" and r.get("global_step") == step
+    ]
+    if ends:
+        keep = lines[: ends[-1] + 1]
+    else:
+        keep = [
+            line
+            for line, r in zip(lines, recs, strict=True)
+            if r is not None
+            and (r.get("global_step", 0), r.get("phase") == "eval") <= (step, False)
+        ]
+    if keep == lines:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+
+
 __all__ = [
     "MetricsLogger",
     "engine_metrics",
@@ -288,4 +325,5 @@ __all__ = [
     "ratio_stats",
     "read_metrics",
     "step_metrics",
+    "truncate_metrics",
 ]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import time
 from collections.abc import Callable
@@ -63,7 +62,7 @@ from dtarl.rl.episodes import (
     tool_stop_ids,
 )
 from dtarl.rl.hooks import Hook, Phase, StepInfo, run_hooks
-from dtarl.rl.metrics import MetricsLogger, step_metrics
+from dtarl.rl.metrics import MetricsLogger, step_metrics, truncate_metrics
 from dtarl.rl.optim import (
     Optimizer,
     UpdateResult,
@@ -491,43 +490,6 @@ class Trainer:
                 "--set resume.allow_changes=true"
             )
 
-    def _truncate_metrics(self, step: int) -> None:
-        """Drops metrics.jsonl records written after the checkpoint of global ``step``
-        (the killed run's last steps, which the resumed run logs again)."""
-        path = os.path.join(self.cfg.out_dir, "metrics.jsonl")
-        if not os.path.exists(path):
-            return
-        with open(path) as f:
-            lines = f.readlines()
-        recs = []
-        for line in lines:
-            try:
-                recs.append(json.loads(line))
-            except json.JSONDecodeError:
-                recs.append(None)  # a line cut short by the kill
-        # Everything up to the checkpointed step's own record; eval records logged
-        # after it (e.g. after the warm-up, or the final eval) belong to later steps.
-        ends = [
-            i
-            for i, r in enumerate(recs)
-            if r is not None and r.get("phase") != "eval" and r.get("global_step") == step
-        ]
-        if ends:
-            keep = lines[: ends[-1] + 1]
-        else:
-            keep = [
-                line
-                for line, r in zip(lines, recs, strict=True)
-                if r is not None
-                and (r.get("global_step", 0), r.get("phase") == "eval") <= (step, False)
-            ]
-        if keep == lines:
-            return
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(keep)
-        os.replace(tmp, path)
-
     # ------------------------------------------------------------------ run
 
     def run(self, *, max_steps: int | None = None) -> TrainResult:
@@ -537,7 +499,7 @@ class Trainer:
         t_start = time.perf_counter()
         resumed = cfg.resume.enabled and self.try_resume()
         if resumed:
-            self._truncate_metrics(self.step)
+            truncate_metrics(os.path.join(self.cfg.out_dir, "metrics.jsonl"), self.step)
         if not resumed:
             self.opt_state = (self.sft_opt if cfg.sft.steps else self.rl_opt).init(self.params)
             if cfg.sft.steps == 0:
