@@ -8,7 +8,7 @@ prefix_reuse (schedule-level, papers/001) and auto (cost-model choice per batch)
 
 from dtarl.batch import BatchError, LossNorm, RolloutBatch
 from dtarl.engines.auto import AutoEngine
-from dtarl.engines.base import Engine, EngineAux
+from dtarl.engines.base import Engine, EngineAux, logprob_temperature, training_temperature
 from dtarl.engines.config import (
     AutoConfig,
     Capacity,
@@ -26,26 +26,37 @@ from dtarl.engines.prefix_reuse import PrefixReuseEngine
 
 
 def make_engine(
-    kind: EngineKind | str, model, config: EngineConfig | None = None, **settings
+    kind: EngineKind | str,
+    model,
+    config: EngineConfig | None = None,
+    *,
+    temperature: float = 1.0,
+    **settings,
 ) -> Engine:
     """Builds the engine of ``kind`` from ``config`` (default ``EngineConfig()``).
 
-    ``settings`` override fields of that kind's own config (``chunk_len=64`` for
-    dfs); for auto, runtime arguments (``engines``, ``cost_model``, ``timer``,
-    ``host_seconds``) and ``AutoConfig`` fields. An unknown kind or setting is a
+    ``temperature``: the engine's logprobs are those of logits / T, as the sampler's
+    at temperature T (default 1.0; greedy rollouts train at 1.0,
+    ``training_temperature``). ``settings`` override fields of that kind's own
+    config (``chunk_len=64`` for dfs); for auto, runtime arguments (``engines``,
+    ``cost_model``, ``timer``, ``host_seconds``) and ``AutoConfig`` fields. An
+    unknown kind or setting, or a temperature that is not a finite number > 0, is a
     ValueError naming the accepted ones.
     """
     kind = EngineKind.parse(kind)
     config = config or EngineConfig()
+    t = dict(temperature=temperature)
     if kind is EngineKind.DENSE:
-        return DenseEngine(model, config.dense, **settings)
+        return DenseEngine(model, config.dense, **t, **settings)
     if kind is EngineKind.DENSE_REMAT:
-        return DenseEngine(model, config.dense, name="dense_remat", **{"remat": True, **settings})
+        return DenseEngine(
+            model, config.dense, name="dense_remat", **t, **{"remat": True, **settings}
+        )
     if kind is EngineKind.DFS:
-        return DFSEngine(model, config.dfs, **settings)
+        return DFSEngine(model, config.dfs, **t, **settings)
     if kind is EngineKind.PREFIX_REUSE:
-        return PrefixReuseEngine(model, config.prefix_reuse, **settings)
-    return AutoEngine(model, config.auto, engine_config=config, **settings)
+        return PrefixReuseEngine(model, config.prefix_reuse, **t, **settings)
+    return AutoEngine(model, config.auto, engine_config=config, **t, **settings)
 
 
 __all__ = [
@@ -67,5 +78,7 @@ __all__ = [
     "PrefixReuseConfig",
     "PrefixReuseEngine",
     "RolloutBatch",
+    "logprob_temperature",
     "make_engine",
+    "training_temperature",
 ]

@@ -132,7 +132,8 @@ class AutoEngine:
       engine_config: ``EngineConfig`` whose dense / dfs / prefix_reuse settings
         build the candidates (default ``EngineConfig()``).
       engines: prebuilt engines by name (to share buckets and compiled programs);
-        missing ones are built from ``engine_config``.
+        missing ones are built from ``engine_config``. Their ``temperature`` must
+        be auto's.
       cost_model: coefficients (default ``CostModel.default()``; see ``calibrate``).
       timer: ``timer({kind: run}) -> {kind: seconds}``, where each ``run()`` is one
         whole step with that engine on the batch; default ``time_programs`` (side
@@ -141,6 +142,8 @@ class AutoEngine:
         added to each candidate's estimate; default: the seconds its ``prepare``
         took on this batch, measured. Tests inject fixed costs here, so that no
         choice they check depends on this machine's speed.
+      temperature: logprobs of logits / T in every candidate
+        (``base.logprob_temperature``; default 1.0).
 
     Settings (``AutoConfig``):
       candidates: the engines it may pick from (default all three).
@@ -179,10 +182,12 @@ class AutoEngine:
         timer: Timer | None = None,
         host_seconds: Callable[[str, RolloutBatch], float] | None = None,
         name: str = "auto",
+        temperature: float = 1.0,
         **settings,
     ):
         self.model = model
         self.config = configured(AutoConfig, config, settings)
+        self.temperature = base.logprob_temperature(temperature)
         self.engine_config = engine_config or EngineConfig()
         self.cost_model = cost_model or CostModel.default()
         self.timer = timer
@@ -193,11 +198,17 @@ class AutoEngine:
         unknown = [k for k in given if k not in ENGINES]
         if unknown:
             raise ValueError(f"engines: unknown names {unknown}; accepted: {ENGINES}")
-        ec = self.engine_config
+        for k, e in given.items():
+            if getattr(e, "temperature", 1.0) != self.temperature:
+                raise ValueError(
+                    f"engines[{k!r}].temperature={getattr(e, 'temperature', 1.0)!r} differs "
+                    f"from auto's temperature={self.temperature!r}; build them with the same"
+                )
+        ec, t = self.engine_config, self.temperature
         build = {
-            "dense": lambda: DenseEngine(model, ec.dense),
-            "prefix_reuse": lambda: PrefixReuseEngine(model, ec.prefix_reuse),
-            "dfs": lambda: DFSEngine(model, ec.dfs),
+            "dense": lambda: DenseEngine(model, ec.dense, temperature=t),
+            "prefix_reuse": lambda: PrefixReuseEngine(model, ec.prefix_reuse, temperature=t),
+            "dfs": lambda: DFSEngine(model, ec.dfs, temperature=t),
         }
         self.engines = {k: given[k] if k in given else build[k]() for k in ENGINES}
         self.jit = _DelegatingJit(self)

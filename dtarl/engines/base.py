@@ -7,11 +7,16 @@ nnx.Param)[1]``); ``grads`` has the same structure in fp32. ``EngineAux`` carrie
 the per-token logprobs of every sequence (aligned with its tokens, entry 0 = 0)
 and engine statistics. Every engine must agree with ``jax.grad`` of the dense
 per-sequence loss (the equivalence contract, tested in tests/engines).
+
+Every engine takes ``temperature=T`` at construction (default 1.0): its logprobs
+(and entropies) are those of softmax(logits / T), the sampler's distribution at
+temperature T without top-k/top-p truncation (``logprob_temperature``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, NamedTuple, Protocol
 
@@ -361,6 +366,33 @@ def sequence_loss(loss, logp_S, seq: SeqData, sid, ent_S=None) -> jax.Array:
     )
     sd = SequenceData(advantage=seq.advantage[i], weight=jnp.where(real, seq.weight[i], 0.0))
     return loss(jnp.where(valid, logp_S, 0.0), tok, sd)
+
+
+def logprob_temperature(value, *, name: str = "temperature") -> float:
+    """``value`` checked as the temperature T an engine's logprobs are computed at,
+    log softmax(logits / T) (no top-k/top-p: verl, TRL): a finite number > 0.
+
+    Pass the rollout's sampling temperature, so that the trainer's logprobs are
+    those of the policy that sampled; greedy sampling (T = 0) trains at 1.0
+    (``training_temperature``). Default everywhere: 1.0.
+    """
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        t = float("nan")
+    if isinstance(value, bool) or not (math.isfinite(t) and t > 0):
+        raise ValueError(
+            f"{name}={value!r} must be a finite number > 0 (the sampling temperature the "
+            "logprobs are computed at; greedy sampling trains at 1.0)"
+        )
+    return t
+
+
+def training_temperature(sampling_temperature: float) -> float:
+    """The temperature to train at for a rollout sampled at ``sampling_temperature``:
+    the same, except greedy decoding (0), whose tokens are trained at 1.0."""
+    t = float(sampling_temperature)
+    return 1.0 if t == 0 else t
 
 
 def zeros_like_f32(params: nnx.State) -> nnx.State:

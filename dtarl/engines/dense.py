@@ -40,7 +40,8 @@ class DenseHost(NamedTuple):
 
 
 class DenseEngine(base.BucketState):
-    """Every sequence as one padded row (``DenseConfig``: microbatch, remat)."""
+    """Every sequence as one padded row (``DenseConfig``: microbatch, remat); logprobs
+    of logits / ``temperature`` (``base.logprob_temperature``)."""
 
     def __init__(
         self,
@@ -49,11 +50,13 @@ class DenseEngine(base.BucketState):
         /,
         *,
         name: str = "dense",
+        temperature: float = 1.0,
         **settings,
     ):
         self.model = model
         self.config = configured(DenseConfig, config, settings)
         self.name = name
+        self.temperature = base.logprob_temperature(temperature)
         self.graphdef, _ = base.split_model(self.model)
         self.cfg = self.model.cfg
         self.jit = base.JitCache(self)
@@ -88,6 +91,7 @@ class DenseEngine(base.BucketState):
                 tokens_BxT[:, 1:],
                 chunk=self.cfg.logits_chunk,
                 entropy=with_entropy,
+                temperature=self.temperature,
             )
             zero_Bx1 = jnp.zeros((b, 1), jnp.float32)
             logp_BxT = jnp.concatenate([zero_Bx1, lp_pred], axis=1)

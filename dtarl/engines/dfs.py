@@ -118,14 +118,23 @@ def sequence_logprobs(tree: PrefixTree, tree_logp: np.ndarray, n: int) -> tuple[
 
 class DFSEngine(base.BucketState):
     """Tree training by depth-first push/pop over the batch's prefix tree
-    (``DFSConfig``: chunk_len, order, pack_leaves, leaf_rows, wide_chunks, ...)."""
+    (``DFSConfig``: chunk_len, order, pack_leaves, leaf_rows, wide_chunks, ...);
+    logprobs of logits / ``temperature`` (``base.logprob_temperature``)."""
 
     def __init__(
-        self, model: Decoder, config: DFSConfig | None = None, /, *, name: str = "dfs", **settings
+        self,
+        model: Decoder,
+        config: DFSConfig | None = None,
+        /,
+        *,
+        name: str = "dfs",
+        temperature: float = 1.0,
+        **settings,
     ):
         self.model = model
         self.config = configured(DFSConfig, config, settings)
         self.name = name
+        self.temperature = base.logprob_temperature(temperature)
         self.graphdef, _ = base.split_model(self.model)
         self.cfg = self.model.cfg
         self.jit = base.JitCache(self)
@@ -159,6 +168,7 @@ class DFSEngine(base.BucketState):
             st.targets.reshape(shape),
             chunk=self.cfg.logits_chunk,
             entropy=ent,
+            temperature=self.temperature,
         )
         return logp.reshape(-1), entropy.reshape(-1), kv_new.k, kv_new.v
 

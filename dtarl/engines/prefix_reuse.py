@@ -257,6 +257,9 @@ class PrefixReuseEngine(base.BucketState):
       dfs_chunk_len: the DFS engine's chunk length for deep groups.
       offload_on_cpu: OFFLOAD really offloads on a CPU backend too (to test that
         program); by default it runs as KEEP there (module docstring).
+
+    ``temperature``: logprobs of logits / T (``base.logprob_temperature``; the deep
+    groups' DFS engine gets the same).
     """
 
     def __init__(
@@ -266,14 +269,18 @@ class PrefixReuseEngine(base.BucketState):
         /,
         *,
         name: str = "prefix_reuse",
+        temperature: float = 1.0,
         **settings,
     ):
         self.model = model
         self.config = configured(PrefixReuseConfig, config, settings)
         self.name = name
+        self.temperature = base.logprob_temperature(temperature)
         self.dfs = None  # the deep groups' DFS engine (DeepTrees.DFS)
         if self.config.deep_trees is DeepTrees.DFS:
-            self.dfs = DFSEngine(self.model, chunk_len=self.config.dfs_chunk_len)
+            self.dfs = DFSEngine(
+                self.model, chunk_len=self.config.dfs_chunk_len, temperature=self.temperature
+            )
         self.graphdef, _ = base.split_model(self.model)
         self.cfg = self.model.cfg
         self.jit = base.JitCache(self)
@@ -355,6 +362,7 @@ class PrefixReuseEngine(base.BucketState):
             targets_P[None],
             chunk=self.cfg.logits_chunk,
             entropy=entropy,
+            temperature=self.temperature,
         )
         per_tok = (logp[0], ent[0]) if entropy else (logp[0],)
         return per_tok, kv.k, kv.v
@@ -385,6 +393,7 @@ class PrefixReuseEngine(base.BucketState):
             targets,
             chunk=self.cfg.logits_chunk,
             entropy=with_entropy,
+            temperature=self.temperature,
         )
         valid_BxC = jnp.arange(c)[None] < n_valid[:, None]
         rows_BxC = (logp_BxC, ent_BxC) if with_entropy else (logp_BxC,)

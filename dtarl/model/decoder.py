@@ -329,9 +329,18 @@ class Decoder(nnx.Module):
 
 
 def token_logprobs(
-    lm_head_ExV, hidden_BxTxE, targets_BxT, *, chunk: int = 0, entropy: bool = False
+    lm_head_ExV,
+    hidden_BxTxE,
+    targets_BxT,
+    *,
+    chunk: int = 0,
+    entropy: bool = False,
+    temperature: float = 1.0,
 ):
-    """log p(target) (and optionally the entropy) per position, in fp32.
+    """log p(target) (and optionally the entropy) per position, in fp32, under
+    p = softmax(logits / temperature): the sampling temperature's distribution
+    without top-k/top-p truncation (verl, TRL). ``temperature`` is static; 1.0
+    leaves the logits untouched (the same program as without it).
 
     With ``chunk > 0`` the [T, V] logits are built ``chunk`` positions at a time
     under ``jax.checkpoint``, so neither the forward nor the backward holds the
@@ -345,6 +354,8 @@ def token_logprobs(
             lm_head_ExV.astype(h_BxCxE.dtype),
             preferred_element_type=jnp.float32,
         )
+        if temperature != 1.0:
+            logits = logits / temperature
         logz = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, tgt_BxC[..., None], axis=-1)[..., 0]
         lp = picked - logz

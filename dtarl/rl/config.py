@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 import re
 import types
@@ -177,6 +178,9 @@ class RolloutSection:
     SECTION: typing.ClassVar[str] = "rollout"
     prompts_per_step: int = 16
     group_size: int = 8
+    # Sampling temperature T (0 = greedy). The trainer's logprobs are those of
+    # logits / T too (no top-k/top-p), so the first update is on-policy; greedy
+    # rollouts train at T = 1.
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -190,6 +194,8 @@ class RolloutSection:
         _positive(self, "prompts_per_step", "group_size", "max_new_tokens")
         _in_range(self, "top_p", 0, 1, lo_open=True)
         _nonneg(self, "temperature", "top_k")
+        if not math.isfinite(self.temperature):
+            raise ConfigError(f"rollout.temperature={self.temperature!r} must be finite")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,7 @@ from flax import nnx
 
 from dtarl import advantages as adv_fns
 from dtarl.batch import RolloutBatch
+from dtarl.engines.base import logprob_temperature
 from dtarl.model.decoder import token_logprobs
 from dtarl.rl.config import Algorithm, ConfigError, TrainerConfig
 from dtarl.rl.metrics import length_stats
@@ -43,7 +44,9 @@ class Trajectory:
     """One sample: prompt, then assistant turns and tool outputs, as tokens.
 
     ``loss_mask`` is 1 on assistant tokens only; ``old_logprobs`` holds the
-    sampler's logprobs (temperature 1, the training policy) there, 0 elsewhere.
+    sampler's ``raw_logprobs`` there (log softmax(logits / T) at the sampling
+    temperature T, untruncated; T = 1 when greedy), 0 elsewhere: the logprobs the
+    training engine, built with the same temperature, recomputes.
     """
 
     tokens: np.ndarray
@@ -213,11 +216,13 @@ def group_advantages(cfg: TrainerConfig, rewards: np.ndarray, group_ids: np.ndar
 
 
 class Scorer:
-    """Jitted dense per-token logprobs of a batch under given weights (reference policy)."""
+    """Jitted dense per-token logprobs of a batch under given weights (reference policy),
+    of logits / ``temperature`` like the training engine's (``logprob_temperature``)."""
 
-    def __init__(self, model):
+    def __init__(self, model, *, temperature: float = 1.0):
         self.graphdef, _ = nnx.split(model, nnx.Param)
         self.cfg = model.cfg
+        self.temperature = logprob_temperature(temperature)
         self._fn = jax.jit(self._score)
         self._min = dict(n=1, t=8)
 
@@ -227,7 +232,11 @@ class Scorer:
         pos = jnp.broadcast_to(jnp.arange(t), (n, t))
         hidden, _ = model(tokens_NxT, pos, return_hidden=True)
         lp, _ = token_logprobs(
-            model.lm_head_weight(), hidden[:, :-1], tokens_NxT[:, 1:], chunk=self.cfg.logits_chunk
+            model.lm_head_weight(),
+            hidden[:, :-1],
+            tokens_NxT[:, 1:],
+            chunk=self.cfg.logits_chunk,
+            temperature=self.temperature,
         )
         return jnp.concatenate([jnp.zeros((n, 1), jnp.float32), lp], axis=1)
 

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from dtarl.batch import RolloutBatch
-from dtarl.engines import Capacity, make_engine
+from dtarl.engines import Capacity, make_engine, training_temperature
 from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model, load_hf
 from dtarl.model.tokenizer import ByteTokenizer, load_tokenizer
@@ -170,10 +170,20 @@ class Trainer:
             pad_id=self.tokenizer.pad_id,
         )
         self.max_response = r.max_new_tokens * self.task.max_turns
-        self.engine = make_engine(cfg.algo.engine, self.model, cfg.engine)
+        # The engine's logprobs are those of logits / T, the sampler's (greedy: T = 1).
+        self.temperature = training_temperature(r.temperature)
+        self.engine = make_engine(
+            cfg.algo.engine, self.model, cfg.engine, temperature=self.temperature
+        )
+        # SFT trains the model itself (T = 1): its own engine when the rollout's differs.
+        self.sft_engine = self.engine
+        if cfg.sft.steps and self.temperature != 1.0:
+            self.sft_engine = make_engine(cfg.algo.engine, self.model, cfg.engine)
         self.loss = make_loss(cfg, self.max_response)
         self.sft_loss = MaskedNLLLoss()
-        self.scorer = Scorer(self.model) if cfg.algo.kl_coef > 0 else None
+        self.scorer = (
+            Scorer(self.model, temperature=self.temperature) if cfg.algo.kl_coef > 0 else None
+        )
         self.ref_params = None
         self.value = None
         if cfg.algo.algorithm is Algorithm.PPO:
@@ -237,14 +247,12 @@ class Trainer:
             prompts=max(1, cfg.eval_problems), rows=max(1, cfg.eval_problems), prompt_len=max_len
         )
         n = max(rows, cfg.sft.batch_size if cfg.sft.steps else 1)
-        self.engine.reserve(
-            Capacity(
-                sequences=n,
-                length=max_len,
-                group_size=r.group_size,
-                groups=r.prompts_per_step,
-            )
+        capacity = Capacity(
+            sequences=n, length=max_len, group_size=r.group_size, groups=r.prompts_per_step
         )
+        self.engine.reserve(capacity)
+        if self.sft_engine is not self.engine:
+            self.sft_engine.reserve(capacity)
 
     def add_hook(
         self, fn: Callable[[StepInfo], None], *, every: int = 1, phase: Phase | None = None
@@ -276,6 +284,7 @@ class Trainer:
         optimizer: Optimizer,
         times: int,
         *,
+        engine=None,
         minibatches: int = 1,
         grad_accum: int = 1,
     ):
@@ -295,7 +304,7 @@ class Trainer:
                     self.params,
                     self.opt_state,
                     part,
-                    engine=self.engine,
+                    engine=self.engine if engine is None else engine,
                     loss=loss,
                     optimizer=optimizer,
                     grad_accum=grad_accum,
@@ -312,7 +321,7 @@ class Trainer:
             self.tokenizer, self._problems(_SEED_SFT, step, self.cfg.sft.batch_size)
         )
         lr = self.sft_opt.lr(self.opt_state)
-        updates, _ = self._update(batch, self.sft_loss, self.sft_opt, 1)
+        updates, _ = self._update(batch, self.sft_loss, self.sft_opt, 1, engine=self.sft_engine)
         m = dict(phase="sft", step=step, global_step=step + 1, lr=lr)
         m.update(step_metrics(batch, updates))
         self.skipped += m["skipped"]

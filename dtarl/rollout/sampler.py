@@ -119,8 +119,11 @@ class DecodeState(NamedTuple):
     """Everything the decode loop needs, as arrays (a pytree; device_put-able).
 
     tokens/logprobs/raw_logprobs [B, R]: generated token n of row b at [b, n];
-    ``logprobs`` under the sampling policy (temperature, top-k/p), ``raw_logprobs``
-    under the model itself (temperature 1, no truncation: what training recomputes).
+    ``logprobs`` under the sampling policy (temperature, then top-k/p truncation and
+    renormalisation: what drew the token), ``raw_logprobs`` under log softmax(logits
+    / T) without truncation, T = the sampling temperature (1 when greedy): the
+    old-policy logprob that a training engine at the same temperature recomputes
+    (``dtarl.engines.base.logprob_temperature``; verl, TRL).
     """
 
     cache: KVCache  # [L, B, S, K, D]; rows [0, prompt_len + num_gen - 1) valid
@@ -165,12 +168,19 @@ def filter_logits(logits_BxV, params: SamplingParams):
 
 
 def sample_tokens(logits_BxV, keys_Bx2, index_B, params: SamplingParams):
-    """Draws one token per row: (token [B], logprob under the policy [B], raw logprob [B])."""
-    raw = jax.nn.log_softmax(logits_BxV, axis=-1)
+    """Draws one token per row: (token [B], policy logprob [B], raw logprob [B]).
+
+    policy: log softmax of ``filter_logits`` (temperature, top-k, top-p), the
+    distribution the token was drawn from. raw: log softmax(logits / T), T the
+    temperature, without truncation; greedy (T = 0) uses T = 1, and both values
+    are then that one.
+    """
     if params.is_greedy:
+        raw = jax.nn.log_softmax(logits_BxV, axis=-1)
         tok = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
         raw_lp = jnp.take_along_axis(raw, tok[:, None], axis=-1)[:, 0]
         return tok, raw_lp, raw_lp
+    raw = jax.nn.log_softmax(logits_BxV / params.temperature, axis=-1)
     z = filter_logits(logits_BxV, params)
     step_keys = jax.vmap(jax.random.fold_in)(keys_Bx2, index_B)
     tok = jax.vmap(jax.random.categorical)(step_keys, z).astype(jnp.int32)
@@ -334,7 +344,10 @@ class SampleResult:
     """Host-side samples. Row i is a sample of ``prompts[prompt_index[i]]``.
 
     tokens/logprobs/raw_logprobs: per sample [n_i] (generated tokens only, the
-    stop token included). finish: [N] FinishReason values.
+    stop token included). ``logprobs``: under the sampling policy (top-k/p
+    truncated); ``raw_logprobs``: under log softmax(logits / T) untruncated (T = 1
+    when greedy), the old-policy logprobs to train with (``DecodeState``).
+    finish: [N] FinishReason values.
     """
 
     tokens: tuple[np.ndarray, ...]

@@ -14,7 +14,15 @@ from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dtarl.engines import Capacity, DenseEngine, DFSEngine, RolloutBatch
+from dtarl.engines import (
+    AutoEngine,
+    Capacity,
+    DenseEngine,
+    DFSEngine,
+    PrefixReuseEngine,
+    RolloutBatch,
+    make_engine,
+)
 from dtarl.engines.cost import token_flops
 from dtarl.losses import ClippedSurrogateLoss, MaskedNLLLoss, SequenceData, TokenData
 from dtarl.model import ModelConfig, ModelFamily, init_model
@@ -68,15 +76,16 @@ REF_LEN = 64  # every test sequence is shorter
 
 
 @functools.cache
-def _reference_fn(model, loss):
+def _reference_fn(model, loss, temperature=1.0):
     """jax.grad of one sequence's loss; the sequence is padded at the end to REF_LEN,
-    which cannot change its logprobs (causal attention) and is masked out of the loss."""
+    which cannot change its logprobs (causal attention) and is masked out of the loss.
+    Logprobs of logits / ``temperature`` (the sampler's distribution at T)."""
     graphdef, _ = nnx.split(model, nnx.Param)
 
     def one(params, toks, mask, old, ref, tadv, adv, w, n):
         m = nnx.merge(graphdef, params)
         logits, _ = m(toks[None], jnp.arange(REF_LEN)[None])
-        lp = jax.nn.log_softmax(logits[0, :-1], axis=-1)
+        lp = jax.nn.log_softmax(logits[0, :-1] / temperature, axis=-1)
         lp = jnp.take_along_axis(lp, toks[1:, None], axis=-1)[:, 0]
         lp = jnp.concatenate([jnp.zeros(1), lp])
         valid = jnp.arange(REF_LEN) < n
@@ -87,9 +96,9 @@ def _reference_fn(model, loss):
     return jax.jit(jax.value_and_grad(one, has_aux=True))
 
 
-def reference(model, params, batch: RolloutBatch, loss):
-    """sum_i w_i loss_i and its jax.grad, one sequence at a time."""
-    fn = _reference_fn(model, loss)
+def reference(model, params, batch: RolloutBatch, loss, temperature=1.0):
+    """sum_i w_i loss_i and its jax.grad, one sequence at a time (logprobs at T)."""
+    fn = _reference_fn(model, loss, temperature)
     w = batch.sequence_weights(loss.norm, loss.norm_constant)
     total, grads, logps = 0.0, None, []
     for i, toks in enumerate(batch.tokens):
@@ -135,17 +144,23 @@ def check(
 ):
     model, params = _model(family)
     engine = _engine(engine_kind, family, chunk, order, levels, rows, wide)
-    want_loss, want_grads, want_logp = reference(model, params, batch, loss)
     reserved = engine.buckets
-    got_loss, got_grads, aux = engine.value_and_grad(params, batch, loss)
+    aux = check_engine(engine, params, batch, loss, model=model)
     # The shared engine's buckets cover every batch of the module, so no test grows
     # them: each runs the same program whatever ran before it (order-independent).
     assert engine.buckets == reserved, f"batch outgrew the reserve: {engine.buckets}"
+    return aux
+
+
+def check_engine(engine, params, batch, loss, *, model, temperature=1.0):
+    """``engine`` (built at ``temperature``) against the jax.grad reference at it."""
+    want_loss, want_grads, want_logp = reference(model, params, batch, loss, temperature)
+    got_loss, got_grads, aux = engine.value_and_grad(params, batch, loss)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=RTOL, atol=1e-7)
     for got, want in zip(aux.logprobs, want_logp, strict=True):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
     worst = max(rel_errors(got_grads, want_grads))
-    assert worst <= RTOL, f"{engine_kind}: worst per-tensor relative grad error {worst:.2e}"
+    assert worst <= RTOL, f"{engine.name}: worst per-tensor relative grad error {worst:.2e}"
     return aux
 
 
@@ -369,3 +384,56 @@ def test_per_token_advantages_ppo():
     loss = ClippedSurrogateLoss.ppo(kl_coef=0.05)
     check("dfs", ModelFamily.QWEN3, batch, loss)
     check("dense", ModelFamily.QWEN3, batch, loss)
+
+
+T = 0.7  # a sampling temperature: every engine trains on logits / T
+
+
+def _temperature_engine(kind: str, model):
+    if kind == "dense":
+        return DenseEngine(model, microbatch=4, temperature=T)
+    if kind == "dfs":
+        return DFSEngine(model, chunk_len=8, temperature=T)
+    if kind == "prefix_reuse":  # deep groups too: its inner DFS engine must get T
+        return PrefixReuseEngine(model, microbatch=4, offload_on_cpu=True, temperature=T)
+    return AutoEngine(model, candidates=("dfs",), autotune=False, temperature=T)
+
+
+@pytest.mark.parametrize("kind", ["dense", "dfs", "prefix_reuse", "auto"])
+def test_temperature_matches_dense_grad(kind):
+    """At T = 0.7 every engine's loss, per-token logprobs and grads are those of
+    log_softmax(logits / T) (fp32, 1e-5), the sampler's untruncated distribution."""
+    model, params = _model(ModelFamily.QWEN3)
+    batch = grpo_groups(num_groups=2, group_size=3, prompt_len=11, response_len=(1, 13), seed=3)
+    rs = np.random.RandomState(9)
+    stem = list(batch.tokens[0][:11])
+    deep = [stem + list(rs.randint(3, 256, 4)) + list(rs.randint(3, 256, k)) for k in (2, 5)]
+    deep = [deep[0], deep[0][:15] + deep[1][15:]]  # two leaves below a node under the prompt
+    batch = with_logprob_data(
+        RolloutBatch.create(
+            tokens=list(batch.tokens) + deep,
+            advantages=np.concatenate([batch.advantages, [0.5, -0.5]]),
+            group_ids=np.concatenate([batch.group_ids, [0, 0]]),
+        )
+    )
+    loss = LOSSES["grpo_kl"]
+    engine = _temperature_engine(kind, model)
+    assert engine.temperature == T
+    aux = check_engine(engine, params, batch, loss, model=model, temperature=T)
+    if kind == "auto":
+        assert all(e.temperature == T for e in engine.engines.values())
+        assert aux.stats["chosen_engine"] == "dfs"
+    if kind == "prefix_reuse":
+        assert engine.dfs.temperature == T
+    # The check can fail: at T = 1 the logprobs are far from these.
+    _, _, at_one = reference(model, params, batch, loss)
+    assert max(np.abs(a - b).max() for a, b in zip(aux.logprobs, at_one, strict=True)) > 1e-2
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "hot", True])
+def test_bad_temperature_names_the_field(bad):
+    model, _ = _model(ModelFamily.QWEN3)
+    with pytest.raises(ValueError, match=r"temperature=.*finite number > 0"):
+        DFSEngine(model, temperature=bad)
+    with pytest.raises(ValueError, match=r"temperature="):
+        make_engine("auto", model, temperature=bad)
