@@ -215,6 +215,10 @@ class AlgoSection:
     updates_per_batch: int = 1  # passes over each rollout batch (ratio != 1 after the 1st)
     minibatches: int = 1  # optimizer steps per pass: the batch split into whole groups
     grad_accum: int = 1  # > 1: each step's gradient summed in fp32 over this many parts
+    # True: the ratio's old-policy logprobs are the training engine's at the params
+    # before the step's first update (no gradient through them), not the sampler's;
+    # needed when the two differ (bf16, another sampler's kernels). See ``Trainer._update``.
+    recompute_old_logprobs: bool = False
     engine: EngineKind = EngineKind.AUTO  # its settings: the ``engine:`` section
     gamma: float = 1.0  # PPO GAE
     lam: float = 0.95  # PPO GAE

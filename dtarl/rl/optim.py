@@ -159,6 +159,14 @@ def accumulated_value_and_grad(engine, params, batch: RolloutBatch, loss, parts:
     return np.float32(value), grads, EngineAux(logprobs=tuple(logps), stats=stats)
 
 
+def engine_pass(engine, params, batch: RolloutBatch, loss, grad_accum: int = 1):
+    """``(value, grads, aux)`` of ``batch``: ``engine.value_and_grad``, or with
+    ``grad_accum > 1`` its sum over that many parts (``accumulated_value_and_grad``)."""
+    if grad_accum > 1:
+        return accumulated_value_and_grad(engine, params, batch, loss, grad_accum)
+    return engine.value_and_grad(params, batch, loss)
+
+
 def update(
     params,
     opt_state,
@@ -174,10 +182,7 @@ def update(
     optimiser step, unless the loss or the gradient norm is not finite (then the state
     comes back unchanged)."""
     t0 = time.perf_counter()
-    if grad_accum > 1:
-        value, grads, aux = accumulated_value_and_grad(engine, params, batch, loss, grad_accum)
-    else:
-        value, grads, aux = engine.value_and_grad(params, batch, loss)
+    value, grads, aux = engine_pass(engine, params, batch, loss, grad_accum)
     gnorm = float(grad_norm(grads))
     applied = bool(np.isfinite(float(value)) and np.isfinite(gnorm))
     why = ""
@@ -202,6 +207,7 @@ __all__ = [
     "Optimizer",
     "UpdateResult",
     "accumulated_value_and_grad",
+    "engine_pass",
     "grad_norm",
     "group_splits",
     "make_loss",

@@ -66,6 +66,7 @@ from dtarl.rl.metrics import MetricsLogger, step_metrics, truncate_metrics
 from dtarl.rl.optim import (
     Optimizer,
     UpdateResult,
+    engine_pass,
     group_splits,
     make_loss,
     make_optimizer,
@@ -287,33 +288,62 @@ class Trainer:
         engine=None,
         minibatches: int = 1,
         grad_accum: int = 1,
-    ):
+        recompute_old: bool = False,
+    ) -> tuple[list[UpdateResult], RolloutBatch, dict[str, Any]]:
         """``times`` passes over ``batch``, each ``minibatches`` updates on sub-batches of
         whole groups (each normalised on its own), each gradient accumulated over
-        ``grad_accum`` parts; stops after a skipped update. Returns the updates and the
-        sub-batch of the last one."""
+        ``grad_accum`` parts; stops after a skipped update. Returns the updates, the
+        sub-batch of the last one, and ``recompute_old``'s metrics.
+
+        ``recompute_old`` (``algo.recompute_old_logprobs``): the old-policy logprobs
+        are the engine's at the params before the first update, with no gradient
+        through them, instead of the sampler's. The first update runs on-policy (old
+        = stop_gradient(logp): the same forward, so its ratio is exactly 1 and no
+        extra pass is needed) and its logprobs become the old ones of the later
+        passes; every other minibatch gets its own from one engine pass at those
+        params before the first update (its gradient discarded).
+        """
+        engine = self.engine if engine is None else engine
         updates: list[UpdateResult] = []
         parts = (
             [batch]
             if minibatches == 1
             else [batch.select(ix) for ix in group_splits(batch, minibatches)]
         )
-        for _ in range(times):
-            for part in parts:
+        sampled = [p.old_logprobs for p in parts]
+        info: dict[str, Any] = {}
+        if recompute_old:
+            t0 = time.perf_counter()
+            for k in range(1, len(parts)):
+                _, _, aux = engine_pass(engine, self.params, _on_policy(parts[k]), loss, grad_accum)
+                parts[k] = _with_old(parts[k], aux.logprobs)
+            info["recompute_seconds"] = time.perf_counter() - t0
+            parts[0] = _on_policy(parts[0])
+        last = parts[-1]
+        for i in range(times):
+            for k, part in enumerate(parts):
                 u = update(
                     self.params,
                     self.opt_state,
                     part,
-                    engine=self.engine if engine is None else engine,
+                    engine=engine,
                     loss=loss,
                     optimizer=optimizer,
                     grad_accum=grad_accum,
                 )
+                if recompute_old and i == 0 and k == 0:
+                    parts[0] = part = _with_old(part, u.aux.logprobs)
                 self.params, self.opt_state = u.params, u.opt_state
                 updates.append(u)
+                last = part
                 if not u.applied:
-                    return updates, part
-        return updates, parts[-1]
+                    break
+            else:
+                continue
+            break
+        if recompute_old:
+            info.update(recompute_old_logprobs=1, **_old_logprob_diff(parts, sampled))
+        return updates, last, info
 
     def sft_step(self, step: int) -> dict[str, Any]:
         """One supervised step on the task's reference solutions."""
@@ -321,7 +351,7 @@ class Trainer:
             self.tokenizer, self._problems(_SEED_SFT, step, self.cfg.sft.batch_size)
         )
         lr = self.sft_opt.lr(self.opt_state)
-        updates, _ = self._update(batch, self.sft_loss, self.sft_opt, 1, engine=self.sft_engine)
+        updates, _, _ = self._update(batch, self.sft_loss, self.sft_opt, 1, engine=self.sft_engine)
         m = dict(phase="sft", step=step, global_step=step + 1, lr=lr)
         m.update(step_metrics(batch, updates))
         self.skipped += m["skipped"]
@@ -354,14 +384,16 @@ class Trainer:
             self.skipped += 1
             return m
         a = cfg.algo
-        updates, last = self._update(
+        updates, last, recompute = self._update(
             batch,
             self.loss,
             self.rl_opt,
             a.updates_per_batch,
             minibatches=a.minibatches,
             grad_accum=a.grad_accum,
+            recompute_old=a.recompute_old_logprobs,
         )
+        m.update(recompute)
         if self.value is not None and updates[-1].applied:
             m.update(self.value.train(batch.tokens, batch.loss_mask))
         m.update(step_metrics(batch, updates, cfg.algo, last_batch=last))
@@ -547,6 +579,35 @@ class Trainer:
             seconds=time.perf_counter() - t_start,
             steps_done=self.step,
         )
+
+
+def _on_policy(batch: RolloutBatch) -> RolloutBatch:
+    """``batch`` without old logprobs: the loss takes old = stop_gradient(logp)."""
+    return dataclasses.replace(batch, old_logprobs=None)
+
+
+def _with_old(batch: RolloutBatch, logprobs) -> RolloutBatch:
+    """``batch`` with ``logprobs`` as its old logprobs (0 off the loss mask, like the
+    sampler's)."""
+    old = tuple(
+        np.where(m > 0, lp, 0.0).astype(np.float32)
+        for lp, m in zip(logprobs, batch.loss_mask, strict=True)
+    )
+    return dataclasses.replace(batch, old_logprobs=old)
+
+
+def _old_logprob_diff(parts, sampled) -> dict[str, float]:
+    """max and mean |recomputed - sampler| old logprob over the trained tokens."""
+    diffs = []
+    for part, olds in zip(parts, sampled, strict=True):
+        if part.old_logprobs is None or olds is None:
+            continue
+        for new, old, m in zip(part.old_logprobs, olds, part.loss_mask, strict=True):
+            diffs.append(np.abs(np.asarray(new, np.float64) - old)[np.asarray(m) > 0])
+    d = np.concatenate(diffs) if diffs else np.zeros(0)
+    if d.size == 0:
+        return dict(old_logprob_diff_max=0.0, old_logprob_diff_mean=0.0)
+    return dict(old_logprob_diff_max=float(d.max()), old_logprob_diff_mean=float(d.mean()))
 
 
 def train(cfg: TrainerConfig, **kwargs) -> TrainResult:

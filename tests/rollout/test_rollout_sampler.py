@@ -129,6 +129,22 @@ def test_policy_logprobs_are_normalised_under_the_filter(weights, sampled):
         assert np.all(lp >= raw - 1e-5) and np.all(lp <= 0)
 
 
+def test_raw_logprobs_are_those_of_logits_over_the_temperature(model, weights):
+    """raw_logprobs = log_softmax(logits / T) untruncated (what a training engine at T
+    recomputes); logprobs are the truncated policy's, renormalised."""
+    t = 0.7
+    sampler = Sampler(model, SamplingParams(temperature=t, top_k=8, max_new_tokens=6))
+    res = sampler.generate(weights, PROMPTS, num_samples=2, seed=5)
+    for i, toks in enumerate(res.tokens):
+        prompt = PROMPTS[res.prompt_index[i]]
+        logits = full_logits(model, np.concatenate([prompt, toks]))[len(prompt) - 1 : -1]
+        at_t = jax.nn.log_softmax(logits / t)[np.arange(len(toks)), toks]
+        np.testing.assert_allclose(res.raw_logprobs[i], at_t, atol=1e-5)
+        at_one = jax.nn.log_softmax(logits)[np.arange(len(toks)), toks]
+        assert np.abs(res.raw_logprobs[i] - at_one).max() > 1e-3
+        assert np.all(res.logprobs[i] > res.raw_logprobs[i])  # top-8 of 256 renormalised
+
+
 def test_filter_logits_top_k_top_p():
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
     z = np.asarray(filter_logits(logits, SamplingParams(top_k=2)))
