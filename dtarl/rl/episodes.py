@@ -69,14 +69,36 @@ def single_token(tokenizer, s: str, what: str) -> int:
     ids = tokenizer.encode(s)
     if len(ids) != 1:
         raise ConfigError(
-            f"{what} {s!r} encodes to {len(ids)} tokens with this tokenizer; the sampler "
-            "stops on single tokens"
+            f"{what} {s!r} encodes to {len(ids)} tokens with this tokenizer; need exactly one"
         )
     return int(ids[0])
 
 
-def tool_stop_ids(tokenizer, task: Task) -> tuple[int, ...]:
-    return tuple(single_token(tokenizer, s, "task stop string") for s in task.stop_strings)
+def tool_stop_sequences(tokenizer, task: Task) -> tuple[tuple[int, ...], ...]:
+    """The task's tool-call markers (``task.stop_strings``) as token id sequences of the
+    run's tokenizer, any length: the sampler stops a turn when its generated ids end
+    with one (``SamplingParams.stop_sequences``), and ``rollout`` then calls the tool.
+    A marker is matched as the tokenizer encodes it alone, so pick one that the model's
+    text tokenises the same way (a special token, or text after a token boundary)."""
+    out = []
+    for i, s in enumerate(task.stop_strings):
+        where = f"task stop string [{i}] {s!r}"
+        if not isinstance(s, str) or not s:
+            raise ConfigError(f"{where}: must be a non-empty string")
+        try:
+            ids = tuple(int(t) for t in tokenizer.encode(s))
+        except ValueError as e:
+            raise ConfigError(f"{where} cannot be encoded: {e}") from None
+        if not ids:
+            raise ConfigError(f"{where} encodes to no tokens with this tokenizer")
+        out.append(ids)
+    return tuple(out)
+
+
+def ends_with_any(tokens: np.ndarray, sequences) -> bool:
+    """True when ``tokens`` end with one of the id ``sequences``."""
+    tk = [int(t) for t in tokens]
+    return any(len(sq) <= len(tk) and tuple(tk[len(tk) - len(sq) :]) == sq for sq in sequences)
 
 
 def rollout(
@@ -91,10 +113,14 @@ def rollout(
 ) -> tuple[list[Trajectory], dict[str, float]]:
     """Samples ``group_size`` trajectories per problem, running tool turns (multi-turn tasks).
 
+    A turn that stopped on a tool-call marker (its tokens end with one of
+    ``tool_stop_sequences``; ``sampler`` must stop on them) gets the task's tool
+    output appended (masked out of the loss) and is continued in the next turn.
+
     Turn 0 prefills each prompt once for its whole group; later turns re-prefill
     each distinct history once (samples that made the same calls share it).
     """
-    tool_ids = set(tool_stop_ids(tokenizer, task))
+    tool_seqs = tool_stop_sequences(tokenizer, task)
     prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
     n = len(problems) * group_size
     owner = np.repeat(np.arange(len(problems)), group_size)
@@ -131,7 +157,7 @@ def rollout(
             truncated[row] = finish is FinishReason.LENGTH
             if (
                 finish is FinishReason.STOP
-                and int(tk[-1]) in tool_ids
+                and ends_with_any(tk, tool_seqs)
                 and turn + 1 < task.max_turns
             ):
                 out = task.tool(problems[owner[row]], turn_text[row] + text)
@@ -430,7 +456,8 @@ __all__ = [
     "rl_batch",
     "rollout",
     "shaped_rewards",
+    "ends_with_any",
     "single_token",
     "success_rate",
-    "tool_stop_ids",
+    "tool_stop_sequences",
 ]

@@ -189,7 +189,7 @@ class CalculatorTask:
 
     max_operand: int = 20
     max_turns: int = 2
-    stop_strings = ("]",)
+    stop_strings = ("]",)  # tool-call markers: any string (``episodes.tool_stop_sequences``)
     kind = TaskKind.CALCULATOR
 
     def __post_init__(self):

@@ -59,7 +59,7 @@ from dtarl.rl.episodes import (
     rl_batch,
     rollout,
     success_rate,
-    tool_stop_ids,
+    tool_stop_sequences,
 )
 from dtarl.rl.hooks import Hook, Phase, StepInfo, run_hooks
 from dtarl.rl.metrics import MetricsLogger, step_metrics, truncate_metrics
@@ -149,8 +149,10 @@ class Trainer:
         self.task = task if task is not None else make_task(cfg.task.kind, **cfg.task.options())
         self.reward_fn = reward_fn if reward_fn is not None else self.task.reward
         r = cfg.rollout
-        stops = (self.tokenizer.eos_id,) + tool_stop_ids(self.tokenizer, self.task)
-        stop_seqs = stop_sequences(self.tokenizer, r.stop)
+        # Tool-call markers of one token are stop tokens; longer ones stop sequences.
+        tool = tool_stop_sequences(self.tokenizer, self.task)
+        stops = (self.tokenizer.eos_id,) + tuple(sq[0] for sq in tool if len(sq) == 1)
+        stop_seqs = stop_sequences(self.tokenizer, r.stop) + tuple(sq for sq in tool if len(sq) > 1)
         self.sampler = Sampler(
             self.model,
             SamplingParams(

@@ -1,6 +1,7 @@
 """The RL loop at tiny sizes: a 3-step run, bit-exact resume, skipped NaN updates,
 reward errors, multi-turn rollouts, the CLI, and a HF checkpoint with PPO + KL."""
 
+import dataclasses
 import shutil
 
 import jax
@@ -11,11 +12,11 @@ from dtarl.commands.train import main as cli_main
 from dtarl.engines.cost import ENGINES
 from dtarl.model.tokenizer import ByteTokenizer
 from dtarl.rl.config import ConfigError, load_config
-from dtarl.rl.episodes import rollout
+from dtarl.rl.episodes import encode_prompt, rollout, tool_stop_sequences
 from dtarl.rl.hooks import Phase
 from dtarl.rl.metrics import read_metrics
 from dtarl.rl.rewards import RewardError, RewardErrorPolicy
-from dtarl.rl.tasks import CalculatorTask
+from dtarl.rl.tasks import CalculatorTask, Problem, safe_eval
 from dtarl.rl.trainer import Trainer, build_model
 from dtarl.rollout.sampler import FinishReason, SampleResult
 from dtarl.tree import build_tree
@@ -206,6 +207,108 @@ def test_multi_turn_rollout_masks_tool_output_and_shares_turns():
     np.testing.assert_array_equal(t.old_logprobs[t.loss_mask == 0], 0.0)
     tree = build_tree([x.tokens for x in trajs])
     assert tree.stats.depth >= 1 and tree.stats.ideal_token_ratio > 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MarkerTask(CalculatorTask):
+    """The calculator with a tool call ending in ``marker`` (any number of tokens)."""
+
+    marker: str = "</call>"
+
+    @property
+    def stop_strings(self):
+        return (self.marker,)
+
+    def tool(self, problem, turn_text):
+        if not turn_text.endswith(self.marker):
+            return None
+        expr = turn_text[: -len(self.marker)].rsplit("<call>", 1)[-1]
+        return f"={safe_eval(expr)[0]};" if expr[:1].isdigit() else "=ok;"
+
+
+class TaggedSampler:
+    """A sampler double: prompt 0 calls ``<call>2*3</call>`` then answers; prompt 1 ends
+    its turn with eos after ``</call`` (part of the marker): no tool call."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def generate(self, weights, prompts, *, num_samples, seed):
+        counts = [num_samples] * len(prompts) if np.ndim(num_samples) == 0 else num_samples
+        toks = []
+        for p, c in zip(prompts, counts, strict=True):
+            text = self.tok.decode(list(p))
+            if text.endswith(";"):
+                ids = self.tok.encode("12") + [self.tok.eos_id]
+            elif text.startswith("1*"):
+                ids = self.tok.encode("<call>2*3</call>")
+            else:
+                ids = self.tok.encode("<call>2*3</call") + [self.tok.eos_id]
+            toks += [np.asarray(ids, np.int32)] * c
+        return SampleResult(
+            tokens=tuple(toks),
+            logprobs=tuple(np.full(len(t), -0.5, np.float32) for t in toks),
+            raw_logprobs=tuple(np.full(len(t), -0.5, np.float32) for t in toks),
+            finish=np.full(len(toks), FinishReason.STOP),
+            prompt_index=np.repeat(np.arange(len(prompts)), counts),
+            stats=dict(generated_tokens=sum(len(t) for t in toks), seconds=1.0),
+        )
+
+
+def test_multi_token_tool_marker_calls_the_tool():
+    """A turn whose tokens end with the 7-token marker ``</call>`` gets the tool output
+    appended (not trained on) and a next turn; one ending in part of it does not."""
+    tok = ByteTokenizer()
+    task = MarkerTask(max_operand=3)
+    assert tool_stop_sequences(tok, task) == (tuple(tok.encode("</call>")),)
+    problems = [Problem(prompt=q, answer="5", reference=()) for q in ("1*2+3=", "2*2+1=")]
+    trajs, _ = rollout(
+        TaggedSampler(tok), None, tok, task, problems, group_size=2, key=jax.random.PRNGKey(0)
+    )
+    called, partial = trajs[0], trajs[2]
+    assert called.num_turns == 2 and called.completion == "<call>2*3</call>=6;12"
+    text = tok.decode(called.tokens.tolist(), skip_special=False)
+    masked = "".join(c for c, m in zip(text, called.loss_mask, strict=True) if m)
+    assert masked == "<call>2*3</call>12\x02"  # the tool output "=6;" is not trained on
+    assert partial.num_turns == 1 and partial.completion == "<call>2*3</call"
+
+
+def test_multi_token_tool_marker_stops_the_real_sampler(tmp_path):
+    """End to end with the trainer's own (greedy) sampler: the marker is two tokens the
+    tiny model generates first for some prompt; the sampler stops right after them
+    (a stop sequence, not a stop token) and the rollout appends the tool output."""
+    c = tiny_config(
+        tmp_path,
+        "task.kind=calculator",
+        "task.max_operand=3",
+        "rollout.temperature=0",
+        "rollout.max_new_tokens=8",
+    )
+    t = Trainer(c)
+    problems = t.task.generate(np.random.default_rng(0), 16)
+    res = t.sampler.generate(t.params, [encode_prompt(t.tokenizer, p.prompt) for p in problems])
+    firsts = [r[:2].tolist() for r in res.tokens]
+    i = next(i for i, f in enumerate(firsts) if len(f) == 2 and all(33 <= x < 127 for x in f))
+    marker = t.tokenizer.decode(firsts[i])
+    assert marker != "]" and len(t.tokenizer.encode(marker)) == 2
+    t = Trainer(c, task=MarkerTask(max_operand=3, marker=marker))
+    assert tuple(t.tokenizer.encode(marker)) in t.sampler.params.stop_sequences
+    assert t.sampler.params.stop_tokens == (t.tokenizer.eos_id,)
+    (traj,), _ = rollout(
+        t.sampler,
+        t.params,
+        t.tokenizer,
+        t.task,
+        [problems[i]],
+        group_size=1,
+        key=jax.random.PRNGKey(0),
+    )
+    assert traj.num_turns == 2
+    assert traj.completion.startswith(marker + "=ok;")
+    p = traj.prompt_len
+    assert traj.tokens[p : p + 2].tolist() == firsts[i]
+    assert traj.loss_mask[p : p + 2].tolist() == [1, 1]
+    assert traj.loss_mask[p + 2 : p + 6].tolist() == [0, 0, 0, 0]  # "=ok;"
 
 
 def test_cli_print_config_and_errors(capsys):
