@@ -66,18 +66,18 @@ def _engine(kind: str, mode: PrefixActivations = PrefixActivations.OFFLOAD):
 
 
 @functools.cache
-def _reference_fn(loss):
+def _reference_fn(loss, temperature=1.0):
     """jax.grad of one sequence's loss, logprobs and entropies from a plain full forward.
 
     The sequence is padded at the end to REF_LEN, which cannot change its values
-    (causal attention); the padding is masked out of the loss."""
+    (causal attention); the padding is masked out of the loss. Both of logits / T."""
     model, _ = _model()
     graphdef, _ = nnx.split(model, nnx.Param)
 
     def one(params, toks, mask, old, ref, adv, w, n):
         m = nnx.merge(graphdef, params)
         logits, _ = m(toks[None], jnp.arange(REF_LEN)[None])
-        logq_TxV = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1)
+        logq_TxV = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32) / temperature, axis=-1)
         lp = jnp.take_along_axis(logq_TxV, toks[1:, None], axis=-1)[:, 0]
         ent = -jnp.sum(jnp.exp(logq_TxV) * logq_TxV, axis=-1)
         valid = jnp.arange(REF_LEN) < n
@@ -96,10 +96,10 @@ def _reference_fn(loss):
     return jax.jit(jax.value_and_grad(one, has_aux=True))
 
 
-def reference(batch: RolloutBatch, loss):
+def reference(batch: RolloutBatch, loss, temperature=1.0):
     """sum_i w_i loss_i and its jax.grad, one sequence at a time."""
     _, params = _model()
-    fn = _reference_fn(loss)
+    fn = _reference_fn(loss, temperature)
     w = batch.sequence_weights(loss.norm, loss.norm_constant)
     total, grads, logps = 0.0, None, []
     for i, toks in enumerate(batch.tokens):
@@ -156,9 +156,9 @@ def tree_batch() -> RolloutBatch:
 BATCHES = {"grpo_groups": grpo_batch, "tree": tree_batch}
 
 
-def check(engine, batch: RolloutBatch, loss):
+def check(engine, batch: RolloutBatch, loss, temperature=1.0):
     _, params = _model()
-    want_loss, want_grads, want_logp = reference(batch, loss)
+    want_loss, want_grads, want_logp = reference(batch, loss, temperature)
     got_loss, got_grads, aux = engine.value_and_grad(params, batch, loss)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=RTOL, atol=1e-7)
     for got, want in zip(aux.logprobs, want_logp, strict=True):
@@ -267,3 +267,18 @@ def test_entropy_prefix_reuse(loss_name, mode, batch_name):
 @pytest.mark.parametrize("loss_name", sorted(LOSSES))
 def test_entropy_dfs(loss_name, batch_name):
     check(_engine("dfs"), BATCHES[batch_name](), LOSSES[loss_name])
+
+
+@pytest.mark.parametrize("kind", ["dense", "dfs"])
+def test_entropy_at_a_sampling_temperature(kind):
+    """At T = 0.7 the entropy bonus is that of softmax(logits / T), like the logprobs."""
+    model, _ = _model()
+    t = 0.7
+    if kind == "dense":
+        engine = DenseEngine(model, microbatch=4, temperature=t)
+    else:
+        engine = DFSEngine(model, chunk_len=8, temperature=t)
+    check(engine, tree_batch(), LOSSES["grpo"], temperature=t)
+    _, at_t, _ = reference(tree_batch(), LOSSES["grpo"], t)
+    _, at_one, _ = reference(tree_batch(), LOSSES["grpo"])
+    assert max(rel_errors(at_t, at_one)) > 100 * RTOL

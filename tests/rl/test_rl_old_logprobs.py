@@ -110,3 +110,27 @@ def test_recompute_old_logprobs_bf16(tmp_path):
 def test_recompute_flag_is_a_bool():
     with pytest.raises(ConfigError, match=r"algo.recompute_old_logprobs=.*true or false"):
         load_config(None, ["algo.recompute_old_logprobs=2"])
+
+
+def test_temperature_reaches_every_logprob(tmp_path):
+    """rollout.temperature is the engine's and the KL reference scorer's; SFT trains the
+    model itself (T = 1, its own engine); greedy rollouts (T = 0) train at T = 1."""
+    t = Trainer(
+        load_config(
+            None,
+            [*TINY, f"out_dir={tmp_path}", "algo.kl_coef=0.1", "sft.steps=1", "algo.engine=dfs"],
+        )
+    )
+    assert t.engine.temperature == T and t.scorer.temperature == T
+    assert t.sft_engine is not t.engine and t.sft_engine.temperature == 1.0
+    assert t.sampler.params.temperature == T
+    greedy = Trainer(load_config(None, [*TINY, f"out_dir={tmp_path}", "rollout.temperature=0"]))
+    assert greedy.engine.temperature == 1.0 and greedy.sft_engine is greedy.engine
+    for e in greedy.engine.engines.values():  # auto's candidates
+        assert e.temperature == 1.0
+
+
+@pytest.mark.parametrize("value", ["-0.5", ".inf", "hot"])
+def test_bad_rollout_temperature_names_the_field(value):
+    with pytest.raises(ConfigError, match=r"rollout.temperature="):
+        load_config(None, [f"rollout.temperature={value}"])
