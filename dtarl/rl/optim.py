@@ -203,6 +203,36 @@ def update(
     )
 
 
+def on_policy(batch: RolloutBatch) -> RolloutBatch:
+    """``batch`` without old logprobs: the loss takes old = stop_gradient(logp)."""
+    return dataclasses.replace(batch, old_logprobs=None)
+
+
+def with_old_logprobs(batch: RolloutBatch, logprobs) -> RolloutBatch:
+    """``batch`` with ``logprobs`` as its old logprobs (0 off the loss mask, like the
+    sampler's)."""
+    old = tuple(
+        np.where(m > 0, lp, 0.0).astype(np.float32)
+        for lp, m in zip(logprobs, batch.loss_mask, strict=True)
+    )
+    return dataclasses.replace(batch, old_logprobs=old)
+
+
+def old_logprob_diff(parts, sampled) -> dict[str, float]:
+    """``old_logprob_diff_max`` / ``_mean``: |old - sampled| over the trained tokens of
+    each batch in ``parts`` (its old logprobs) against ``sampled`` (the sampler's)."""
+    diffs = []
+    for part, olds in zip(parts, sampled, strict=True):
+        if part.old_logprobs is None or olds is None:
+            continue
+        for new, old, m in zip(part.old_logprobs, olds, part.loss_mask, strict=True):
+            diffs.append(np.abs(np.asarray(new, np.float64) - old)[np.asarray(m) > 0])
+    d = np.concatenate(diffs) if diffs else np.zeros(0)
+    if d.size == 0:
+        return dict(old_logprob_diff_max=0.0, old_logprob_diff_mean=0.0)
+    return dict(old_logprob_diff_max=float(d.max()), old_logprob_diff_mean=float(d.mean()))
+
+
 __all__ = [
     "Optimizer",
     "UpdateResult",
@@ -213,5 +243,8 @@ __all__ = [
     "make_loss",
     "make_optimizer",
     "make_schedule",
+    "old_logprob_diff",
+    "on_policy",
     "update",
+    "with_old_logprobs",
 ]

@@ -70,7 +70,10 @@ from dtarl.rl.optim import (
     group_splits,
     make_loss,
     make_optimizer,
+    old_logprob_diff,
+    on_policy,
     update,
+    with_old_logprobs,
 )
 from dtarl.rl.rewards import RewardErrorPolicy, RewardFn, compute_rewards
 from dtarl.rl.tasks import Problem, Task, make_task
@@ -317,10 +320,10 @@ class Trainer:
         if recompute_old:
             t0 = time.perf_counter()
             for k in range(1, len(parts)):
-                _, _, aux = engine_pass(engine, self.params, _on_policy(parts[k]), loss, grad_accum)
-                parts[k] = _with_old(parts[k], aux.logprobs)
+                _, _, aux = engine_pass(engine, self.params, on_policy(parts[k]), loss, grad_accum)
+                parts[k] = with_old_logprobs(parts[k], aux.logprobs)
             info["recompute_seconds"] = time.perf_counter() - t0
-            parts[0] = _on_policy(parts[0])
+            parts[0] = on_policy(parts[0])
         last = parts[-1]
         for i in range(times):
             for k, part in enumerate(parts):
@@ -334,7 +337,7 @@ class Trainer:
                     grad_accum=grad_accum,
                 )
                 if recompute_old and i == 0 and k == 0:
-                    parts[0] = part = _with_old(part, u.aux.logprobs)
+                    parts[0] = part = with_old_logprobs(part, u.aux.logprobs)
                 self.params, self.opt_state = u.params, u.opt_state
                 updates.append(u)
                 last = part
@@ -344,7 +347,7 @@ class Trainer:
                 continue
             break
         if recompute_old:
-            info.update(recompute_old_logprobs=1, **_old_logprob_diff(parts, sampled))
+            info.update(recompute_old_logprobs=1, **old_logprob_diff(parts, sampled))
         return updates, last, info
 
     def sft_step(self, step: int) -> dict[str, Any]:
@@ -581,35 +584,6 @@ class Trainer:
             seconds=time.perf_counter() - t_start,
             steps_done=self.step,
         )
-
-
-def _on_policy(batch: RolloutBatch) -> RolloutBatch:
-    """``batch`` without old logprobs: the loss takes old = stop_gradient(logp)."""
-    return dataclasses.replace(batch, old_logprobs=None)
-
-
-def _with_old(batch: RolloutBatch, logprobs) -> RolloutBatch:
-    """``batch`` with ``logprobs`` as its old logprobs (0 off the loss mask, like the
-    sampler's)."""
-    old = tuple(
-        np.where(m > 0, lp, 0.0).astype(np.float32)
-        for lp, m in zip(logprobs, batch.loss_mask, strict=True)
-    )
-    return dataclasses.replace(batch, old_logprobs=old)
-
-
-def _old_logprob_diff(parts, sampled) -> dict[str, float]:
-    """max and mean |recomputed - sampler| old logprob over the trained tokens."""
-    diffs = []
-    for part, olds in zip(parts, sampled, strict=True):
-        if part.old_logprobs is None or olds is None:
-            continue
-        for new, old, m in zip(part.old_logprobs, olds, part.loss_mask, strict=True):
-            diffs.append(np.abs(np.asarray(new, np.float64) - old)[np.asarray(m) > 0])
-    d = np.concatenate(diffs) if diffs else np.zeros(0)
-    if d.size == 0:
-        return dict(old_logprob_diff_max=0.0, old_logprob_diff_mean=0.0)
-    return dict(old_logprob_diff_max=float(d.max()), old_logprob_diff_mean=float(d.mean()))
 
 
 def train(cfg: TrainerConfig, **kwargs) -> TrainResult:
