@@ -183,6 +183,7 @@ class Engine(Protocol):
 
     name: str
     config: Any  # the engine's frozen settings (``dtarl.engines.config``)
+    temperature: float  # logprobs of logits / temperature (``logprob_temperature``)
 
     def prepare(self, batch: RolloutBatch, loss, *, weights=None) -> Prepared:
         """Host side: the batch padded to the engine's buckets (typed static/host)."""
