@@ -188,6 +188,7 @@ class Group:
     until: Callable[[Group], bool] | None
     pslot: int | None = None
     stopped: bool = False  # ``until`` fired
+    owner: Any = None  # the engine that accepted it
 
     @property
     def done(self) -> bool:
@@ -342,7 +343,7 @@ class RolloutEngine:
         prompt: Sequence[int],
         *,
         n: int = 1,
-        max_new_tokens: int | Sequence[int] = 64,
+        max_new_tokens: int | Sequence[int] | None = None,
         stop_ids: Sequence[int] = (),
         stop_sequences: Sequence[Sequence[int]] = (),
         temperature: float = 1.0,
@@ -373,18 +374,20 @@ class RolloutEngine:
         if not isinstance(n, int | np.integer) or not 1 <= n <= c.group_size:
             raise EngineError(f"n={n!r} must be an int in [1, {c.group_size}] (group_size)")
         limit = c.response_len
+        if max_new_tokens is None:  # as many as the response rows hold
+            max_new_tokens = limit
         mx = (
             np.broadcast_to(np.asarray(max_new_tokens, np.int64), (n,))
             if np.ndim(max_new_tokens) == 0
             else np.asarray(max_new_tokens, np.int64).reshape(-1)
         )
-        if mx.shape != (n,) or mx.min() < 1 or mx.max() > limit:
+        forced = forced_lengths is not None
+        if not forced and (mx.shape != (n,) or mx.min() < 1 or mx.max() > limit):
             raise EngineError(
                 f"max_new_tokens: need an int or {n} ints in [1, {limit}] (response_len), "
                 f"got {np.asarray(max_new_tokens).tolist()}"
             )
-        forced = forced_lengths is not None
-        if forced:
+        if forced:  # exact lengths (trace replay); max_new_tokens is not used
             f = np.asarray(forced_lengths, np.int64).reshape(-1)
             if f.shape != (n,) or f.min() < 1 or f.max() > limit:
                 raise EngineError(
@@ -429,6 +432,7 @@ class RolloutEngine:
             on_tokens=on_tokens,
             on_finish=on_finish,
             until=until,
+            owner=self,
         )
         self._next_group += 1
         group.requests = [
@@ -448,6 +452,8 @@ class RolloutEngine:
     def cancel(self, target: Request | Group) -> None:
         """Stops a request (or every request of a group) with reason CANCELLED."""
         reqs = target.requests if isinstance(target, Group) else [target]
+        if isinstance(target, Group) and target.owner is not self:
+            raise EngineError(f"unknown group handle {target.id} (submitted to another engine)")
         for r in reqs:
             self._check(r)
             if r.status in (Status.WAITING, Status.RUNNING):
@@ -519,11 +525,7 @@ class RolloutEngine:
     # ------------------------------------------------------------ scheduling
 
     def _check(self, r: Request):
-        if (
-            not isinstance(r, Request)
-            or r.group.id >= self._next_group
-            or (r.group.requests[r.index] is not r)
-        ):
+        if not isinstance(r, Request) or r.group.owner is not self:
             raise EngineError(f"unknown request handle {r!r}")
 
     def _admit(self):
@@ -628,21 +630,23 @@ class RolloutEngine:
             weights, self._pool, self._slots_device(), jnp.asarray(self._table)
         )
         out = jax.device_get(out)
-        new = jax.device_get(slots)
+        new = jax.tree.map(np.array, jax.device_get(slots))  # writable copies
         steps = int(out.steps)
         st = self._stats
         st["decode_calls"] += 1
         st["decode_steps"] += steps
         st["active"].extend(out.batch[:steps].tolist())
         st["context"].extend(out.context[:steps].tolist())
+        produced = []
         for i in np.flatnonzero(out.count):
             r = self._slot_req[i]
             cnt = int(out.count[i])
             toks = out.tokens[i, :cnt].tolist()
             lps = out.logprobs[i, :cnt].tolist()
             reason = FinishReason(int(out.finish[i]))
-            cut = self._stop_sequence_cut(r, toks) if reason is not FinishReason.STOP else None
-            if cut is not None:  # a stop sequence ends inside this call: roll back
+            cut = self._stop_sequence_cut(r, toks)
+            if cut is not None and (cut < cnt or reason is not FinishReason.STOP):
+                # A stop sequence ends inside this call: drop what follows, roll back.
                 toks, lps, reason = toks[:cut], lps[:cut], FinishReason.STOP
                 new.length[i] -= cnt - cut
                 new.token[i] = toks[-1]
@@ -653,10 +657,15 @@ class RolloutEngine:
             s["token"][i] = new.token[i]
             s["budget"][i] = new.budget[i]
             st["generated_tokens"] += len(toks)
+            produced.append((r, reason))
+        self._note_kv()  # before retiring: the K/V this call held
+        for r, reason in produced:
             self._stream(r)
             if reason is not FinishReason.RUNNING and r.status is Status.RUNNING:
-                self._finish(r, reason)
-        self._note_kv()
+                self._finish(r, reason, check=False)
+        # Group predicates see every member that finished in this call.
+        for g in {id(r.group): r.group for r, _ in produced}.values():
+            self._check_until(g)
 
     def _stop_sequence_cut(self, r: Request, new: list[int]) -> int | None:
         """Index (exclusive) in ``new`` where the first stop-sequence match ends, if any."""
@@ -718,7 +727,7 @@ class RolloutEngine:
                 self._finish(r, FinishReason.ABORTED)
             return False
 
-    def _finish(self, r: Request, reason: FinishReason):
+    def _finish(self, r: Request, reason: FinishReason, *, check: bool = True):
         s = self._s
         if r.slot is not None:
             s["active"][r.slot] = False
@@ -730,13 +739,17 @@ class RolloutEngine:
             self._call(r, r.group.on_finish, r, reason)
         if not r.hold or reason is FinishReason.ABORTED:
             self._free(r)
-        g = r.group
-        if g.until is not None and not g.stopped and reason is not FinishReason.ABORTED:
-            if g.until(g):
-                g.stopped = True
-                for other in g.requests:
-                    if other.status in (Status.WAITING, Status.RUNNING):
-                        self._finish(other, FinishReason.ABORTED)
+        if check and reason is not FinishReason.ABORTED:
+            self._check_until(r.group)
+
+    def _check_until(self, g: Group):
+        """Cancels the group's unfinished members once its ``until`` predicate holds."""
+        if g.until is None or g.stopped or not g.until(g):
+            return
+        g.stopped = True
+        for other in g.requests:
+            if other.status in (Status.WAITING, Status.RUNNING):
+                self._finish(other, FinishReason.ABORTED, check=False)
 
     def _free(self, r: Request):
         g = r.group
@@ -776,7 +789,7 @@ class RolloutEngine:
     def kv_bytes(self) -> int:
         """Live K/V bytes: each resident prompt once + each slot's response rows."""
         rows = sum(g.prompt.size - 1 for g in self._pslot_group if g is not None)
-        rows += sum(r.length + 1 for r in self._slot_req if r is not None)
+        rows += sum(r.length for r in self._slot_req if r is not None)
         return rows * self._token_bytes
 
     def allocated_kv_bytes(self) -> int:
