@@ -59,8 +59,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dtarl import axes
 from dtarl.batch import token_ids
 from dtarl.model.decoder import Decoder
+from dtarl.parallel.mesh import DEFAULT_RULES, Rules, logical_to_spec, shard_params
 from dtarl.rollout import kernels as K
 from dtarl.rollout.sampler import FinishReason, SamplerError, SampleResult
 from dtarl.tree.plan import bucket
@@ -215,8 +217,17 @@ def _fold(key: np.ndarray, i: int) -> np.ndarray:
 class RolloutEngine:
     """Continuous batching over a prompt-shared K/V pool; see the module docstring."""
 
-    def __init__(self, model: Decoder, config: ContinuousConfig | None = None, *, pad_id: int = 0):
+    def __init__(
+        self,
+        model: Decoder,
+        config: ContinuousConfig | None = None,
+        *,
+        pad_id: int = 0,
+        mesh: jax.sharding.Mesh | None = None,
+        rules: Rules = DEFAULT_RULES,
+    ):
         self.config = config = config or ContinuousConfig()
+        self.mesh, self.rules = mesh, rules
         self.cfg = cfg = model.cfg
         self.graphdef, _ = nnx.split(model, nnx.Param)
         self.pad_id = int(pad_id)
@@ -254,6 +265,9 @@ class RolloutEngine:
             top_k=np.zeros(n, np.int32),
             stop_ids=np.full((n, config.max_stop_ids), -1, np.int32),
         )
+        self._shardings = self._make_shardings() if mesh is not None else None
+        if self._shardings is not None:
+            self._pool = jax.device_put(self._pool, self._shardings["pool"])
         self._table = np.full((q, m), n, np.int32)
         self._slot_req: list[Request | None] = [None] * n
         self._pslot_group: list[Group | None] = [None] * q
@@ -270,6 +284,35 @@ class RolloutEngine:
     def _model(self, weights):
         return nnx.merge(self.graphdef, weights)
 
+    def _make_shardings(self) -> dict[str, Any]:
+        """Slots (and prompt rows) over dp, kv heads over tp, via the rule table."""
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        mesh, rules = self.mesh, self.rules
+
+        def kv(shape):
+            logical = (axes.BATCH, axes.KV_SEQ, axes.KV_HEADS, axes.HEAD_DIM)
+            return NamedSharding(mesh, logical_to_spec(logical, shape, mesh, rules, exclude=())[0])
+
+        def rows(shape):
+            logical = (axes.BATCH,) + (None,) * (len(shape) - 1)
+            return NamedSharding(mesh, logical_to_spec(logical, shape, mesh, rules, exclude=())[0])
+
+        pool = K.Pool(
+            prompt_k=tuple(kv(a.shape) for a in self._pool.prompt_k),
+            prompt_v=tuple(kv(a.shape) for a in self._pool.prompt_v),
+            prompt_len=NamedSharding(mesh, P()),
+            resp_k=tuple(kv(a.shape) for a in self._pool.resp_k),
+            resp_v=tuple(kv(a.shape) for a in self._pool.resp_v),
+        )
+        slots = K.Slots(**{k: rows(v.shape) for k, v in self._s.items()})
+        return dict(pool=pool, slots=slots, replicated=NamedSharding(mesh, P()))
+
+    def place(self, weights):
+        """The weights on the engine's mesh (tp-split by the rule table); as is without one."""
+        return weights if self.mesh is None else shard_params(weights, self.mesh, self.rules)
+
     def _fn(self, kind: str, *statics):
         key = (kind,) + statics
         if key not in self._fns:
@@ -282,22 +325,31 @@ class RolloutEngine:
                         self._model(weights), pool, slots, table, steps=steps, filtered=filtered
                     )
 
-                self._fns[key] = jax.jit(fn, donate_argnums=(1,))
+                self._fns[key] = self._jit(fn, "decode")
             elif kind == "prefill":
 
                 def fn(weights, pool, qslot, tokens, lens):
                     self.trace_count += 1
                     return K.prefill(self._model(weights), pool, qslot, tokens, lens)
 
-                self._fns[key] = jax.jit(fn, donate_argnums=(1,))
+                self._fns[key] = self._jit(fn, "pool")
             else:
 
                 def fn(weights, pool, slot, group, length, tokens, count):
                     self.trace_count += 1
                     return K.extend(self._model(weights), pool, slot, group, length, tokens, count)
 
-                self._fns[key] = jax.jit(fn, donate_argnums=(1,))
+                self._fns[key] = self._jit(fn, "pool")
         return self._fns[key]
+
+    def _jit(self, fn, out: str):
+        """jit with the pool donated; on a mesh, outputs keep the inputs' shardings (so a
+        call never sees a new input sharding and compiles again)."""
+        if self._shardings is None:
+            return jax.jit(fn, donate_argnums=(1,))
+        sh = self._shardings
+        outs = sh["pool"] if out == "pool" else (sh["pool"], sh["slots"], sh["replicated"])
+        return jax.jit(fn, donate_argnums=(1,), out_shardings=outs)
 
     def _buckets(self, limit: int) -> list[int]:
         sizes, b = [], 16
@@ -317,7 +369,7 @@ class RolloutEngine:
         c = self.config
         for f in (False, True) if filtered is None else (filtered,):
             self._fn("decode", c.steps_per_call, f).lower(
-                weights, self._pool, self._slots_device(), jnp.asarray(self._table)
+                weights, self._pool, self._slots_device(), self._table_device()
             ).compile()
         for t in self._buckets(c.prompt_len):
             self._fn("prefill", t).lower(
@@ -619,7 +671,15 @@ class RolloutEngine:
                 r.turns += 1
 
     def _slots_device(self) -> K.Slots:
-        return K.Slots(**{k: jnp.asarray(v) for k, v in self._s.items()})
+        slots = K.Slots(**{k: jnp.asarray(v) for k, v in self._s.items()})
+        if self._shardings is not None:
+            slots = jax.device_put(slots, self._shardings["slots"])
+        return slots
+
+    def _table_device(self):
+        if self._shardings is not None:
+            return jax.device_put(self._table, self._shardings["replicated"])
+        return jnp.asarray(self._table)
 
     def _decode(self, weights):
         c, s = self.config, self._s
@@ -627,7 +687,7 @@ class RolloutEngine:
             np.any(s["active"] & ((s["top_k"] > 0) | (s["top_p"] < 1)) & (s["temperature"] > 0))
         )
         self._pool, slots, out = self._fn("decode", c.steps_per_call, filtered)(
-            weights, self._pool, self._slots_device(), jnp.asarray(self._table)
+            weights, self._pool, self._slots_device(), self._table_device()
         )
         out = jax.device_get(out)
         new = jax.tree.map(np.array, jax.device_get(slots))  # writable copies
