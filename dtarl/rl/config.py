@@ -69,6 +69,11 @@ class LossAggMode(enum.Enum):
         }[self]
 
 
+class RolloutEngineKind(enum.Enum):
+    CONTINUOUS = "continuous"  # dtarl.rollout.engine: continuous batching, prompt-shared K/V
+    STATIC = "static"  # dtarl.rollout.sampler: one static batch per call (the reference)
+
+
 class Schedule(enum.Enum):
     CONSTANT = "constant"  # linear warm-up then constant
     COSINE = "cosine"  # linear warm-up then cosine decay to 0.1 x lr
@@ -182,12 +187,17 @@ class RolloutSection:
     top_k: int = 0
     max_new_tokens: int = 8  # per turn
     stop: tuple[str, ...] = ()  # strings that end a sample (any length in tokens), besides eos
+    engine: RolloutEngineKind = RolloutEngineKind.CONTINUOUS
+    # continuous engine: decode slots (0 = prompts_per_step x group_size: a step at once)
+    slots: int = 0
+    steps_per_call: int = 16  # continuous engine: decode steps per device call
 
     def __post_init__(self):
         for i, s in enumerate(self.stop):
             if not s:
                 raise ConfigError(f"rollout.stop[{i}]='' must be a non-empty string")
-        _positive(self, "prompts_per_step", "group_size", "max_new_tokens")
+        _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "steps_per_call")
+        _nonneg(self, "slots")
         _in_range(self, "top_p", 0, 1, lo_open=True)
         _nonneg(self, "temperature", "top_k")
 
@@ -575,6 +585,7 @@ __all__ = [
     "OptimSection",
     "RESUME_FREE_KEYS",
     "ResumeSection",
+    "RolloutEngineKind",
     "RolloutSection",
     "SFTSection",
     "Schedule",
