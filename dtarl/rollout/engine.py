@@ -881,6 +881,11 @@ class ContinuousSampler:
     prompt (member j of prompt i gets key ``fold_in(fold_in(seed, i), j)``), runs
     the engine and returns a ``SampleResult`` whose ``raw_logprobs`` are the
     training policy's (logits / T). Top-k/top-p only shape the draws.
+
+    A prompt longer than the engine's ``prompt_len`` or a group larger than its
+    ``group_size`` rebuilds the engine with the next power-of-two size (new
+    programs compile once, like the static sampler's growing buckets; a warning
+    says so), so a trainer never fails on one long prompt.
     """
 
     def __init__(
@@ -895,8 +900,11 @@ class ContinuousSampler:
         stop_sequences: Sequence[Sequence[int]] = (),
         max_new_tokens: int = 64,
         pad_id: int = 0,
+        mesh: jax.sharding.Mesh | None = None,
     ):
-        self.engine = RolloutEngine(model, config, pad_id=pad_id)
+        self.model, self.pad_id, self.mesh = model, pad_id, mesh
+        self._old_traces = 0
+        self.engine = RolloutEngine(model, config, pad_id=pad_id, mesh=mesh)
         self.sampling = dict(
             temperature=temperature,
             top_p=top_p,
@@ -908,7 +916,32 @@ class ContinuousSampler:
 
     @property
     def trace_count(self) -> int:
-        return self.engine.trace_count
+        return self._old_traces + self.engine.trace_count
+
+    def ensure(self, *, prompt_len: int, group_size: int, response_len: int = 0):
+        """The engine, rebuilt larger if a prompt, a group or a response does not fit it."""
+        c = self.engine.config
+        if prompt_len <= c.prompt_len and group_size <= c.group_size:
+            if response_len <= c.response_len:
+                return self.engine
+        new = dataclasses.replace(
+            c,
+            prompt_len=max(c.prompt_len, bucket(prompt_len)),
+            group_size=max(c.group_size, bucket(group_size)),
+            response_len=max(c.response_len, bucket(response_len)),
+        )
+        warnings.warn(
+            f"rollout engine: prompt {prompt_len} tokens, group {group_size}, response "
+            f"{response_len} tokens do not fit prompt_len={c.prompt_len}, group_size="
+            f"{c.group_size}, response_len={c.response_len}; rebuilding with prompt_len="
+            f"{new.prompt_len}, group_size={new.group_size}, response_len={new.response_len} "
+            "(compiles once)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self._old_traces += self.engine.trace_count
+        self.engine = RolloutEngine(self.model, new, pad_id=self.pad_id, mesh=self.mesh)
+        return self.engine
 
     def generate(
         self,
@@ -932,6 +965,15 @@ class ContinuousSampler:
         for name, vals in (("max_new_tokens", max_new_tokens), ("forced_lengths", forced_lengths)):
             if vals is not None and np.asarray(vals).reshape(-1).shape != (total,):
                 raise EngineError(f"{name}: need {total} ints (one per sample), got {len(vals)}")
+        longest = self.max_new_tokens if max_new_tokens is None else max(max_new_tokens)
+        if forced_lengths is not None:
+            longest = max(forced_lengths)
+        self.ensure(
+            prompt_len=max(len(p) for p in prompts),
+            group_size=max(counts),
+            response_len=int(longest),
+        )
+        weights = self.engine.place(weights)
         base = _key(seed)
         groups, at = [], 0
         for i, prompt in enumerate(prompts):

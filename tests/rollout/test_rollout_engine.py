@@ -373,3 +373,12 @@ def test_mesh_equals_single_device(model, weights, dp, tp):
     before = eng.trace_count
     run(eng)  # same shapes and shardings: nothing compiles again
     assert eng.trace_count == before
+
+
+def test_sampler_grows_for_a_long_prompt(model, weights):
+    cs = ContinuousSampler(model, SMALL, temperature=0.0, max_new_tokens=4)
+    long_prompt = _prompts(1, seed=15, lo=40, hi=41)[0]
+    with pytest.warns(RuntimeWarning, match="rebuilding with prompt_len=64"):
+        res = cs.generate(weights, [long_prompt], num_samples=5)
+    assert cs.engine.config.prompt_len == 64 and cs.engine.config.group_size == 8
+    assert [t.tolist() for t in res.tokens] == [_full_forward_greedy(model, long_prompt, 4)] * 5
