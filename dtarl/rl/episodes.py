@@ -28,6 +28,7 @@ from dtarl.rl.metrics import length_stats
 from dtarl.rl.rewards import RewardFn, compute_rewards
 from dtarl.rl.tasks import Problem, Role, Task
 from dtarl.rl.value import ValueModel
+from dtarl.rollout.engine import ContinuousSampler, Status
 from dtarl.rollout.sampler import FinishReason, Sampler
 from dtarl.tree.plan import bucket
 
@@ -77,7 +78,7 @@ def tool_stop_ids(tokenizer, task: Task) -> tuple[int, ...]:
 
 
 def rollout(
-    sampler: Sampler,
+    sampler: Sampler | ContinuousSampler,
     weights,
     tokenizer,
     task: Task,
@@ -88,9 +89,15 @@ def rollout(
 ) -> tuple[list[Trajectory], dict[str, float]]:
     """Samples ``group_size`` trajectories per problem, running tool turns (multi-turn tasks).
 
-    Turn 0 prefills each prompt once for its whole group; later turns re-prefill
-    each distinct history once (samples that made the same calls share it).
+    Turn 0 prefills each prompt once for its whole group. With the static sampler
+    later turns re-prefill each distinct history once (samples that made the same
+    calls share it); with the continuous engine (``ContinuousSampler``) a tool
+    output is appended to the sample's own K/V and nothing is prefilled again.
     """
+    if isinstance(sampler, ContinuousSampler):
+        return _rollout_continuous(
+            sampler, weights, tokenizer, task, problems, group_size=group_size, key=key
+        )
     tool_ids = set(tool_stop_ids(tokenizer, task))
     prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
     n = len(problems) * group_size
@@ -165,6 +172,112 @@ def rollout(
         rollout_tokens_per_s=gen_tokens / max(seconds, 1e-9),
     )
     return trajs, stats
+
+
+def _rollout_continuous(
+    sampler: ContinuousSampler,
+    weights,
+    tokenizer,
+    task: Task,
+    problems: Sequence[Problem],
+    *,
+    group_size: int,
+    key: jax.Array,
+) -> tuple[list[Trajectory], dict[str, float]]:
+    """``rollout`` on the continuous engine: one group per problem (its prompt prefilled
+    once), tool turns continued in place with ``RolloutEngine.extend``."""
+    tool_ids = set(tool_stop_ids(tokenizer, task))
+    multi = task.max_turns > 1
+    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+    eng = sampler.ensure(prompt_len=max(p.size for p in prompts), group_size=group_size)
+    weights = eng.place(weights)
+    n = len(problems) * group_size
+    parts: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
+    turn_text = [""] * n
+    truncated = np.zeros(n, bool)
+    turns = np.zeros(n, np.int64)
+    base = np.asarray(jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+                      else key)  # fmt: skip
+    groups = [
+        eng.submit(
+            prompt,
+            n=group_size,
+            max_new_tokens=sampler.max_new_tokens,
+            seed=jax.random.fold_in(base, i),
+            hold=multi,
+            **sampler.sampling,
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+    row_of = {id(r): i * group_size + r.index for i, g in enumerate(groups) for r in g.requests}
+    eng.stats(reset=True)
+    while True:
+        done = eng.run(weights)
+        if not done:
+            break
+        for r in done:
+            row = row_of[id(r)]
+            tk, lp = r.result()
+            parts[row].append((tk, np.ones(tk.shape, np.float32), lp))
+            turns[row] += 1
+            text = tokenizer.decode(tk.tolist())
+            truncated[row] = r.finish is FinishReason.LENGTH
+            go_on = False
+            if (
+                multi
+                and r.finish is FinishReason.STOP
+                and tk.size
+                and int(tk[-1]) in tool_ids
+                and turns[row] < task.max_turns
+            ):
+                out = task.tool(problems[row // group_size], turn_text[row] + text)
+                if out is not None:
+                    ids = np.asarray(tokenizer.encode(out), np.int32)
+                    room = eng.config.response_len - r.length - ids.size
+                    parts[row].append(
+                        (ids, np.zeros(ids.shape, np.float32), np.zeros(ids.shape, np.float32))
+                    )
+                    turn_text[row] += text + out
+                    if ids.size and room >= 1:
+                        eng.extend(r, ids, max_new_tokens=min(sampler.max_new_tokens, room))
+                        go_on = True
+                    else:  # no room left for another turn: the sample ends truncated
+                        truncated[row] = True
+            if multi and not go_on and r.status is not Status.RELEASED:
+                eng.release(r)
+    st = eng.stats()
+    trajs = _trajectories(tokenizer, prompts, parts, truncated, turns, group_size)
+    stats = dict(
+        rollout_seconds=st["seconds"],
+        rollout_tokens=st["generated_tokens"],
+        rollout_tokens_per_s=st["tokens_per_second"],
+        rollout_slot_utilisation=st["slot_utilisation"],
+        rollout_peak_kv_bytes=float(st["peak_kv_bytes"]),
+    )
+    return trajs, stats
+
+
+def _trajectories(tokenizer, prompts, parts, truncated, turns, group_size) -> list[Trajectory]:
+    trajs = []
+    for row in range(len(parts)):
+        p = prompts[row // group_size]
+        toks = np.concatenate([p] + [x[0] for x in parts[row]]).astype(np.int32)
+        mask = np.concatenate([np.zeros(p.shape, np.float32)] + [x[1] for x in parts[row]])
+        old = np.concatenate([np.zeros(p.shape, np.float32)] + [x[2] for x in parts[row]])
+        trajs.append(
+            Trajectory(
+                tokens=toks,
+                loss_mask=mask,
+                old_logprobs=old.astype(np.float32),
+                prompt_len=int(p.shape[0]),
+                response_len=int(mask.sum()),
+                completion=tokenizer.decode(toks[p.shape[0] :].tolist()),
+                truncated=bool(truncated[row]),
+                num_turns=int(turns[row]),
+                problem_index=int(row // group_size),
+            )
+        )
+    return trajs
 
 
 def reference_batch(tokenizer, problems: Sequence[Problem]) -> RolloutBatch:

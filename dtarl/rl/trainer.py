@@ -72,9 +72,10 @@ from dtarl.rl.optim import (
     update,
 )
 from dtarl.rl.rewards import RewardErrorPolicy, RewardFn, compute_rewards
+from dtarl.rl.samplers import make_samplers
 from dtarl.rl.tasks import Problem, Task, make_task
 from dtarl.rl.value import ValueModel
-from dtarl.rollout.sampler import Sampler, SamplingParams
+from dtarl.rollout.sampler import Sampler
 
 # Seeds of the problem streams: np.random.default_rng([seed, stream, step]).
 _SEED_SFT, _SEED_RL, _SEED_EVAL = 1, 2, 3
@@ -150,26 +151,16 @@ class Trainer:
         r = cfg.rollout
         stops = (self.tokenizer.eos_id,) + tool_stop_ids(self.tokenizer, self.task)
         stop_seqs = stop_sequences(self.tokenizer, r.stop)
-        self.sampler = Sampler(
-            self.model,
-            SamplingParams(
-                temperature=r.temperature,
-                top_p=r.top_p,
-                top_k=r.top_k,
-                max_new_tokens=r.max_new_tokens,
-                stop_tokens=stops,
-                stop_sequences=stop_seqs,
-            ),
-            pad_id=self.tokenizer.pad_id,
-        )
-        self.eval_sampler = Sampler(
-            self.model,
-            SamplingParams.greedy(
-                max_new_tokens=r.max_new_tokens, stop_tokens=stops, stop_sequences=stop_seqs
-            ),
-            pad_id=self.tokenizer.pad_id,
-        )
         self.max_response = r.max_new_tokens * self.task.max_turns
+        self.sampler, self.eval_sampler = make_samplers(
+            cfg,
+            self.model,
+            pad_id=self.tokenizer.pad_id,
+            stop_ids=stops,
+            stop_sequences=stop_seqs,
+            prompt_len=self._prompt_len(),
+            response_len=self.max_response + 16 * (self.task.max_turns - 1),
+        )
         self.engine = make_engine(cfg.algo.engine, self.model, cfg.engine)
         self.loss = make_loss(cfg, self.max_response)
         self.sft_loss = MaskedNLLLoss()
@@ -214,6 +205,11 @@ class Trainer:
         if cfg.checkpoint_every:
             self.add_hook(lambda info: self.save_checkpoint(), every=cfg.checkpoint_every)
 
+    def _prompt_len(self) -> int:
+        """The longest prompt of 64 probe problems (the engines' and sampler's sizing)."""
+        probe = self.task.generate(np.random.default_rng(0), 64)
+        return max(len(encode_prompt(self.tokenizer, p.prompt)) for p in probe)
+
     def _reserve(self):
         """Pre-sizes sampler and engine buckets to the run's largest batch, so that
         the sampler, dense and dfs never recompile after their first step (auto's
@@ -222,20 +218,19 @@ class Trainer:
         the longest sequence, and padding every group to it would cost more than
         the few compiles early in a run."""
         cfg, r = self.cfg, self.cfg.rollout
-        probe = self.task.generate(np.random.default_rng(0), 64)
-        plen = max(len(encode_prompt(self.tokenizer, p.prompt)) for p in probe)
+        plen = self._prompt_len()
         tool = 16 * (self.task.max_turns - 1)
         max_len = plen + self.max_response + tool
         rows = r.prompts_per_step * r.group_size
-        self.sampler.reserve(
-            prompts=rows if self.task.max_turns > 1 else r.prompts_per_step,
-            rows=rows,
-            prompt_len=max_len,
-            response=r.max_new_tokens,
-        )
-        self.eval_sampler.reserve(
-            prompts=max(1, cfg.eval_problems), rows=max(1, cfg.eval_problems), prompt_len=max_len
-        )
+        if isinstance(self.sampler, Sampler):
+            self.sampler.reserve(
+                prompts=rows if self.task.max_turns > 1 else r.prompts_per_step,
+                rows=rows,
+                prompt_len=max_len,
+                response=r.max_new_tokens,
+            )
+            n_eval = max(1, cfg.eval_problems)
+            self.eval_sampler.reserve(prompts=n_eval, rows=n_eval, prompt_len=max_len)
         n = max(rows, cfg.sft.batch_size if cfg.sft.steps else 1)
         self.engine.reserve(
             Capacity(
