@@ -382,3 +382,35 @@ def test_sampler_grows_for_a_long_prompt(model, weights):
         res = cs.generate(weights, [long_prompt], num_samples=5)
     assert cs.engine.config.prompt_len == 64 and cs.engine.config.group_size == 8
     assert [t.tolist() for t in res.tokens] == [_full_forward_greedy(model, long_prompt, 4)] * 5
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.6)]
+)
+def test_sampling_distribution(temperature, top_k, top_p):
+    """Inverse-CDF draws follow softmax(logits / T) restricted by top-k / top-p."""
+    from dtarl.rollout import kernels
+
+    n, v = 20000, 6
+    logits = jnp.broadcast_to(jnp.asarray([2.0, 1.5, 1.0, 0.0, -1.0, -3.0]), (n, v))
+    slots = kernels.Slots(
+        group=None, cell=None, length=None, token=None, active=None, budget=None, forced=None,
+        key=jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(n)),
+        temperature=jnp.full((n,), temperature), top_p=jnp.full((n,), top_p),
+        top_k=jnp.full((n,), top_k, jnp.int32), stop_ids=None,
+    )  # fmt: skip
+    filtered = top_k > 0 or top_p < 1
+    tok, lp = kernels.sample(logits, slots, jnp.zeros((n,), jnp.int32), filtered=filtered)
+    p = np.asarray(jax.nn.softmax(logits[0] / temperature))
+    np.testing.assert_allclose(np.asarray(lp), np.log(p)[np.asarray(tok)], rtol=1e-5)
+    want = p.copy()
+    if top_k:
+        want[top_k:] = 0
+    if top_p < 1:
+        before = np.cumsum(want) - want
+        want[before >= top_p] = 0
+    want /= want.sum()
+    freq = np.bincount(np.asarray(tok), minlength=v) / n
+    assert np.all(freq[want == 0] == 0)
+    tol = 4 * np.sqrt(want * (1 - want) / n) + 1e-3
+    assert np.all(np.abs(freq - want) <= tol), (freq, want)
