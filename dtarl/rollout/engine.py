@@ -686,10 +686,12 @@ class RolloutEngine:
         filtered = bool(
             np.any(s["active"] & ((s["top_k"] > 0) | (s["top_p"] < 1)) & (s["temperature"] > 0))
         )
+        t0 = time.perf_counter()
         self._pool, slots, out = self._fn("decode", c.steps_per_call, filtered)(
             weights, self._pool, self._slots_device(), self._table_device()
         )
         out = jax.device_get(out)
+        seconds = time.perf_counter() - t0
         new = jax.tree.map(np.array, jax.device_get(slots))  # writable copies
         steps = int(out.steps)
         st = self._stats
@@ -697,6 +699,7 @@ class RolloutEngine:
         st["decode_steps"] += steps
         st["active"].extend(out.batch[:steps].tolist())
         st["context"].extend(out.context[:steps].tolist())
+        st["calls"].append((seconds, steps, int(out.batch[:steps].sum())))
         produced = []
         for i in np.flatnonzero(out.count):
             r = self._slot_req[i]
@@ -840,6 +843,7 @@ class RolloutEngine:
             generated_tokens=0,
             active=[],
             context=[],
+            calls=[],  # per decode call: (seconds, steps, sum of active slots over its steps)
             peak_kv_bytes=0,
         )
 
