@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import keyword
 import os
 import re
 import types
@@ -203,6 +204,30 @@ class RolloutSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DartsSection:
+    """``algo.darts``: distribution-aware rollout shaping (papers/002; dtarl.rl.darts).
+
+    enabled: needs ``rollout.engine: continuous``. short_k: K shortest candidates per
+    group (0 = group_size - 1, i.e. L = 1 longest). up_factor: M_up = up_factor x M
+    candidates at most per prompt. lambda: the budget's cost trade-off (Eq. 8: per
+    second of predicted rollout latency). ema: smoothing of the length statistics.
+    """
+
+    SECTION: typing.ClassVar[str] = "algo.darts"
+    enabled: bool = False
+    short_k: int = 0
+    up_factor: float = 2.0
+    lambda_: float = 1.0
+    ema: float = 0.9
+
+    def __post_init__(self):
+        _nonneg(self, "short_k")
+        _in_range(self, "up_factor", 1, 8)
+        _positive(self, "lambda_")
+        _in_range(self, "ema", 0, 1, hi_open=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AlgoSection:
     SECTION: typing.ClassVar[str] = "algo"
     algorithm: Algorithm = Algorithm.GRPO
@@ -220,6 +245,7 @@ class AlgoSection:
     minibatches: int = 1  # optimizer steps per pass: the batch split into whole groups
     grad_accum: int = 1  # > 1: each step's gradient summed in fp32 over this many parts
     engine: EngineKind = EngineKind.AUTO  # its settings: the ``engine:`` section
+    darts: DartsSection = dataclasses.field(default_factory=DartsSection)
     gamma: float = 1.0  # PPO GAE
     lam: float = 0.95  # PPO GAE
     value_lr: float = 1e-3  # PPO value model
@@ -489,10 +515,20 @@ def _convert(tp, value, where: str):
     return value
 
 
+def _field_name(key: str, fields) -> str:
+    """A YAML key that is a Python keyword (``lambda``) names the field ``lambda_``."""
+    return key + "_" if keyword.iskeyword(key) and key + "_" in fields else key
+
+
+def _yaml_key(name: str) -> str:
+    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
+
+
 def from_dict(cls, data: dict[str, Any], where: str = ""):
     """Builds dataclass ``cls`` from nested dicts; unknown keys list the valid ones."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    data = {_field_name(k, fields): v for k, v in data.items()}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         section = where or "config"
@@ -515,7 +551,7 @@ def from_dict(cls, data: dict[str, Any], where: str = ""):
 def to_dict(obj) -> dict[str, Any]:
     """Plain YAML/JSON-able dict of a config (enums as their values, tuples as lists);
     ``from_dict(type(obj), to_dict(obj)) == obj``."""
-    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return {_yaml_key(f.name): _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
 
 
 def _plain(v):
@@ -580,6 +616,7 @@ __all__ = [
     "AlgoSection",
     "Algorithm",
     "ConfigError",
+    "DartsSection",
     "LossAggMode",
     "ModelSection",
     "OptimSection",
