@@ -408,6 +408,17 @@ class TrainerConfig:
         _positive(self, "keep_checkpoints")
         if not self.out_dir:
             raise ConfigError("out_dir='' must name a directory")
+        d = self.algo.darts
+        if d.enabled and self.rollout.engine is not RolloutEngineKind.CONTINUOUS:
+            raise ConfigError(
+                "algo.darts.enabled=true needs rollout.engine=continuous (early stop and "
+                f"per-prompt candidate counts), got rollout.engine={self.rollout.engine.value}"
+            )
+        if d.enabled and d.short_k > self.rollout.group_size:
+            raise ConfigError(
+                f"algo.darts.short_k={d.short_k} must be <= rollout.group_size="
+                f"{self.rollout.group_size} (0 = group_size - 1)"
+            )
         if self.algo.overlong_buffer > self.rollout.max_new_tokens * self._turns():
             raise ConfigError(
                 f"algo.overlong_buffer={self.algo.overlong_buffer} must be <= the response "

@@ -25,8 +25,9 @@ def make_samplers(
 
     ``continuous`` (the default): every prompt of a step is resident at once (one
     prompt row each) and ``rollout.slots`` samples decode together (0: the whole
-    step). ``response_len`` rows hold every turn of a sample plus its tool tokens;
-    a longer tool output ends that sample as truncated. A prompt longer than
+    step; with DARTS, room for every candidate). ``response_len`` rows hold every
+    turn of a sample plus its tool tokens; a longer tool output ends that sample as
+    truncated. A prompt longer than
     ``prompt_len`` rebuilds the engine once (see ``ContinuousSampler``).
     ``static``: the reference sampler, one static batch per call.
     """
@@ -42,12 +43,15 @@ def make_samplers(
         )
         greedy = SamplingParams.greedy(stop_sequences=stop_sequences, **greedy_kw)
         return Sampler(model, params, pad_id=pad_id), Sampler(model, greedy, pad_id=pad_id)
-    rows = r.prompts_per_step * r.group_size
+    group = r.group_size
+    if cfg.algo.darts.enabled:  # up to M_up candidates per prompt
+        group = max(group, int(cfg.algo.darts.up_factor * r.group_size))
+    rows = r.prompts_per_step * group
     shape = dict(
         prompt_len=bucket(prompt_len), response_len=response_len, steps_per_call=r.steps_per_call
     )
     train = ContinuousConfig(
-        slots=r.slots or rows, groups=r.prompts_per_step, group_size=r.group_size, **shape
+        slots=r.slots or rows, groups=r.prompts_per_step, group_size=group, **shape
     )
     n_eval = max(1, cfg.eval_problems)
     evals = ContinuousConfig(slots=n_eval, groups=n_eval, group_size=1, **shape)

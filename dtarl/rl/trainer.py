@@ -43,6 +43,7 @@ from dtarl.engines import Capacity, make_engine
 from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model, load_hf
 from dtarl.model.tokenizer import ByteTokenizer, load_tokenizer
+from dtarl.rl import darts
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import (
     Algorithm,
@@ -188,6 +189,8 @@ class Trainer:
         self.ckpt = CheckpointManager(
             os.path.join(cfg.out_dir, "checkpoints"), keep=cfg.keep_checkpoints
         )
+        d = cfg.algo.darts
+        self.darts = darts.DartsState(ema=d.ema) if d.enabled else None  # checkpointed
         self.step = 0  # completed global steps (SFT + RL)
         self.data_cursor = 0  # problems consumed
         self.skipped = 0
@@ -332,6 +335,7 @@ class Trainer:
             reference=reference,
             value=self.value,
             more_problems=functools.partial(self._refill_problems, step),
+            darts_state=self.darts,
         )
         m = dict(phase="rl", step=step, global_step=cfg.sft.steps + step + 1)
         m["lr"] = self.rl_opt.lr(self.opt_state)  # this step's first update's
@@ -442,6 +446,7 @@ class Trainer:
             else np.asarray(self.base_key).tolist(),
             config=to_dict(self.cfg),
             has_ref=self.ref_params is not None,
+            darts=None if self.darts is None else self.darts.state_dict(),
         )
         return self.ckpt.save(self.step, self.state_tree(), meta)
 
@@ -464,6 +469,8 @@ class Trainer:
         self.step = step
         self.data_cursor = int(meta["data_cursor"])
         self.skipped = int(meta.get("skipped", 0))
+        if self.darts is not None and meta.get("darts"):
+            self.darts = darts.DartsState.from_state_dict(meta["darts"])
         return True
 
     def _check_resume(self, step: int, meta: dict[str, Any]) -> None:

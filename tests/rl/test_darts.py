@@ -118,3 +118,44 @@ def test_plan_uniform_then_cost_model_budget():
     assert p1.cost_fitted and 16 <= p1.total <= 32 and sum(p1.counts) == p1.total
     assert p1.counts[2] == max(p1.counts)  # the most spread-out prompt gets the most
     assert p1.early_stop == tuple(c == 8 for c in p1.counts)
+
+
+def test_trainer_runs_darts_and_resumes(tmp_path):
+    """A short GRPO run with DARTS: groups of M, metrics, state saved and restored."""
+    from dtarl.rl.config import ConfigError, TrainerConfig, from_dict
+    from dtarl.rl.trainer import Trainer
+
+    raw = dict(
+        model=dict(preset="tiny"),
+        task=dict(kind="arithmetic", max_operand=9, ops="+-"),
+        sft=dict(steps=0),
+        rollout=dict(prompts_per_step=3, group_size=4, max_new_tokens=6),
+        algo=dict(engine="dense", darts=dict(enabled=True, short_k=3, up_factor=2.0)),
+        steps=3,
+        eval_problems=0,
+        checkpoint_every=3,
+        out_dir=str(tmp_path),
+        console=False,
+        tensorboard=False,
+    )
+    cfg = from_dict(TrainerConfig, raw)
+    assert cfg.algo.darts.lambda_ == 1.0
+    tr = Trainer(cfg)
+    assert tr.sampler.engine.config.group_size == 8  # room for M_up = 2 M candidates
+    tr.run()
+    rl = [h for h in tr.history if h.get("phase") == "rl"]
+    assert len(rl) == 3
+    for h in rl:
+        assert 12 <= h["darts_m_total"] <= 24
+        assert sum(h["darts_alloc_hist"]) == 3
+        assert h["darts_kept_len_mean"] <= h["darts_generated_len_mean"] + 6
+        assert h["num_sequences"] == 12 if "num_sequences" in h else True
+    assert rl[-1]["darts_cost_error"] == rl[-1]["darts_cost_error"]  # fitted by step 3: finite
+    saved = tr.darts.state_dict()
+    assert saved["mean_len"] is not None and saved["cost"]["obs"]
+    back = Trainer(cfg)
+    assert back.try_resume() and back.darts.state_dict() == saved
+    with pytest.raises(ConfigError, match="rollout.engine=continuous"):
+        from_dict(TrainerConfig, {**raw, "rollout": {**raw["rollout"], "engine": "static"}})
+    with pytest.raises(ConfigError, match="algo.darts.up_factor"):
+        from_dict(TrainerConfig, {**raw, "algo": dict(darts=dict(up_factor=0.5))})
