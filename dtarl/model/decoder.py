@@ -191,7 +191,8 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, pd, names=(axes.HEAD_DIM,))
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pd, names=(axes.HEAD_DIM,))
 
-    def __call__(self, x_BxTxE, positions_BxT, k_prefix, v_prefix, prefix_len_B, inv_freq, seg):
+    def qkv(self, x_BxTxE, positions_BxT, inv_freq):
+        """Projections with bias, q/k norm and RoPE: q [B,T,H,D], k and v [B,T,K,D]."""
         cfg = self.cfg
         cd = x_BxTxE.dtype
         q = jnp.einsum("bte,ehd->bthd", x_BxTxE, self.q_proj[...].astype(cd))
@@ -206,10 +207,19 @@ class Attention(nnx.Module):
             k = self.k_norm(k)
         q = apply_rope(q, positions_BxT, inv_freq)
         k = apply_rope(k, positions_BxT, inv_freq)
-        attend = attend_pallas if cfg.attention_backend is AttentionBackend.PALLAS else attend_xla
-        out_BxTxHxD = attend(q, k_prefix, v_prefix, prefix_len_B, k, v, seg)
-        y = jnp.einsum("bthd,hde->bte", out_BxTxHxD, self.o_proj[...].astype(cd))
-        return y, k, v
+        return q, k, v
+
+    def out(self, out_BxTxHxD):
+        """The output projection of the attention result."""
+        return jnp.einsum(
+            "bthd,hde->bte", out_BxTxHxD, self.o_proj[...].astype(out_BxTxHxD.dtype)
+        )
+
+    def __call__(self, x_BxTxE, positions_BxT, k_prefix, v_prefix, prefix_len_B, inv_freq, seg):
+        q, k, v = self.qkv(x_BxTxE, positions_BxT, inv_freq)
+        pallas = self.cfg.attention_backend is AttentionBackend.PALLAS
+        attend = attend_pallas if pallas else attend_xla
+        return self.out(attend(q, k_prefix, v_prefix, prefix_len_B, k, v, seg)), k, v
 
 
 class MLP(nnx.Module):

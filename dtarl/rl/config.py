@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import keyword
 import math
 import os
 import re
@@ -68,6 +69,11 @@ class LossAggMode(enum.Enum):
             LossAggMode.SEQ_MEAN_TOKEN_SUM: LossNorm.SEQUENCE_SUM,
             LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM: LossNorm.CONSTANT,
         }[self]
+
+
+class RolloutEngineKind(enum.Enum):
+    CONTINUOUS = "continuous"  # dtarl.rollout.engine: continuous batching, prompt-shared K/V
+    STATIC = "static"  # dtarl.rollout.sampler: one static batch per call (the reference)
 
 
 class Schedule(enum.Enum):
@@ -186,16 +192,45 @@ class RolloutSection:
     top_k: int = 0
     max_new_tokens: int = 8  # per turn
     stop: tuple[str, ...] = ()  # strings that end a sample (any length in tokens), besides eos
+    engine: RolloutEngineKind = RolloutEngineKind.CONTINUOUS
+    # continuous engine: decode slots (0 = prompts_per_step x group_size: a step at once)
+    slots: int = 0
+    steps_per_call: int = 16  # continuous engine: decode steps per device call
 
     def __post_init__(self):
         for i, s in enumerate(self.stop):
             if not s:
                 raise ConfigError(f"rollout.stop[{i}]='' must be a non-empty string")
-        _positive(self, "prompts_per_step", "group_size", "max_new_tokens")
+        _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "steps_per_call")
+        _nonneg(self, "slots")
         _in_range(self, "top_p", 0, 1, lo_open=True)
         _nonneg(self, "temperature", "top_k")
         if not math.isfinite(self.temperature):
             raise ConfigError(f"rollout.temperature={self.temperature!r} must be finite")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DartsSection:
+    """``algo.darts``: distribution-aware rollout shaping (papers/002; dtarl.rl.darts).
+
+    enabled: needs ``rollout.engine: continuous``. short_k: K shortest candidates per
+    group (0 = group_size - 1, i.e. L = 1 longest). up_factor: M_up = up_factor x M
+    candidates at most per prompt. lambda: the budget's cost trade-off (Eq. 8: per
+    second of predicted rollout latency). ema: smoothing of the length statistics.
+    """
+
+    SECTION: typing.ClassVar[str] = "algo.darts"
+    enabled: bool = False
+    short_k: int = 0
+    up_factor: float = 2.0
+    lambda_: float = 1.0
+    ema: float = 0.9
+
+    def __post_init__(self):
+        _nonneg(self, "short_k")
+        _in_range(self, "up_factor", 1, 8)
+        _positive(self, "lambda_")
+        _in_range(self, "ema", 0, 1, hi_open=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -220,6 +255,7 @@ class AlgoSection:
     # needed when the two differ (bf16, another sampler's kernels). See ``Trainer._update``.
     recompute_old_logprobs: bool = False
     engine: EngineKind = EngineKind.AUTO  # its settings: the ``engine:`` section
+    darts: DartsSection = dataclasses.field(default_factory=DartsSection)
     gamma: float = 1.0  # PPO GAE
     lam: float = 0.95  # PPO GAE
     value_lr: float = 1e-3  # PPO value model
@@ -382,6 +418,17 @@ class TrainerConfig:
         _positive(self, "keep_checkpoints")
         if not self.out_dir:
             raise ConfigError("out_dir='' must name a directory")
+        d = self.algo.darts
+        if d.enabled and self.rollout.engine is not RolloutEngineKind.CONTINUOUS:
+            raise ConfigError(
+                "algo.darts.enabled=true needs rollout.engine=continuous (early stop and "
+                f"per-prompt candidate counts), got rollout.engine={self.rollout.engine.value}"
+            )
+        if d.enabled and d.short_k > self.rollout.group_size:
+            raise ConfigError(
+                f"algo.darts.short_k={d.short_k} must be <= rollout.group_size="
+                f"{self.rollout.group_size} (0 = group_size - 1)"
+            )
         if self.algo.overlong_buffer > self.rollout.max_new_tokens * self._turns():
             raise ConfigError(
                 f"algo.overlong_buffer={self.algo.overlong_buffer} must be <= the response "
@@ -489,10 +536,20 @@ def _convert(tp, value, where: str):
     return value
 
 
+def _field_name(key: str, fields) -> str:
+    """A YAML key that is a Python keyword (``lambda``) names the field ``lambda_``."""
+    return key + "_" if keyword.iskeyword(key) and key + "_" in fields else key
+
+
+def _yaml_key(name: str) -> str:
+    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
+
+
 def from_dict(cls, data: dict[str, Any], where: str = ""):
     """Builds dataclass ``cls`` from nested dicts; unknown keys list the valid ones."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    data = {_field_name(k, fields): v for k, v in data.items()}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         section = where or "config"
@@ -515,7 +572,7 @@ def from_dict(cls, data: dict[str, Any], where: str = ""):
 def to_dict(obj) -> dict[str, Any]:
     """Plain YAML/JSON-able dict of a config (enums as their values, tuples as lists);
     ``from_dict(type(obj), to_dict(obj)) == obj``."""
-    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return {_yaml_key(f.name): _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
 
 
 def _plain(v):
@@ -580,11 +637,13 @@ __all__ = [
     "AlgoSection",
     "Algorithm",
     "ConfigError",
+    "DartsSection",
     "LossAggMode",
     "ModelSection",
     "OptimSection",
     "RESUME_FREE_KEYS",
     "ResumeSection",
+    "RolloutEngineKind",
     "RolloutSection",
     "SFTSection",
     "Schedule",

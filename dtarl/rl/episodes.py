@@ -24,11 +24,14 @@ from dtarl import advantages as adv_fns
 from dtarl.batch import RolloutBatch
 from dtarl.engines.base import logprob_temperature
 from dtarl.model.decoder import token_logprobs
+from dtarl.rl import darts
 from dtarl.rl.config import Algorithm, ConfigError, TrainerConfig
 from dtarl.rl.metrics import length_stats
 from dtarl.rl.rewards import RewardFn, compute_rewards
 from dtarl.rl.tasks import Problem, Role, Task
 from dtarl.rl.value import ValueModel
+from dtarl.rollout.engine import ContinuousSampler, Status
+from dtarl.rollout.engine import complete as complete_responses
 from dtarl.rollout.sampler import FinishReason, Sampler
 from dtarl.tree.plan import bucket
 
@@ -55,9 +58,11 @@ class Trajectory:
     prompt_len: int
     response_len: int  # assistant tokens
     completion: str  # decoded text after the prompt (assistant + tool)
-    truncated: bool  # the last turn hit its length limit
+    truncated: bool  # the last turn hit its length limit (or it was cancelled)
     num_turns: int
     problem_index: int
+    cancelled: bool = False  # stopped by a group's early stop (DARTS tail pruning)
+    finish_rank: int = -1  # order in which the engine finished it (-1: not recorded)
 
 
 def encode_prompt(tokenizer, text: str) -> np.ndarray:
@@ -102,7 +107,7 @@ def ends_with_any(tokens: np.ndarray, sequences) -> bool:
 
 
 def rollout(
-    sampler: Sampler,
+    sampler: Sampler | ContinuousSampler,
     weights,
     tokenizer,
     task: Task,
@@ -110,6 +115,8 @@ def rollout(
     *,
     group_size: int,
     key: jax.Array,
+    counts: Sequence[int] | None = None,
+    early_stop: Sequence[bool] | None = None,
 ) -> tuple[list[Trajectory], dict[str, float]]:
     """Samples ``group_size`` trajectories per problem, running tool turns (multi-turn tasks).
 
@@ -117,9 +124,29 @@ def rollout(
     ``tool_stop_sequences``; ``sampler`` must stop on them) gets the task's tool
     output appended (masked out of the loss) and is continued in the next turn.
 
-    Turn 0 prefills each prompt once for its whole group; later turns re-prefill
-    each distinct history once (samples that made the same calls share it).
+    DARTS (continuous engine only): ``counts[i]`` candidates of problem i instead,
+    and problems with ``early_stop[i]`` cancel their other candidates once
+    ``group_size`` of them completed.
+
+    Turn 0 prefills each prompt once for its whole group. With the static sampler
+    later turns re-prefill each distinct history once (samples that made the same
+    calls share it); with the continuous engine (``ContinuousSampler``) a tool
+    output is appended to the sample's own K/V and nothing is prefilled again.
     """
+    if isinstance(sampler, ContinuousSampler):
+        return _rollout_continuous(
+            sampler,
+            weights,
+            tokenizer,
+            task,
+            problems,
+            group_size=group_size,
+            key=key,
+            counts=counts,
+            early_stop=early_stop,
+        )
+    if counts is not None or early_stop is not None:
+        raise ConfigError("DARTS candidate counts need rollout.engine: continuous")
     tool_seqs = tool_stop_sequences(tokenizer, task)
     prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
     n = len(problems) * group_size
@@ -194,6 +221,129 @@ def rollout(
         rollout_tokens_per_s=gen_tokens / max(seconds, 1e-9),
     )
     return trajs, stats
+
+
+def _rollout_continuous(
+    sampler: ContinuousSampler,
+    weights,
+    tokenizer,
+    task: Task,
+    problems: Sequence[Problem],
+    *,
+    group_size: int,
+    key: jax.Array,
+    counts: Sequence[int] | None = None,
+    early_stop: Sequence[bool] | None = None,
+) -> tuple[list[Trajectory], dict[str, float]]:
+    """``rollout`` on the continuous engine: one group per problem (its prompt prefilled
+    once), tool turns continued in place with ``RolloutEngine.extend``."""
+    tool_seqs = tool_stop_sequences(tokenizer, task)
+    multi = task.max_turns > 1
+    prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+    counts = [group_size] * len(problems) if counts is None else [int(c) for c in counts]
+    early_stop = [False] * len(problems) if early_stop is None else list(early_stop)
+    eng = sampler.ensure(prompt_len=max(p.size for p in prompts), group_size=max(counts))
+    weights = eng.place(weights)
+    owner = np.repeat(np.arange(len(problems)), counts)
+    n = int(owner.size)
+    parts: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
+    turn_text = [""] * n
+    truncated = np.zeros(n, bool)
+    turns = np.zeros(n, np.int64)
+    base = np.asarray(jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+                      else key)  # fmt: skip
+    groups = [
+        eng.submit(
+            prompt,
+            n=counts[i],
+            max_new_tokens=sampler.max_new_tokens,
+            seed=jax.random.fold_in(base, i),
+            hold=multi,
+            until=complete_responses(group_size) if early_stop[i] else None,
+            **sampler.sampling,
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    row_of = {id(r): int(starts[i]) + r.index for i, g in enumerate(groups) for r in g.requests}
+    cancelled = np.zeros(n, bool)
+    rank = np.full(n, -1, np.int64)
+    finished = 0
+    eng.stats(reset=True)
+    while True:
+        done = eng.run(weights)
+        if not done:
+            break
+        for r in done:
+            row = row_of[id(r)]
+            rank[row], finished = finished, finished + 1
+            cancelled[row] = r.finish is FinishReason.ABORTED
+            tk, lp = r.result()
+            parts[row].append((tk, np.ones(tk.shape, np.float32), lp))
+            turns[row] += 1
+            text = tokenizer.decode(tk.tolist())
+            truncated[row] = r.finish in (FinishReason.LENGTH, FinishReason.ABORTED)
+            go_on = False
+            if (
+                multi
+                and r.finish is FinishReason.STOP
+                and tk.size
+                and ends_with_any(tk, tool_seqs)
+                and turns[row] < task.max_turns
+            ):
+                out = task.tool(problems[owner[row]], turn_text[row] + text)
+                if out is not None:
+                    ids = np.asarray(tokenizer.encode(out), np.int32)
+                    room = eng.config.response_len - r.length - ids.size
+                    parts[row].append(
+                        (ids, np.zeros(ids.shape, np.float32), np.zeros(ids.shape, np.float32))
+                    )
+                    turn_text[row] += text + out
+                    if ids.size and room >= 1:
+                        eng.extend(r, ids, max_new_tokens=min(sampler.max_new_tokens, room))
+                        go_on = True
+                    else:  # no room left for another turn: the sample ends truncated
+                        truncated[row] = True
+            if multi and not go_on and r.status is not Status.RELEASED:
+                eng.release(r)
+    st = eng.stats()
+    trajs = _trajectories(tokenizer, prompts, parts, truncated, turns, owner)
+    trajs = [
+        dataclasses.replace(t, cancelled=bool(cancelled[i]), finish_rank=int(rank[i]))
+        for i, t in enumerate(trajs)
+    ]
+    stats = dict(
+        rollout_seconds=st["seconds"],
+        rollout_tokens=st["generated_tokens"],
+        rollout_tokens_per_s=st["tokens_per_second"],
+        rollout_slot_utilisation=st["slot_utilisation"],
+        rollout_peak_kv_bytes=float(st["peak_kv_bytes"]),
+        decode_calls=st["calls"],
+    )
+    return trajs, stats
+
+
+def _trajectories(tokenizer, prompts, parts, truncated, turns, owner) -> list[Trajectory]:
+    trajs = []
+    for row in range(len(parts)):
+        p = prompts[owner[row]]
+        toks = np.concatenate([p] + [x[0] for x in parts[row]]).astype(np.int32)
+        mask = np.concatenate([np.zeros(p.shape, np.float32)] + [x[1] for x in parts[row]])
+        old = np.concatenate([np.zeros(p.shape, np.float32)] + [x[2] for x in parts[row]])
+        trajs.append(
+            Trajectory(
+                tokens=toks,
+                loss_mask=mask,
+                old_logprobs=old.astype(np.float32),
+                prompt_len=int(p.shape[0]),
+                response_len=int(mask.sum()),
+                completion=tokenizer.decode(toks[p.shape[0] :].tolist()),
+                truncated=bool(truncated[row]),
+                num_turns=int(turns[row]),
+                problem_index=int(owner[row]),
+            )
+        )
+    return trajs
 
 
 def reference_batch(tokenizer, problems: Sequence[Problem]) -> RolloutBatch:
@@ -292,6 +442,75 @@ def advantage_abs_mean(batch: RolloutBatch) -> float:
 # Rollout keys of refill batches: fold_in(key, _REFILL_KEY + k) for generation batch k >= 1.
 _REFILL_KEY = 1 << 20
 
+# DARTS metrics summed over a step's generation batches (the others: the last batch's).
+_DARTS_SUMS = ("darts_m_total", "darts_cancelled_tokens", "darts_early_stop_groups")
+
+
+def _darts_shape(
+    cfg: TrainerConfig,
+    state: darts.DartsState,
+    plan: darts.Plan,
+    keys: Sequence[str],
+    trajs: Sequence[Trajectory],
+    rewards: np.ndarray,
+    stats: dict[str, Any],
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """DARTS selection of each problem's training group from its candidates (Alg. 2),
+    then the state's updates: length EMAs and the cost model's decode calls.
+
+    Returns (indices into ``trajs`` of the training groups, metrics). The cost
+    model's prediction of this step's decode time (Eq. 4 on the lengths generated)
+    uses only earlier steps' calls, so ``darts_cost_error`` is a held-out error.
+    """
+    m = cfg.rollout.group_size
+    short_k = cfg.algo.darts.short_k or m - 1
+    by_problem: dict[int, list[int]] = {}
+    for i, t in enumerate(trajs):
+        by_problem.setdefault(t.problem_index, []).append(i)
+    chosen: list[int] = []
+    lengths = np.asarray([t.response_len for t in trajs], np.int64)
+    complete = np.asarray([not t.truncated for t in trajs], bool)
+    for p, rows in sorted(by_problem.items()):
+        lens, ok = lengths[rows].tolist(), complete[rows].tolist()
+        if plan.early_stop[p]:
+            order = sorted(range(len(rows)), key=lambda j: trajs[rows[j]].finish_rank)
+            pick = darts.early_stop_select(lens, ok, order, m)
+        else:
+            pick = darts.dual_end_select(lens, ok, m, min(short_k, m))
+        chosen += [rows[j] for j in pick]
+    idx = np.asarray(chosen, np.int64)
+    cancelled = np.asarray([t.cancelled for t in trajs], bool)
+    finished = ~cancelled
+    calls = stats.get("decode_calls", [])
+    actual = float(sum(c[0] for c in calls))
+    pred = state.cost.predict(lengths.tolist()) if plan.cost_fitted else float("nan")
+    metrics = dict(
+        darts_m_total=float(plan.total),
+        darts_alloc_min=float(min(plan.counts)),
+        darts_alloc_mean=float(np.mean(plan.counts)),
+        darts_alloc_max=float(max(plan.counts)),
+        darts_alloc_hist=np.bincount(plan.counts).tolist(),
+        darts_early_stop_groups=float(sum(plan.early_stop)),
+        darts_generated_len_mean=float(lengths[finished].mean()) if finished.any() else 0.0,
+        darts_kept_len_mean=float(lengths[idx].mean()),
+        darts_cancelled_tokens=float(lengths[cancelled].sum()),
+        darts_reward_shift=float(rewards[idx].mean() - rewards[finished].mean())
+        if finished.any()
+        else 0.0,
+        darts_cost_predicted_s=pred,
+        darts_cost_actual_s=actual,
+        darts_cost_error=abs(pred - actual) / actual
+        if plan.cost_fitted and actual
+        else float("nan"),
+        darts_rho=state.rho,
+    )
+    state.update(
+        {keys[p]: [int(lengths[i]) for i in rows if finished[i]] for p, rows in by_problem.items()}
+    )
+    for sec, steps, active in calls:
+        state.cost.observe(sec, steps, active)
+    return idx, metrics
+
 
 def rl_batch(
     cfg: TrainerConfig,
@@ -306,6 +525,7 @@ def rl_batch(
     reference: ReferenceFn | None = None,
     value: ValueModel | None = None,
     more_problems: Callable[[int], Sequence[Problem]] | None = None,
+    darts_state: darts.DartsState | None = None,
 ) -> tuple[RolloutBatch | None, dict[str, Any]]:
     """One RL step's batch: ``cfg.rollout.group_size`` samples of each problem under
     ``params``, scored by ``reward_fn`` and shaped, filtered by dynamic sampling
@@ -320,6 +540,10 @@ def rl_batch(
     ``generation_batches``, ``kept_fraction`` (kept / generated groups) and
     ``groups_short`` (groups missing from the target; 0 when it was filled).
 
+    With ``darts_state`` (``algo.darts.enabled``) each problem gets the DARTS
+    allocation's number of candidates and its training group is shaped from them
+    (``_darts_shape``); the state's statistics are updated in place.
+
     Returns ``(batch, metrics)``; ``batch`` is None when dynamic sampling kept no
     group (``metrics`` then say ``skipped=1`` and why).
     """
@@ -330,9 +554,17 @@ def rl_batch(
     n_errors, reward_s, gen_batches, kept_groups = 0, 0.0, 0, 0
     roll: dict[str, float] = dict(rollout_seconds=0.0, rollout_tokens=0)
     batch_problems = list(problems)
+    darts_m: dict[str, Any] = {}
     while True:
         k = gen_batches
         t_key = key if k == 0 else jax.random.fold_in(key, _REFILL_KEY + k)
+        plan = None
+        if darts_state is not None:
+            dc = cfg.algo.darts
+            keys = [darts.prompt_key(p.prompt) for p in batch_problems]
+            plan = darts.plan(
+                darts_state, keys, m=cfg.rollout.group_size, up_factor=dc.up_factor, lam=dc.lambda_
+            )
         b_trajs, stats = rollout(
             sampler,
             params,
@@ -341,6 +573,8 @@ def rl_batch(
             batch_problems,
             group_size=cfg.rollout.group_size,
             key=t_key,
+            counts=None if plan is None else plan.counts,
+            early_stop=None if plan is None else plan.early_stop,
         )
         gen_batches += 1
         roll["rollout_seconds"] += stats["rollout_seconds"]
@@ -354,14 +588,20 @@ def rl_batch(
         )
         reward_s += time.perf_counter() - t_reward
         n_errors += len(scored.errors)
+        b_rewards = np.asarray(scored.rewards, np.float32)
+        if plan is not None:
+            idx, d_m = _darts_shape(cfg, darts_state, plan, keys, b_trajs, b_rewards, stats)
+            b_trajs, b_rewards = [b_trajs[i] for i in idx], b_rewards[idx]
+            for name, v in d_m.items():  # summed over generation batches
+                darts_m[name] = darts_m.get(name, 0.0) + v if name in _DARTS_SUMS else v
         offset = k * target
         b_gids = np.array([offset + t.problem_index for t in b_trajs], np.int32)
         b_keep = np.ones(len(b_trajs), bool)
         if dynamic:
-            b_keep = adv_fns.dynamic_sampling_mask(scored.rewards, b_gids)
+            b_keep = adv_fns.dynamic_sampling_mask(b_rewards, b_gids)
         trajs += b_trajs
-        task_r.append(np.asarray(scored.rewards, np.float32))
-        rewards.append(shaped_rewards(cfg, scored.rewards, b_trajs))
+        task_r.append(b_rewards)
+        rewards.append(shaped_rewards(cfg, b_rewards, b_trajs))
         gids.append(b_gids)
         keep.append(b_keep)
         kept_groups += len(np.unique(b_gids[b_keep]))
@@ -395,6 +635,7 @@ def rl_batch(
         generation_batches=gen_batches,
         kept_fraction=kept_groups / generated_groups,
         groups_short=max(0, target - kept_groups),
+        **darts_m,
     )
     if not keep.any():
         m.update(skipped=1, skip_reason="every group has equal task rewards (no signal)")

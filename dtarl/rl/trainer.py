@@ -43,6 +43,7 @@ from dtarl.engines import Capacity, make_engine, training_temperature
 from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model, load_hf
 from dtarl.model.tokenizer import ByteTokenizer, load_tokenizer
+from dtarl.rl import darts
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import (
     Algorithm,
@@ -76,9 +77,10 @@ from dtarl.rl.optim import (
     with_old_logprobs,
 )
 from dtarl.rl.rewards import RewardErrorPolicy, RewardFn, compute_rewards
+from dtarl.rl.samplers import make_samplers
 from dtarl.rl.tasks import Problem, Task, make_task
 from dtarl.rl.value import ValueModel
-from dtarl.rollout.sampler import Sampler, SamplingParams
+from dtarl.rollout.sampler import Sampler
 
 # Seeds of the problem streams: np.random.default_rng([seed, stream, step]).
 _SEED_SFT, _SEED_RL, _SEED_EVAL = 1, 2, 3
@@ -156,26 +158,16 @@ class Trainer:
         tool = tool_stop_sequences(self.tokenizer, self.task)
         stops = (self.tokenizer.eos_id,) + tuple(sq[0] for sq in tool if len(sq) == 1)
         stop_seqs = stop_sequences(self.tokenizer, r.stop) + tuple(sq for sq in tool if len(sq) > 1)
-        self.sampler = Sampler(
-            self.model,
-            SamplingParams(
-                temperature=r.temperature,
-                top_p=r.top_p,
-                top_k=r.top_k,
-                max_new_tokens=r.max_new_tokens,
-                stop_tokens=stops,
-                stop_sequences=stop_seqs,
-            ),
-            pad_id=self.tokenizer.pad_id,
-        )
-        self.eval_sampler = Sampler(
-            self.model,
-            SamplingParams.greedy(
-                max_new_tokens=r.max_new_tokens, stop_tokens=stops, stop_sequences=stop_seqs
-            ),
-            pad_id=self.tokenizer.pad_id,
-        )
         self.max_response = r.max_new_tokens * self.task.max_turns
+        self.sampler, self.eval_sampler = make_samplers(
+            cfg,
+            self.model,
+            pad_id=self.tokenizer.pad_id,
+            stop_ids=stops,
+            stop_sequences=stop_seqs,
+            prompt_len=self._prompt_len(),
+            response_len=self.max_response + 16 * (self.task.max_turns - 1),
+        )
         # The engine's logprobs are those of logits / T, the sampler's (greedy: T = 1).
         self.temperature = training_temperature(r.temperature)
         self.engine = make_engine(
@@ -213,6 +205,8 @@ class Trainer:
         self.ckpt = CheckpointManager(
             os.path.join(cfg.out_dir, "checkpoints"), keep=cfg.keep_checkpoints
         )
+        d = cfg.algo.darts
+        self.darts = darts.DartsState(ema=d.ema) if d.enabled else None  # checkpointed
         self.step = 0  # completed global steps (SFT + RL)
         self.data_cursor = 0  # problems consumed
         self.skipped = 0
@@ -230,6 +224,11 @@ class Trainer:
         if cfg.checkpoint_every:
             self.add_hook(lambda info: self.save_checkpoint(), every=cfg.checkpoint_every)
 
+    def _prompt_len(self) -> int:
+        """The longest prompt of 64 probe problems (the engines' and sampler's sizing)."""
+        probe = self.task.generate(np.random.default_rng(0), 64)
+        return max(len(encode_prompt(self.tokenizer, p.prompt)) for p in probe)
+
     def _reserve(self):
         """Pre-sizes sampler and engine buckets to the run's largest batch, so that
         the sampler, dense and dfs never recompile after their first step (auto's
@@ -238,20 +237,19 @@ class Trainer:
         the longest sequence, and padding every group to it would cost more than
         the few compiles early in a run."""
         cfg, r = self.cfg, self.cfg.rollout
-        probe = self.task.generate(np.random.default_rng(0), 64)
-        plen = max(len(encode_prompt(self.tokenizer, p.prompt)) for p in probe)
+        plen = self._prompt_len()
         tool = 16 * (self.task.max_turns - 1)
         max_len = plen + self.max_response + tool
         rows = r.prompts_per_step * r.group_size
-        self.sampler.reserve(
-            prompts=rows if self.task.max_turns > 1 else r.prompts_per_step,
-            rows=rows,
-            prompt_len=max_len,
-            response=r.max_new_tokens,
-        )
-        self.eval_sampler.reserve(
-            prompts=max(1, cfg.eval_problems), rows=max(1, cfg.eval_problems), prompt_len=max_len
-        )
+        if isinstance(self.sampler, Sampler):
+            self.sampler.reserve(
+                prompts=rows if self.task.max_turns > 1 else r.prompts_per_step,
+                rows=rows,
+                prompt_len=max_len,
+                response=r.max_new_tokens,
+            )
+            n_eval = max(1, cfg.eval_problems)
+            self.eval_sampler.reserve(prompts=n_eval, rows=n_eval, prompt_len=max_len)
         n = max(rows, cfg.sft.batch_size if cfg.sft.steps else 1)
         capacity = Capacity(
             sequences=n, length=max_len, group_size=r.group_size, groups=r.prompts_per_step
@@ -381,6 +379,7 @@ class Trainer:
             reference=reference,
             value=self.value,
             more_problems=functools.partial(self._refill_problems, step),
+            darts_state=self.darts,
         )
         m = dict(phase="rl", step=step, global_step=cfg.sft.steps + step + 1)
         m["lr"] = self.rl_opt.lr(self.opt_state)  # this step's first update's
@@ -493,6 +492,7 @@ class Trainer:
             else np.asarray(self.base_key).tolist(),
             config=to_dict(self.cfg),
             has_ref=self.ref_params is not None,
+            darts=None if self.darts is None else self.darts.state_dict(),
         )
         return self.ckpt.save(self.step, self.state_tree(), meta)
 
@@ -515,6 +515,8 @@ class Trainer:
         self.step = step
         self.data_cursor = int(meta["data_cursor"])
         self.skipped = int(meta.get("skipped", 0))
+        if self.darts is not None and meta.get("darts"):
+            self.darts = darts.DartsState.from_state_dict(meta["darts"])
         return True
 
     def _check_resume(self, step: int, meta: dict[str, Any]) -> None:

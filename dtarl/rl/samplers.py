@@ -1,0 +1,67 @@
+"""The trainer's rollout and evaluation samplers, from ``rollout.engine``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dtarl.model.decoder import Decoder
+from dtarl.rl.config import RolloutEngineKind, TrainerConfig
+from dtarl.rollout.engine import ContinuousConfig, ContinuousSampler
+from dtarl.rollout.sampler import Sampler, SamplingParams
+from dtarl.tree.plan import bucket
+
+
+def make_samplers(
+    cfg: TrainerConfig,
+    model: Decoder,
+    *,
+    pad_id: int,
+    stop_ids: Sequence[int],
+    stop_sequences: Sequence[Sequence[int]],
+    prompt_len: int,
+    response_len: int,
+) -> tuple[Sampler | ContinuousSampler, Sampler | ContinuousSampler]:
+    """(rollout sampler, greedy evaluation sampler).
+
+    ``continuous`` (the default): every prompt of a step is resident at once (one
+    prompt row each) and ``rollout.slots`` samples decode together (0: the whole
+    step; with DARTS, room for every candidate). ``response_len`` rows hold every
+    turn of a sample plus its tool tokens; a longer tool output ends that sample as
+    truncated. A prompt longer than
+    ``prompt_len`` rebuilds the engine once (see ``ContinuousSampler``).
+    ``static``: the reference sampler, one static batch per call.
+    """
+    r = cfg.rollout
+    greedy_kw = dict(max_new_tokens=r.max_new_tokens, stop_tokens=stop_ids)
+    if r.engine is RolloutEngineKind.STATIC:
+        params = SamplingParams(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_sequences=stop_sequences,
+            **greedy_kw,
+        )
+        greedy = SamplingParams.greedy(stop_sequences=stop_sequences, **greedy_kw)
+        return Sampler(model, params, pad_id=pad_id), Sampler(model, greedy, pad_id=pad_id)
+    group = r.group_size
+    if cfg.algo.darts.enabled:  # up to M_up candidates per prompt
+        group = max(group, int(cfg.algo.darts.up_factor * r.group_size))
+    rows = r.prompts_per_step * group
+    shape = dict(
+        prompt_len=bucket(prompt_len), response_len=response_len, steps_per_call=r.steps_per_call
+    )
+    train = ContinuousConfig(
+        slots=r.slots or rows, groups=r.prompts_per_step, group_size=group, **shape
+    )
+    n_eval = max(1, cfg.eval_problems)
+    evals = ContinuousConfig(slots=n_eval, groups=n_eval, group_size=1, **shape)
+    common = dict(
+        stop_ids=stop_ids,
+        stop_sequences=stop_sequences,
+        max_new_tokens=r.max_new_tokens,
+        pad_id=pad_id,
+    )
+    rollout = ContinuousSampler(
+        model, train, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, **common
+    )
+    return rollout, ContinuousSampler(model, evals, temperature=0.0, **common)
