@@ -64,7 +64,7 @@ from dtarl.batch import token_ids
 from dtarl.model.decoder import Decoder
 from dtarl.parallel.mesh import DEFAULT_RULES, Rules, logical_to_spec, shard_params
 from dtarl.rollout import kernels as K
-from dtarl.rollout.sampler import FinishReason, SamplerError, SampleResult
+from dtarl.rollout.sampler import FinishReason, SamplerError, SampleResult, SamplingParams
 from dtarl.tree.plan import bucket
 
 
@@ -921,6 +921,19 @@ class ContinuousSampler:
     @property
     def trace_count(self) -> int:
         return self._old_traces + self.engine.trace_count
+
+    @property
+    def params(self) -> SamplingParams:
+        """The sampling settings, as the static sampler's ``SamplingParams``."""
+        sp = self.sampling
+        return SamplingParams(
+            temperature=sp["temperature"],
+            top_p=sp["top_p"],
+            top_k=sp["top_k"],
+            stop_tokens=sp["stop_ids"],
+            stop_sequences=sp["stop_sequences"],
+            max_new_tokens=self.max_new_tokens,
+        )
 
     def ensure(self, *, prompt_len: int, group_size: int, response_len: int = 0):
         """The engine, rebuilt larger if a prompt, a group or a response does not fit it."""
