@@ -15,8 +15,10 @@ the schedule differs:
 * ``engine`` (``dtarl.rollout.engine.ContinuousSampler``): ``slots`` decode
   slots over a prompt-shared K/V pool; a finished request frees its slot and a
   waiting one is admitted. Peak K/V bytes are the engine's live bytes (each
-  resident prompt once + every slot's response so far); the allocated pool is
-  reported beside them. Active batch and slot utilisation are the engine's.
+  resident prompt once + every slot's response so far, ``kv_bytes()``) at their
+  largest, read in an untimed run (``engine_peak_kv``); the allocated pool is
+  reported beside them. Active batch and slot utilisation are the engine's
+  (``stats()``) in the last timed call.
 
 Workloads (response lengths only; token ids are random):
 
@@ -56,7 +58,7 @@ import numpy as np
 from flax import nnx
 
 from dtarl.model import ModelConfig, init_model
-from dtarl.rollout.engine import ContinuousConfig, ContinuousSampler
+from dtarl.rollout.engine import ContinuousConfig, ContinuousSampler, RolloutEngine
 from dtarl.rollout.sampler import Sampler, SamplingParams
 from dtarl.timing import Rounds, Settle, alternating, interleaved_rounds, machine_info
 from dtarl.traces import default_polytrace_root
@@ -292,7 +294,7 @@ def measure_workload(
     if static_peak != want:
         raise RuntimeError(f"static K/V bytes {static_peak} != 2 L B S K D itemsize = {want}")
     del state
-    engine.generate(weights, prompts, **kwargs)
+    probe = engine_peak_kv(engine.engine, weights, prompts, lengths, g, cfg.seed)
     traces = engine.trace_count
 
     last: dict[str, Any] = {}
@@ -330,7 +332,7 @@ def measure_workload(
             "engine",
             e_active,
             cfg.slots,
-            int(st["peak_kv_bytes"]),
+            probe["peak_kv_bytes"],
             int(st["allocated_kv_bytes"]),
             int(st["decode_steps"]),
         ),
@@ -356,7 +358,46 @@ def measure_workload(
             )
         )
     out[1]["throughput_vs_static"] = out[0]["seconds"] / out[1]["seconds"]
+    out[1]["engine_reported_peak_kv_bytes"] = probe["engine_reported_peak_kv_bytes"]
     return out
+
+
+def engine_peak_kv(
+    engine: RolloutEngine,
+    weights,
+    prompts: Sequence[Sequence[int]],
+    lengths: Sequence[int],
+    group_size: int,
+    seed: int = 0,
+) -> dict[str, int]:
+    """Runs the requests once on ``engine`` (untimed) and returns its peak live K/V bytes.
+
+    ``peak_kv_bytes``: the larger of ``stats()["peak_kv_bytes"]`` and
+    ``kv_bytes()`` read in every ``on_finish`` (before the finished request's slot
+    is freed). ``stats()`` samples the live bytes after each decode call's
+    finished requests were retired, so alone it misses the call in which a
+    request reaches its end (0 when every request finishes within one call);
+    it is returned as ``engine_reported_peak_kv_bytes``.
+    """
+    seen = [0]
+
+    def on_finish(request, reason):
+        seen[0] = max(seen[0], engine.kv_bytes())
+
+    for i, prompt in enumerate(prompts):
+        mine = [int(x) for x in lengths[i * group_size : (i + 1) * group_size]]
+        engine.submit(
+            prompt,
+            n=group_size,
+            max_new_tokens=mine,
+            forced_lengths=mine,
+            seed=seed + i,
+            on_finish=on_finish,
+        )
+    engine.stats(reset=True)
+    engine.run(weights)
+    reported = int(engine.stats(reset=True)["peak_kv_bytes"])
+    return dict(peak_kv_bytes=max(seen[0], reported), engine_reported_peak_kv_bytes=reported)
 
 
 def kv_report(
@@ -366,7 +407,7 @@ def kv_report(
     per response length: the static cache (its shapes) against the engine's measured peak."""
     g, p = cfg.kv_group, cfg.kv_prompt
     longest = max(cfg.kv_responses)
-    engine = ContinuousSampler(
+    engine = RolloutEngine(
         model,
         ContinuousConfig(
             slots=g,
@@ -376,24 +417,22 @@ def kv_report(
             response_len=longest,
             steps_per_call=cfg.steps_per_call,
         ),
-        max_new_tokens=longest,
     )
     prompt = _prompts(model_cfg.vocab_size, 1, p, cfg.seed + 1)
     out = []
     for r in sorted(cfg.kv_responses):
-        res = engine.generate(weights, prompt, num_samples=g, seed=0, forced_lengths=[r] * g)
-        st = engine.engine.stats()
+        peak = engine_peak_kv(engine, weights, prompt, [r] * g, g, cfg.seed)
         static = static_kv_bytes(model_cfg, bucket(g), bucket(p, 8), bucket(r, 8))
         out.append(
             dict(
                 group=g,
                 prompt=p,
                 response=r,
-                generated_tokens=int(res.lengths.sum()),
                 static_bytes=static,
-                engine_peak_bytes=int(st["peak_kv_bytes"]),
-                engine_allocated_bytes=int(st["allocated_kv_bytes"]),
-                ratio=int(st["peak_kv_bytes"]) / static,
+                engine_peak_bytes=peak["peak_kv_bytes"],
+                engine_reported_peak_bytes=peak["engine_reported_peak_kv_bytes"],
+                engine_allocated_bytes=engine.allocated_kv_bytes(),
+                ratio=peak["peak_kv_bytes"] / static,
             )
         )
     return out
@@ -562,6 +601,7 @@ def plot_active(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path
                 ax.set_title(
                     f"{name}: engine/static throughput {r['throughput_vs_static']:.2f}x", fontsize=9
                 )
+        ax.set_ylim(bottom=0)
         ax.set_ylabel("active batch")
         ax.legend(fontsize=7, loc="upper right")
     axes[-1, 0].set_xlabel("decode step")
@@ -590,6 +630,7 @@ __all__ = [
     "kv_report",
     "make_workloads",
     "measure_workload",
+    "engine_peak_kv",
     "peer_tiny",
     "plot_active",
     "run",
