@@ -15,10 +15,10 @@ the schedule differs:
 * ``engine`` (``dtarl.rollout.engine.ContinuousSampler``): ``slots`` decode
   slots over a prompt-shared K/V pool; a finished request frees its slot and a
   waiting one is admitted. Peak K/V bytes are the engine's live bytes (each
-  resident prompt once + every slot's response so far, ``kv_bytes()``) at their
-  largest, read in an untimed run (``engine_peak_kv``); the allocated pool is
-  reported beside them. Active batch and slot utilisation are the engine's
-  (``stats()``) in the last timed call.
+  resident prompt once + every slot's response so far, as ``kv_bytes()``) at
+  their largest, read call by call in an untimed run (``engine_peak_kv``); the
+  allocated pool is reported beside them. Active batch and slot utilisation are
+  the engine's (``stats()``) in the last timed call.
 
 Workloads (response lengths only; token ids are random):
 
@@ -58,7 +58,13 @@ import numpy as np
 from flax import nnx
 
 from dtarl.model import ModelConfig, init_model
-from dtarl.rollout.engine import ContinuousConfig, ContinuousSampler, RolloutEngine
+from dtarl.rollout.engine import (
+    ContinuousConfig,
+    ContinuousSampler,
+    Request,
+    RolloutEngine,
+    Status,
+)
 from dtarl.rollout.sampler import Sampler, SamplingParams
 from dtarl.timing import Rounds, Settle, alternating, interleaved_rounds, machine_info
 from dtarl.traces import default_polytrace_root
@@ -370,34 +376,48 @@ def engine_peak_kv(
     group_size: int,
     seed: int = 0,
 ) -> dict[str, int]:
-    """Runs the requests once on ``engine`` (untimed) and returns its peak live K/V bytes.
+    """Runs the requests once on ``engine`` (untimed), call by call, and returns its
+    peak live K/V bytes.
 
-    ``peak_kv_bytes``: the larger of ``stats()["peak_kv_bytes"]`` and
-    ``kv_bytes()`` read in every ``on_finish`` (before the finished request's slot
-    is freed). ``stats()`` samples the live bytes after each decode call's
-    finished requests were retired, so alone it misses the call in which a
-    request reaches its end (0 when every request finishes within one call);
-    it is returned as ``engine_reported_peak_kv_bytes``.
+    ``peak_kv_bytes``: after every ``step``, the engine's own live-byte rule
+    (``kv_bytes``: each resident prompt's ``len - 1`` rows once + ``length + 1``
+    rows per request) over the requests that held a slot during that decode call,
+    those that finished in it included: the K/V the call ended with, before
+    retirement. ``engine_reported_peak_kv_bytes``: ``stats()["peak_kv_bytes"]``,
+    which the engine samples after retiring a call's finished requests, so it
+    misses the call in which requests reach their end (0 when every request
+    finishes within one call).
     """
-    seen = [0]
-
-    def on_finish(request, reason):
-        seen[0] = max(seen[0], engine.kv_bytes())
-
+    cfg = engine.cfg
+    token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    token_bytes *= np.dtype(cfg.compute_dtype).itemsize
+    ended: list[Request] = []
+    groups = []
     for i, prompt in enumerate(prompts):
         mine = [int(x) for x in lengths[i * group_size : (i + 1) * group_size]]
-        engine.submit(
-            prompt,
-            n=group_size,
-            max_new_tokens=mine,
-            forced_lengths=mine,
-            seed=seed + i,
-            on_finish=on_finish,
+        groups.append(
+            engine.submit(
+                prompt,
+                n=group_size,
+                max_new_tokens=mine,
+                forced_lengths=mine,
+                seed=seed + i,
+                on_finish=lambda request, reason: ended.append(request),
+            )
         )
+    reqs = [r for g in groups for r in g.requests]
     engine.stats(reset=True)
-    engine.run(weights)
+    peak = 0
+    while engine.pending():
+        ended.clear()
+        engine.step(weights)
+        held = [r for r in reqs if r.status is Status.RUNNING] + ended
+        prompts_held = {id(r.group): r.group.prompt.size - 1 for r in held}
+        rows = sum(r.length + 1 for r in held) + sum(prompts_held.values())
+        peak = max(peak, rows * token_bytes)
+    engine.run(weights)  # hands back the finished requests (nothing is left to step)
     reported = int(engine.stats(reset=True)["peak_kv_bytes"])
-    return dict(peak_kv_bytes=max(seen[0], reported), engine_reported_peak_kv_bytes=reported)
+    return dict(peak_kv_bytes=peak, engine_reported_peak_kv_bytes=reported)
 
 
 def kv_report(
