@@ -14,11 +14,11 @@ the schedule differs:
   the full row bucket at every step, so its slot utilisation is mean active / B.
 * ``engine`` (``dtarl.rollout.engine.ContinuousSampler``): ``slots`` decode
   slots over a prompt-shared K/V pool; a finished request frees its slot and a
-  waiting one is admitted. Peak K/V bytes are the engine's live bytes (each
-  resident prompt once + every slot's response so far, as ``kv_bytes()``) at
-  their largest, read call by call in an untimed run (``engine_peak_kv``); the
-  allocated pool is reported beside them. Active batch and slot utilisation are
-  the engine's (``stats()``) in the last timed call.
+  waiting one is admitted. Peak K/V bytes are the rows the engine holds (each
+  resident prompt once + every slot's response so far) at their largest, read
+  call by call in an untimed run (``engine_peak_kv``); the allocated pool is
+  reported beside them. Active batch and slot utilisation are the engine's
+  (``stats()``) in the last timed call.
 
 Workloads (response lengths only; token ids are random):
 
@@ -156,7 +156,7 @@ class RolloutBenchConfig:
             max_new_tokens=128,
             slots=16,
             rounds=3,
-            kv_responses=(16, 64),
+            kv_responses=(16, 32, 64),
         )
         base.update(overrides)
         return cls(**base)
@@ -301,7 +301,7 @@ def measure_workload(
         raise RuntimeError(f"static K/V bytes {static_peak} != 2 L B S K D itemsize = {want}")
     del state
     probe = engine_peak_kv(engine.engine, weights, prompts, lengths, g, cfg.seed)
-    traces = engine.trace_count
+    traces = dict(static=static.trace_count, engine=engine.trace_count)
 
     last: dict[str, Any] = {}
 
@@ -317,7 +317,9 @@ def measure_workload(
         Rounds(rounds=cfg.rounds, order=alternating, settle=Settle.NEVER),
     )
     st = engine.engine.stats()
-    compiled = engine.trace_count - traces
+    compiled = dict(
+        static=static.trace_count - traces["static"], engine=engine.trace_count - traces["engine"]
+    )
     total = sum(lengths)
     made = {k: int(last[k].lengths.sum()) for k in last}
     if made != {"static": total, "engine": total}:
@@ -360,7 +362,7 @@ def measure_workload(
                 generated_tokens=made[name],
                 active_per_step=active.tolist(),
                 source=w.source,
-                compiles_while_timed=compiled if name == "engine" else 0,
+                compiles_while_timed=compiled[name],
             )
         )
     out[1]["throughput_vs_static"] = out[0]["seconds"] / out[1]["seconds"]
@@ -379,14 +381,17 @@ def engine_peak_kv(
     """Runs the requests once on ``engine`` (untimed), call by call, and returns its
     peak live K/V bytes.
 
-    ``peak_kv_bytes``: after every ``step``, the engine's own live-byte rule
-    (``kv_bytes``: each resident prompt's ``len - 1`` rows once + ``length + 1``
-    rows per request) over the requests that held a slot during that decode call,
-    those that finished in it included: the K/V the call ended with, before
-    retirement. ``engine_reported_peak_kv_bytes``: ``stats()["peak_kv_bytes"]``,
-    which the engine samples after retiring a call's finished requests, so it
-    misses the call in which requests reach their end (0 when every request
-    finishes within one call).
+    ``peak_kv_bytes``: after every ``step``, the K/V rows written in the pool by
+    the requests that held a slot during that decode call, those that finished in
+    it included (the K/V the call ended with, before retirement): each of their
+    prompts' ``len - 1`` rows once (the last prompt token is a response row) +
+    ``length`` response rows per request (a request that generated n tokens has
+    written n rows: its prompt's last token and its first n - 1 tokens).
+    ``engine_reported_peak_kv_bytes``: ``stats()["peak_kv_bytes"]``, for
+    comparison: the engine samples ``kv_bytes()`` after retiring a call's
+    finished requests, so it misses the call in which requests reach their end
+    (0 when every request finishes within one call), and ``kv_bytes()`` counts
+    ``length + 1`` rows per slot (one more than written).
     """
     cfg = engine.cfg
     token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
@@ -413,7 +418,7 @@ def engine_peak_kv(
         engine.step(weights)
         held = [r for r in reqs if r.status is Status.RUNNING] + ended
         prompts_held = {id(r.group): r.group.prompt.size - 1 for r in held}
-        rows = sum(r.length + 1 for r in held) + sum(prompts_held.values())
+        rows = sum(r.length for r in held) + sum(prompts_held.values())
         peak = max(peak, rows * token_bytes)
     engine.run(weights)  # hands back the finished requests (nothing is left to step)
     reported = int(engine.stats(reset=True)["peak_kv_bytes"])
