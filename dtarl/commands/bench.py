@@ -246,7 +246,7 @@ def _add_rollout(sub) -> None:
         "--quick", action="store_true", help="reduced workloads (under 3 minutes on 2 cores)"
     )
     p.add_argument(
-        "--png", default="bench_rollout.png", help="active batch plot (default: %(default)s)"
+        "--png", default="bench_out/rollout.png", help="active batch plot (default: %(default)s)"
     )
     p.add_argument(
         "--json",
