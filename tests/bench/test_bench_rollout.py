@@ -103,3 +103,9 @@ def test_bench_rollout_cli_tiny(tmp_path, capsys):
         # token and all generated tokens but the last) at the end.
         assert k["engine_peak_bytes"] == (31 + 4 * k["response"]) * token_bytes
         assert k["static_bytes"] == bench_rollout.static_kv_bytes(cfg, 4, 32, 8)
+
+
+def test_bad_input_is_one_line_and_exit_2(capsys):
+    assert cli.main(["bench", "rollout", "--slots", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "RolloutBenchConfig.slots=0" in err and "Traceback" not in err
