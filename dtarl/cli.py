@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     train_cmd.register(sub)
-    bench_cmd.register(sub)  # adds `bench` with train / memory / partition
+    bench_cmd.register(sub)  # adds `bench` with train / memory / partition / rollout
     launch_cmd.register(sub)
     trace_cmd.register(sub)  # adds `trace` with report / sample / replay / simulate
     return parser

@@ -1,4 +1,4 @@
-"""``dtarl bench train|memory|partition`` (thin: parse arguments, call ``dtarl.bench``)."""
+"""``dtarl bench train|memory|partition|rollout`` (thin: parse arguments, call ``dtarl.bench``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dtarl.bench import memory as bench_memory
 from dtarl.bench import partition as bench_partition
+from dtarl.bench import rollout as bench_rollout
 from dtarl.bench import train as bench_train
 from dtarl.model import ModelConfig
 from dtarl.parallel.partition import FlopCost
@@ -200,12 +201,116 @@ def _partition(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- rollout
+
+
+def _add_rollout(sub) -> None:
+    p = sub.add_parser(
+        "rollout",
+        help="static sampler vs continuous-batching engine on trace response lengths",
+        description=bench_rollout.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d = bench_rollout.RolloutBenchConfig()
+    p.add_argument(
+        "--model",
+        default="peer_tiny",
+        help="peer_tiny (default: 4 layers, d 256, vocab 1024, as in issue #17) or a preset of "
+        f"{ModelConfig.PRESETS}",
+    )
+    p.add_argument("--workloads", nargs="+", choices=bench_rollout.WORKLOADS, help="default: all")
+    p.add_argument("--polytrace", help="PolyTrace root (default: ../shared/polytrace)")
+    p.add_argument("--synthetic", action="store_true", help="lognormal stand-ins, no traces")
+    p.add_argument("--prompts", type=int, help=f"prompt groups (default {d.prompts})")
+    p.add_argument("--group-size", type=int, help=f"samples per prompt G (default {d.group_size})")
+    p.add_argument("--prompt-len", type=int, help=f"prompt tokens (default {d.prompt_len})")
+    p.add_argument(
+        "--max-new-tokens", type=int, help=f"longest response (default {d.max_new_tokens})"
+    )
+    p.add_argument("--slots", type=int, help=f"engine decode slots (default {d.slots})")
+    p.add_argument(
+        "--steps-per-call", type=int, help=f"engine steps per call (default {d.steps_per_call})"
+    )
+    p.add_argument("--rounds", type=int, help=f"timed rounds (default {d.rounds})")
+    p.add_argument("--seed", type=int, help="lengths, prompts and sampling seed (default 0)")
+    p.add_argument("--kv-group", type=int, help=f"KV report group size (default {d.kv_group})")
+    p.add_argument("--kv-prompt", type=int, help=f"KV report prompt tokens (default {d.kv_prompt})")
+    p.add_argument(
+        "--kv-responses",
+        type=int,
+        nargs="+",
+        help=f"KV report response lengths (default {list(d.kv_responses)})",
+    )
+    p.add_argument("--no-kv", dest="kv", action="store_false", help="skip the KV report")
+    p.add_argument(
+        "--quick", action="store_true", help="reduced workloads (under 3 minutes on 2 cores)"
+    )
+    p.add_argument(
+        "--png", default="bench_out/rollout.png", help="active batch plot (default: %(default)s)"
+    )
+    p.add_argument(
+        "--json",
+        help="write the rows here (a list: workload, sampler, tokens_per_s, seconds, "
+        "peak_kv_bytes, ...); the KV report goes to <stem>.kv.json",
+    )
+    p.set_defaults(func=_rollout)
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    model = (
+        bench_rollout.peer_tiny() if args.model == "peer_tiny" else ModelConfig.preset(args.model)
+    )
+    fields = (
+        "prompts",
+        "group_size",
+        "prompt_len",
+        "max_new_tokens",
+        "slots",
+        "steps_per_call",
+        "rounds",
+        "seed",
+        "kv_group",
+        "kv_prompt",
+        "kv_responses",
+    )
+    over = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
+    if "kv_responses" in over:
+        over["kv_responses"] = tuple(over["kv_responses"])
+    make = (
+        bench_rollout.RolloutBenchConfig.quick if args.quick else bench_rollout.RolloutBenchConfig
+    )
+    t0 = time.perf_counter()
+    res = bench_rollout.run(
+        model_cfg=model,
+        cfg=make(**over),
+        workloads=args.workloads,
+        polytrace=args.polytrace,
+        synthetic=args.synthetic,
+        png=args.png,
+        kv=args.kv,
+    )
+    print(f"total {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(bench_rollout.json_rows(res), indent=1))
+        print(f"wrote {path}")
+        if "kv" in res:
+            kv_path = path.with_suffix(".kv.json")
+            kv_path.write_text(json.dumps(res["kv"], indent=1))
+            print(f"wrote {kv_path}")
+    return 0
+
+
 def register(subparsers) -> argparse.ArgumentParser:
-    """Adds ``bench`` with its ``train``, ``memory`` and ``partition`` subcommands
+    """Adds ``bench`` with its ``train``, ``memory``, ``partition`` and ``rollout`` subcommands
     (each sets ``func``; ``func(args)`` returns the exit code)."""
-    bench = subparsers.add_parser("bench", help="benchmarks (train engines, memory, DP partition)")
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks (train engines, memory, DP partition, rollout)"
+    )
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_train(sub)
     _add_memory(sub)
     _add_partition(sub)
+    _add_rollout(sub)
     return bench
