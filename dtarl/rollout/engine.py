@@ -13,6 +13,16 @@ response K/V, and decode attention is a cascade over both (see
 ``dtarl.rollout.kernels``). K/V bytes of a group are ``prompt once + n x response
 so far``; ``stats()`` reports the live and the allocated bytes.
 
+Why cascade attention and not paged blocks: XLA has no paged-attention kernel,
+so a block table would be resolved by gathering every row's blocks into a
+contiguous [rows, context] K/V at each step (the copy the static sampler
+materialises once), i.e. G reads of the shared prompt per step. The cascade
+reads each prompt row once per step for all of its members (queries grouped by
+prompt) and merges the partial softmaxes; measured with ``dtarl bench rollout``
+on uniform lengths (the static sampler's best case) it decodes 1.6-2.5x faster
+per token than the copied-prompt layout, with 1/6-1/11 of its K/V at G=16 and a
+512-token prompt.
+
 *Continuous batching.* A fixed number of slots decode together in one compiled
 program (``steps_per_call`` tokens per device call). Between calls the host
 retires finished requests, frees their slots and admits waiting ones; a newly
