@@ -275,6 +275,29 @@ def prefill(model: Decoder, pool: Pool, qslot_E, tokens_ExT, len_E):
 def extend(model: Decoder, pool: Pool, slot_E, group_E, length_E, tokens_ExT, count_E):
     """Appends ``count`` tokens to slots' response rows from row ``length`` on (multi-turn:
     tool output), attending to the prompt and the slot's own history; ``N`` = padding."""
+    return _extend(model, pool, slot_E, group_E, length_E, tokens_ExT, count_E)[0]
+
+
+def extend_score(
+    model: Decoder, pool: Pool, slot_E, group_E, length_E, tokens_ExT, count_E, targets_ExT, temp
+):
+    """``extend`` that also returns log softmax(logits / temp)[target] at every fed
+    position ([E, T] f32; 0 past ``count``): the incremental forward of token streaming,
+    where token t's target is the token generated after it."""
+    pool, h = _extend(model, pool, slot_E, group_E, length_E, tokens_ExT, count_E)
+    logits = jnp.einsum(
+        "bte,ev->btv",
+        h,
+        model.lm_head_weight().astype(h.dtype),
+        preferred_element_type=jnp.float32,
+    )
+    lp = jax.nn.log_softmax(logits / temp, axis=-1)
+    picked = jnp.take_along_axis(lp, targets_ExT[..., None], axis=-1)[..., 0]
+    valid = jnp.arange(tokens_ExT.shape[1])[None, :] < count_E[:, None]
+    return pool, jnp.where(valid, picked, 0.0)
+
+
+def _extend(model: Decoder, pool: Pool, slot_E, group_E, length_E, tokens_ExT, count_E):
     e, t = tokens_ExT.shape
     nslots, r = pool.resp_k[0].shape[:2]
     p = pool.prompt_k[0].shape[1]
@@ -313,5 +336,5 @@ def extend(model: Decoder, pool: Pool, slot_E, group_E, length_E, tokens_ExT, co
         o = jnp.einsum("bkgts,bskd->btkgd", probs, vals, preferred_element_type=jnp.float32)
         return o.reshape(b, tq, h, d).astype(q.dtype)
 
-    _layers(model, x, pos, attend)
-    return pool._replace(resp_k=tuple(new_k), resp_v=tuple(new_v))
+    h = _layers(model, x, pos, attend)
+    return pool._replace(resp_k=tuple(new_k), resp_v=tuple(new_v)), h

@@ -1,0 +1,264 @@
+"""Token-level streaming: forward-only scoring while generation goes on (papers/002 §4.3, App. E).
+
+A ``StreamingScorer`` keeps, for another model's weights (the reference policy),
+the same prompt-shared K/V layout as the rollout engine: each prompt's K/V once
+per group, and per trajectory only its own tokens' K/V. As a trajectory produces
+tokens (the engine's ``on_tokens`` callback, every ``stream_chunk`` tokens), they
+are queued with ``add``; ``flush`` runs the queued chunks of many trajectories
+together through one incremental forward (``kernels.extend_score``: only the new
+tokens, attending to the prompt and the trajectory's history), returning their
+log softmax(logits / T). Tool tokens of a multi-turn trajectory are added the
+same way (they are context; their logprobs are computed and later masked).
+
+Shapes are fixed (``rows`` trajectories x ``chunk`` tokens per call, prefill
+lengths bucketed as in the engine), so after warm-up nothing compiles. The
+result equals the dense forward over the whole sequence (the ``Scorer``) to fp32
+rounding.
+
+    scorer.open(key, group, prompt)    # a trajectory of group ``group``
+    scorer.add(key, tokens)            # as they are generated (or appended)
+    scorer.flush(weights)              # score what is queued (interleave with decode)
+    scorer.result(key) -> [n] logprobs of every added token; scorer.close(key)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dtarl.model.decoder import Decoder
+from dtarl.rollout import kernels as K
+from dtarl.rollout.engine import ContinuousConfig, EngineError
+from dtarl.tree.plan import bucket
+
+
+@dataclasses.dataclass(eq=False)
+class _Traj:
+    group: Hashable
+    slot: int
+    last: int  # the token whose K/V is not in the cache yet (fed next)
+    length: int = 0  # response rows written
+    pending: list[int] = dataclasses.field(default_factory=list)
+    scores: list[float] = dataclasses.field(default_factory=list)
+
+
+class StreamingScorer:
+    """Incremental forward-only logprobs of streamed tokens (see the module docstring).
+
+    config: slots = trajectories open at once, groups = prompts resident at once,
+    prompt_len / response_len as the rollout engine's; ``chunk`` tokens per
+    trajectory per call and ``rows`` trajectories per call.
+    """
+
+    def __init__(
+        self,
+        model: Decoder,
+        config: ContinuousConfig,
+        *,
+        chunk: int = 16,
+        rows: int = 8,
+        temperature: float = 1.0,
+        pad_id: int = 0,
+    ):
+        if chunk < 1 or rows < 1:
+            raise EngineError(f"chunk={chunk} and rows={rows} must be >= 1")
+        self.config, self.cfg = config, model.cfg
+        self.chunk, self.rows = int(chunk), min(int(rows), config.slots)
+        self.temperature = 1.0 if temperature <= 0 else float(temperature)
+        self.pad_id = int(pad_id)
+        self.graphdef, _ = nnx.split(model, nnx.Param)
+        cd = jnp.dtype(self.cfg.compute_dtype)
+        kv = (self.cfg.num_kv_heads, self.cfg.head_dim)
+        q, n = config.prompt_slots, config.slots
+        layers = range(self.cfg.num_layers)
+        self._pool = K.Pool(
+            prompt_k=tuple(jnp.zeros((q, config.prompt_len) + kv, cd) for _ in layers),
+            prompt_v=tuple(jnp.zeros((q, config.prompt_len) + kv, cd) for _ in layers),
+            prompt_len=jnp.zeros((q,), jnp.int32),
+            resp_k=tuple(jnp.zeros((n, config.response_len) + kv, cd) for _ in layers),
+            resp_v=tuple(jnp.zeros((n, config.response_len) + kv, cd) for _ in layers),
+        )
+        self._free_slots = list(range(n))
+        self._free_rows = list(range(q))
+        self._groups: dict[Hashable, list] = {}  # group -> [prompt row, open trajectories]
+        self._prefill: list[tuple[int, np.ndarray]] = []
+        self._open: dict[Hashable, _Traj] = {}
+        self._fns: dict[tuple, Any] = {}
+        self.trace_count = 0
+        self.stats = dict(scored_tokens=0, calls=0, seconds=0.0)
+
+    def _fn(self, kind: str, t: int):
+        if (kind, t) not in self._fns:
+            if kind == "prefill":
+
+                def fn(weights, pool, qslot, tokens, lens):
+                    self.trace_count += 1
+                    model = nnx.merge(self.graphdef, weights)
+                    return K.prefill(model, pool, qslot, tokens, lens)
+
+            else:
+
+                def fn(weights, pool, slot, group, length, tokens, count, targets):
+                    self.trace_count += 1
+                    model = nnx.merge(self.graphdef, weights)
+                    return K.extend_score(
+                        model, pool, slot, group, length, tokens, count, targets, self.temperature
+                    )
+
+            self._fns[(kind, t)] = jax.jit(fn, donate_argnums=(1,))
+        return self._fns[(kind, t)]
+
+    # ------------------------------------------------------------ API
+
+    def open(self, key: Hashable, group: Hashable, prompt: Sequence[int]) -> None:
+        """Starts a trajectory of ``group`` (whose prompt is stored once for all of them)."""
+        if key in self._open:
+            raise EngineError(f"streaming scorer: trajectory {key!r} is already open")
+        prompt = np.asarray(prompt, np.int32).reshape(-1)
+        if prompt.size == 0 or prompt.size > self.config.prompt_len:
+            raise EngineError(
+                f"streaming scorer: prompt of {prompt.size} tokens; "
+                f"need 1..{self.config.prompt_len}"
+            )
+        if not self._free_slots:
+            raise EngineError(f"streaming scorer: all {self.config.slots} slots are open")
+        if group not in self._groups:
+            if not self._free_rows:
+                raise EngineError(
+                    f"streaming scorer: all {self.config.prompt_slots} prompt rows are in use"
+                )
+            row = self._free_rows.pop(0)
+            self._groups[group] = [row, 0]
+            self._prefill.append((row, prompt))
+        self._groups[group][1] += 1
+        self._open[key] = _Traj(group=group, slot=self._free_slots.pop(0), last=int(prompt[-1]))
+
+    def add(self, key: Hashable, tokens: Sequence[int]) -> None:
+        t = self._open[key]
+        if t.length + len(t.pending) + len(tokens) > self.config.response_len:
+            raise EngineError(
+                f"streaming scorer: trajectory {key!r} exceeds response_len="
+                f"{self.config.response_len}"
+            )
+        t.pending.extend(int(x) for x in tokens)
+
+    @property
+    def lag(self) -> int:
+        """Tokens added but not scored yet."""
+        return sum(len(t.pending) for t in self._open.values())
+
+    def flush(self, weights, *, max_calls: int | None = None) -> int:
+        """Scores queued tokens (at most ``max_calls`` calls); returns the calls run."""
+        t0 = time.perf_counter()
+        self._run_prefill(weights)
+        calls = 0
+        while max_calls is None or calls < max_calls:
+            ready = [t for t in self._open.values() if t.pending]
+            if not ready:
+                break
+            ready.sort(key=lambda t: -len(t.pending))  # the longest queues first
+            self._score(weights, ready[: self.rows])
+            calls += 1
+        self.stats["seconds"] += time.perf_counter() - t0
+        return calls
+
+    def result(self, key: Hashable) -> np.ndarray:
+        """Logprobs of every token added to ``key`` so far (flush first)."""
+        t = self._open[key]
+        if t.pending:
+            raise EngineError(f"streaming scorer: {key!r} has {len(t.pending)} unscored tokens")
+        return np.asarray(t.scores, np.float32)
+
+    def close(self, key: Hashable) -> np.ndarray:
+        """Frees the trajectory's slot (and its prompt row after the group's last one);
+        returns its logprobs (unscored tokens are dropped: a cancelled trajectory)."""
+        t = self._open.pop(key)
+        self._free_slots.append(t.slot)
+        g = self._groups[t.group]
+        g[1] -= 1
+        if g[1] == 0:
+            self._free_rows.append(g[0])
+            del self._groups[t.group]
+        return np.asarray(t.scores, np.float32)
+
+    def warmup(self, weights) -> StreamingScorer:
+        c = self.config
+        for t in _buckets(c.prompt_len):
+            self._fn("prefill", t).lower(
+                weights,
+                self._pool,
+                np.zeros(c.prefill_batch, np.int32),
+                np.zeros((c.prefill_batch, t), np.int32),
+                np.zeros(c.prefill_batch, np.int32),
+            ).compile()
+        z = np.zeros(self.rows, np.int32)
+        zz = np.zeros((self.rows, self.chunk), np.int32)
+        self._fn("score", self.chunk).lower(weights, self._pool, z, z, z, zz, z, zz).compile()
+        return self
+
+    # ------------------------------------------------------------ calls
+
+    def _run_prefill(self, weights):
+        c = self.config
+        while self._prefill:
+            batch, self._prefill = (
+                self._prefill[: c.prefill_batch],
+                self._prefill[c.prefill_batch :],
+            )
+            t = min(bucket(max(p.size - 1 for _, p in batch), 16), c.prompt_len)
+            qs = np.full(c.prefill_batch, c.prompt_slots, np.int32)
+            toks = np.full((c.prefill_batch, t), self.pad_id, np.int32)
+            lens = np.zeros(c.prefill_batch, np.int32)
+            for j, (row, p) in enumerate(batch):
+                qs[j], lens[j] = row, p.size - 1
+                toks[j, : p.size - 1] = p[:-1]
+            self._pool = self._fn("prefill", t)(weights, self._pool, qs, toks, lens)
+
+    def _score(self, weights, trajs: list[_Traj]):
+        e, t = self.rows, self.chunk
+        slot = np.full(e, self.config.slots, np.int32)
+        group = np.zeros(e, np.int32)
+        length = np.zeros(e, np.int32)
+        feed = np.full((e, t), self.pad_id, np.int32)
+        target = np.zeros((e, t), np.int32)
+        count = np.zeros(e, np.int32)
+        for j, tr in enumerate(trajs):
+            take = tr.pending[:t]
+            slot[j], group[j], length[j], count[j] = (
+                tr.slot,
+                self._groups[tr.group][0],
+                tr.length,
+                len(take),
+            )
+            feed[j, : len(take)] = [tr.last] + take[:-1]
+            target[j, : len(take)] = take
+        self._pool, lp = self._fn("score", t)(
+            weights, self._pool, slot, group, length, feed, count, target
+        )
+        lp = np.asarray(lp)
+        for j, tr in enumerate(trajs):
+            n = int(count[j])
+            tr.scores.extend(lp[j, :n].tolist())
+            tr.last = tr.pending[n - 1]
+            tr.length += n
+            del tr.pending[:n]
+            self.stats["scored_tokens"] += n
+        self.stats["calls"] += 1
+
+
+def _buckets(limit: int) -> list[int]:
+    sizes, b = [], 16
+    while b < limit:
+        sizes.append(b)
+        b *= 2
+    return sizes + [limit]
+
+
+__all__ = ["StreamingScorer"]
