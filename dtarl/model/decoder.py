@@ -211,9 +211,7 @@ class Attention(nnx.Module):
 
     def out(self, out_BxTxHxD):
         """The output projection of the attention result."""
-        return jnp.einsum(
-            "bthd,hde->bte", out_BxTxHxD, self.o_proj[...].astype(out_BxTxHxD.dtype)
-        )
+        return jnp.einsum("bthd,hde->bte", out_BxTxHxD, self.o_proj[...].astype(out_BxTxHxD.dtype))
 
     def __call__(self, x_BxTxE, positions_BxT, k_prefix, v_prefix, prefix_len_B, inv_freq, seg):
         q, k, v = self.qkv(x_BxTxE, positions_BxT, inv_freq)

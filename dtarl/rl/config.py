@@ -180,6 +180,21 @@ class TaskSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamingSection:
+    """``rollout.streaming``: score generated tokens with the reference policy every
+    ``chunk`` tokens while decoding goes on (papers/002 §4.3; dtarl.rollout.stream),
+    instead of one forward over the finished batch. Needs ``algo.kl_coef > 0`` (the
+    reference policy is the streamed model) and ``rollout.engine: continuous``."""
+
+    SECTION: typing.ClassVar[str] = "rollout.streaming"
+    enabled: bool = False
+    chunk: int = 16
+
+    def __post_init__(self):
+        _positive(self, "chunk")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutSection:
     SECTION: typing.ClassVar[str] = "rollout"
     prompts_per_step: int = 16
@@ -196,6 +211,7 @@ class RolloutSection:
     # continuous engine: decode slots (0 = prompts_per_step x group_size: a step at once)
     slots: int = 0
     steps_per_call: int = 16  # continuous engine: decode steps per device call
+    streaming: StreamingSection = dataclasses.field(default_factory=StreamingSection)
 
     def __post_init__(self):
         for i, s in enumerate(self.stop):
@@ -424,6 +440,15 @@ class TrainerConfig:
                 "algo.darts.enabled=true needs rollout.engine=continuous (early stop and "
                 f"per-prompt candidate counts), got rollout.engine={self.rollout.engine.value}"
             )
+        if self.rollout.streaming.enabled and (
+            self.algo.kl_coef <= 0 or self.rollout.engine is not RolloutEngineKind.CONTINUOUS
+        ):
+            raise ConfigError(
+                "rollout.streaming.enabled=true streams the reference policy's logprobs: it "
+                f"needs algo.kl_coef > 0 (got {self.algo.kl_coef}) and rollout.engine="
+                f"continuous (got {self.rollout.engine.value}); streaming a critic or the "
+                "old-logprob recompute is not built"
+            )
         if d.enabled and d.short_k > self.rollout.group_size:
             raise ConfigError(
                 f"algo.darts.short_k={d.short_k} must be <= rollout.group_size="
@@ -646,6 +671,7 @@ __all__ = [
     "RolloutEngineKind",
     "RolloutSection",
     "SFTSection",
+    "StreamingSection",
     "Schedule",
     "TaskSection",
     "TrainerConfig",

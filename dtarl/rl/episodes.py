@@ -33,6 +33,7 @@ from dtarl.rl.value import ValueModel
 from dtarl.rollout.engine import ContinuousSampler, Status
 from dtarl.rollout.engine import complete as complete_responses
 from dtarl.rollout.sampler import FinishReason, Sampler
+from dtarl.rollout.stream import StreamingScorers
 from dtarl.tree.plan import bucket
 
 # The reference policy's per-token logprobs of a list of sequences.
@@ -63,6 +64,7 @@ class Trajectory:
     problem_index: int
     cancelled: bool = False  # stopped by a group's early stop (DARTS tail pruning)
     finish_rank: int = -1  # order in which the engine finished it (-1: not recorded)
+    ref_logprobs: np.ndarray | None = None  # streamed reference logprobs (0 on the prompt)
 
 
 def encode_prompt(tokenizer, text: str) -> np.ndarray:
@@ -117,6 +119,7 @@ def rollout(
     key: jax.Array,
     counts: Sequence[int] | None = None,
     early_stop: Sequence[bool] | None = None,
+    stream: tuple[StreamingScorers, Any] | None = None,
 ) -> tuple[list[Trajectory], dict[str, float]]:
     """Samples ``group_size`` trajectories per problem, running tool turns (multi-turn tasks).
 
@@ -144,6 +147,7 @@ def rollout(
             key=key,
             counts=counts,
             early_stop=early_stop,
+            stream=stream,
         )
     if counts is not None or early_stop is not None:
         raise ConfigError("DARTS candidate counts need rollout.engine: continuous")
@@ -234,9 +238,16 @@ def _rollout_continuous(
     key: jax.Array,
     counts: Sequence[int] | None = None,
     early_stop: Sequence[bool] | None = None,
+    stream: tuple[StreamingScorers, Any] | None = None,
 ) -> tuple[list[Trajectory], dict[str, float]]:
     """``rollout`` on the continuous engine: one group per problem (its prompt prefilled
-    once), tool turns continued in place with ``RolloutEngine.extend``."""
+    once), tool turns continued in place with ``RolloutEngine.extend``.
+
+    With ``stream = (scorers, reference weights)`` every ``stream_chunk`` generated
+    tokens (and every tool output) are scored by the reference policy between
+    decode calls (one scorer call per decode call), so that when generation ends
+    only the lag is left (``stream_lag_tokens``, scored in ``stream_tail_seconds``).
+    """
     tool_seqs = tool_stop_sequences(tokenizer, task)
     multi = task.max_turns > 1
     prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
@@ -269,11 +280,27 @@ def _rollout_continuous(
     cancelled = np.zeros(n, bool)
     rank = np.full(n, -1, np.int64)
     finished = 0
+    sc = stream[0].get(eng.config) if stream is not None else None
+    ref_w = stream[1] if stream is not None else None
+    scored: dict[int, np.ndarray] = {}
+    if sc is not None:
+        group_of = {id(r): i for i, g in enumerate(groups) for r in g.requests}
+
+        def on_tokens(req, toks, lps):
+            row = row_of[id(req)]
+            if not sc.is_open(row):
+                sc.open(row, group_of[id(req)], prompts[group_of[id(req)]])
+            sc.add(row, toks)
+
+        for g in groups:
+            g.on_tokens = on_tokens
     eng.stats(reset=True)
-    while True:
-        done = eng.run(weights)
-        if not done:
-            break
+    lag, tail = 0, 0.0  # the last decode call's close-time scoring: what streaming left over
+    while eng.pending():
+        done = eng.run(weights, max_calls=1)
+        if sc is not None:
+            sc.flush(ref_w, max_calls=1)  # interleaved with decode
+        lag, tail = 0, 0.0
         for r in done:
             row = row_of[id(r)]
             rank[row], finished = finished, finished + 1
@@ -302,14 +329,28 @@ def _rollout_continuous(
                     if ids.size and room >= 1:
                         eng.extend(r, ids, max_new_tokens=min(sampler.max_new_tokens, room))
                         go_on = True
+                        if sc is not None:
+                            sc.add(row, ids)
                     else:  # no room left for another turn: the sample ends truncated
                         truncated[row] = True
             if multi and not go_on and r.status is not Status.RELEASED:
                 eng.release(r)
+            if sc is not None and not go_on and sc.is_open(row):
+                t0 = time.perf_counter()
+                lag += sc.pending(row)
+                scored[row] = sc.close(row, ref_w)  # scores its lag, frees its slot
+                tail += time.perf_counter() - t0
     st = eng.stats()
     trajs = _trajectories(tokenizer, prompts, parts, truncated, turns, owner)
     trajs = [
-        dataclasses.replace(t, cancelled=bool(cancelled[i]), finish_rank=int(rank[i]))
+        dataclasses.replace(
+            t,
+            cancelled=bool(cancelled[i]),
+            finish_rank=int(rank[i]),
+            ref_logprobs=None
+            if sc is None
+            else np.concatenate([np.zeros(t.prompt_len, np.float32), scored[i]]),
+        )
         for i, t in enumerate(trajs)
     ]
     stats = dict(
@@ -320,6 +361,12 @@ def _rollout_continuous(
         rollout_peak_kv_bytes=float(st["peak_kv_bytes"]),
         decode_calls=st["calls"],
     )
+    if sc is not None:
+        stats.update(
+            stream_tokens=float(sum(s.size for s in scored.values())),
+            stream_lag_tokens=float(lag),
+            stream_tail_seconds=tail,
+        )
     return trajs, stats
 
 
@@ -526,6 +573,7 @@ def rl_batch(
     value: ValueModel | None = None,
     more_problems: Callable[[int], Sequence[Problem]] | None = None,
     darts_state: darts.DartsState | None = None,
+    stream: tuple[StreamingScorers, Any] | None = None,
 ) -> tuple[RolloutBatch | None, dict[str, Any]]:
     """One RL step's batch: ``cfg.rollout.group_size`` samples of each problem under
     ``params``, scored by ``reward_fn`` and shaped, filtered by dynamic sampling
@@ -575,7 +623,11 @@ def rl_batch(
             key=t_key,
             counts=None if plan is None else plan.counts,
             early_stop=None if plan is None else plan.early_stop,
+            stream=stream,
         )
+        for name in ("stream_tokens", "stream_lag_tokens", "stream_tail_seconds"):
+            if name in stats:
+                roll[name] = roll.get(name, 0.0) + stats[name]
         gen_batches += 1
         roll["rollout_seconds"] += stats["rollout_seconds"]
         roll["rollout_tokens"] += stats["rollout_tokens"]
@@ -649,7 +701,14 @@ def rl_batch(
     masks = [t.loss_mask for t in trajs]
     olds = [t.old_logprobs for t in trajs]
 
-    ref = reference(toks) if reference is not None else None
+    t_ref = time.perf_counter()
+    if all(t.ref_logprobs is not None for t in trajs):  # streamed during the rollout
+        ref = [t.ref_logprobs for t in trajs]
+        m["post_rollout_forward_seconds"] = roll.get("stream_tail_seconds", 0.0)
+    else:
+        ref = reference(toks) if reference is not None else None
+        if ref is not None:
+            m["post_rollout_forward_seconds"] = time.perf_counter() - t_ref
     if value is not None:
         advs = np.zeros(len(trajs), np.float32)
         token_adv, value_stats = value.advantages(

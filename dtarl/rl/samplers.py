@@ -50,8 +50,13 @@ def make_samplers(
     shape = dict(
         prompt_len=bucket(prompt_len), response_len=response_len, steps_per_call=r.steps_per_call
     )
+    stream = r.streaming.chunk if r.streaming.enabled else 0
     train = ContinuousConfig(
-        slots=r.slots or rows, groups=r.prompts_per_step, group_size=group, **shape
+        slots=r.slots or rows,
+        groups=r.prompts_per_step,
+        group_size=group,
+        stream_chunk=stream,
+        **shape,
     )
     n_eval = max(1, cfg.eval_problems)
     evals = ContinuousConfig(slots=n_eval, groups=n_eval, group_size=1, **shape)

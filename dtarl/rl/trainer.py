@@ -81,6 +81,7 @@ from dtarl.rl.samplers import make_samplers
 from dtarl.rl.tasks import Problem, Task, make_task
 from dtarl.rl.value import ValueModel
 from dtarl.rollout.sampler import Sampler
+from dtarl.rollout.stream import StreamingScorers
 
 # Seeds of the problem streams: np.random.default_rng([seed, stream, step]).
 _SEED_SFT, _SEED_RL, _SEED_EVAL = 1, 2, 3
@@ -182,6 +183,14 @@ class Trainer:
         self.scorer = (
             Scorer(self.model, temperature=self.temperature) if cfg.algo.kl_coef > 0 else None
         )
+        self.streamers = None  # rollout.streaming: the reference policy scored while decoding
+        if r.streaming.enabled:
+            self.streamers = StreamingScorers(
+                self.model,
+                chunk=r.streaming.chunk,
+                temperature=self.temperature,
+                pad_id=self.tokenizer.pad_id,
+            )
         self.ref_params = None
         self.value = None
         if cfg.algo.algorithm is Algorithm.PPO:
@@ -380,6 +389,7 @@ class Trainer:
             value=self.value,
             more_problems=functools.partial(self._refill_problems, step),
             darts_state=self.darts,
+            stream=None if self.streamers is None else (self.streamers, self.ref_params),
         )
         m = dict(phase="rl", step=step, global_step=cfg.sft.steps + step + 1)
         m["lr"] = self.rl_opt.lr(self.opt_state)  # this step's first update's

@@ -176,9 +176,21 @@ class StreamingScorer:
             raise EngineError(f"streaming scorer: {key!r} has {len(t.pending)} unscored tokens")
         return np.asarray(t.scores, np.float32)
 
-    def close(self, key: Hashable) -> np.ndarray:
-        """Frees the trajectory's slot (and its prompt row after the group's last one);
-        returns its logprobs (unscored tokens are dropped: a cancelled trajectory)."""
+    def is_open(self, key: Hashable) -> bool:
+        return key in self._open
+
+    def pending(self, key: Hashable) -> int:
+        """Tokens of ``key`` added but not scored yet."""
+        return len(self._open[key].pending)
+
+    def close(self, key: Hashable, weights=None) -> np.ndarray:
+        """Frees the trajectory's slot (and its prompt row after the group's last one)
+        and returns its logprobs; with ``weights`` its queued tokens are scored first,
+        without them they are dropped."""
+        if weights is not None and self._open[key].pending:
+            self._run_prefill(weights)
+            while self._open[key].pending:
+                self._score(weights, [self._open[key]])
         t = self._open.pop(key)
         self._free_slots.append(t.slot)
         g = self._groups[t.group]
@@ -253,6 +265,27 @@ class StreamingScorer:
         self.stats["calls"] += 1
 
 
+class StreamingScorers:
+    """One ``StreamingScorer`` per engine shape (the rollout engine may grow), built on
+    first use and kept (its programs compile once)."""
+
+    def __init__(self, model: Decoder, *, chunk: int, temperature: float = 1.0, pad_id: int = 0):
+        self.model, self.chunk, self.temperature, self.pad_id = model, chunk, temperature, pad_id
+        self._by_config: dict[ContinuousConfig, StreamingScorer] = {}
+
+    def get(self, config: ContinuousConfig) -> StreamingScorer:
+        if config not in self._by_config:
+            self._by_config[config] = StreamingScorer(
+                self.model,
+                config,
+                chunk=self.chunk,
+                rows=max(1, config.slots // 2),
+                temperature=self.temperature,
+                pad_id=self.pad_id,
+            )
+        return self._by_config[config]
+
+
 def _buckets(limit: int) -> list[int]:
     sizes, b = [], 16
     while b < limit:
@@ -261,4 +294,4 @@ def _buckets(limit: int) -> list[int]:
     return sizes + [limit]
 
 
-__all__ = ["StreamingScorer"]
+__all__ = ["StreamingScorer", "StreamingScorers"]

@@ -98,3 +98,52 @@ def test_bad_use(model):
         sc.open("x", 0, [1, 2])
     with pytest.raises(EngineError, match="response_len"):
         sc.add("x", list(range(41)))
+
+
+def test_trainer_streams_the_reference_policy(tmp_path):
+    """rollout.streaming: the batch's reference logprobs equal the dense Scorer's."""
+    import jax
+
+    from dtarl.rl.config import ConfigError, TrainerConfig, from_dict
+    from dtarl.rl.episodes import rl_batch
+    from dtarl.rl.trainer import Trainer
+
+    raw = dict(
+        model=dict(preset="tiny"),
+        task=dict(kind="calculator", max_operand=3),
+        sft=dict(steps=0),
+        rollout=dict(
+            prompts_per_step=2,
+            group_size=3,
+            max_new_tokens=12,
+            temperature=0.8,
+            streaming=dict(enabled=True, chunk=4),
+        ),
+        algo=dict(engine="dense", kl_coef=0.1),
+        steps=1,
+        eval_problems=0,
+        out_dir=str(tmp_path),
+        console=False,
+        tensorboard=False,
+    )
+    tr = Trainer(from_dict(TrainerConfig, raw))
+    tr._start_rl()
+    probs = tr._problems(2, 0, 2)
+    batch, m = rl_batch(
+        tr.cfg,
+        probs,
+        sampler=tr.sampler,
+        params=tr.params,
+        tokenizer=tr.tokenizer,
+        task=tr.task,
+        reward_fn=tr.reward_fn,
+        key=jax.random.PRNGKey(0),
+        stream=(tr.streamers, tr.ref_params),
+    )
+    assert m["stream_tokens"] > 0 and "post_rollout_forward_seconds" in m
+    dense = tr.scorer(tr.ref_params, list(batch.tokens))
+    for got, want, mask in zip(batch.ref_logprobs, dense, batch.loss_mask, strict=True):
+        p = int(np.argmax(mask > 0))  # first trained token
+        np.testing.assert_allclose(got[p:], want[p:], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="algo.kl_coef > 0"):
+        from_dict(TrainerConfig, {**raw, "algo": dict(kl_coef=0.0)})
