@@ -360,6 +360,7 @@ def _rollout_continuous(
         rollout_slot_utilisation=st["slot_utilisation"],
         rollout_peak_kv_bytes=float(st["peak_kv_bytes"]),
         decode_calls=st["calls"],
+        decode_seconds_per_step=sum(c[0] for c in st["calls"]) / max(st["decode_steps"], 1),
     )
     if sc is not None:
         stats.update(
@@ -628,6 +629,8 @@ def rl_batch(
         for name in ("stream_tokens", "stream_lag_tokens", "stream_tail_seconds"):
             if name in stats:
                 roll[name] = roll.get(name, 0.0) + stats[name]
+        if "decode_seconds_per_step" in stats:  # the step's last generation batch's
+            roll["decode_seconds_per_step"] = stats["decode_seconds_per_step"]
         gen_batches += 1
         roll["rollout_seconds"] += stats["rollout_seconds"]
         roll["rollout_tokens"] += stats["rollout_tokens"]

@@ -159,3 +159,49 @@ def test_trainer_runs_darts_and_resumes(tmp_path):
         from_dict(TrainerConfig, {**raw, "rollout": {**raw["rollout"], "engine": "static"}})
     with pytest.raises(ConfigError, match="algo.darts.up_factor"):
         from_dict(TrainerConfig, {**raw, "algo": dict(darts=dict(up_factor=0.5))})
+
+
+def test_darts_batch_is_deterministic_under_a_fixed_seed(tmp_path):
+    """Same seed and state: the same allocation, candidates and training groups."""
+    import jax
+
+    from dtarl.rl.config import TrainerConfig, from_dict
+    from dtarl.rl.episodes import rl_batch
+    from dtarl.rl.trainer import Trainer
+
+    raw = dict(
+        model=dict(preset="tiny"),
+        task=dict(kind="arithmetic", max_operand=9, ops="+-"),
+        sft=dict(steps=0),
+        rollout=dict(prompts_per_step=3, group_size=4, max_new_tokens=6),
+        algo=dict(engine="dense", darts=dict(enabled=True)),
+        steps=1,
+        eval_problems=0,
+        out_dir=str(tmp_path),
+        console=False,
+        tensorboard=False,
+    )
+    tr = Trainer(from_dict(TrainerConfig, raw))
+    probs = tr._problems(2, 0, 3)
+    state = darts.DartsState()
+    state.update({darts.prompt_key(p.prompt): [1, 6, 2, 2] for p in probs[:2]})
+
+    def one():
+        s = darts.DartsState.from_state_dict(state.state_dict())
+        batch, m = rl_batch(
+            tr.cfg,
+            probs,
+            sampler=tr.sampler,
+            params=tr.params,
+            tokenizer=tr.tokenizer,
+            task=tr.task,
+            reward_fn=tr.reward_fn,
+            key=jax.random.PRNGKey(7),
+            darts_state=s,
+        )
+        return [t.tolist() for t in batch.tokens], m["darts_alloc_hist"], s.state_dict()
+
+    a, b = one(), one()
+    assert a[0] == b[0] and a[1] == b[1]
+    assert a[2]["prompt_std"] == b[2]["prompt_std"]
+    assert len(a[0]) == 12  # 3 groups of M = 4
