@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import time
 import warnings
 from collections import deque
@@ -207,9 +208,20 @@ class Group:
         return all(r.done for r in self.requests)
 
 
+@jax.jit
+def _int_key(seed):
+    return jax.random.key_data(jax.random.key(seed))
+
+
+@functools.cache
+def _member_keys_fn(n: int):
+    """Jitted keys of members 0..n-1 of a group (one small program per n, not eager ops)."""
+    return jax.jit(lambda base: jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(n)))
+
+
 def _key(seed) -> np.ndarray:
     if isinstance(seed, int | np.integer):
-        return np.asarray(jax.random.key_data(jax.random.key(int(seed))), np.uint32)
+        return np.asarray(_int_key(np.uint32(int(seed) & 0xFFFFFFFF)), np.uint32)
     arr = np.asarray(
         jax.random.key_data(seed) if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) else seed
     )
@@ -479,9 +491,7 @@ class RolloutEngine:
         if not isinstance(top_k, int | np.integer) or top_k < 0:
             raise EngineError(f"top_k={top_k!r} must be an int >= 0 (0 = off)")
         base = _key(seed)
-        keys = np.asarray(
-            jax.vmap(lambda i: jax.random.fold_in(jnp.asarray(base), i))(jnp.arange(n)), np.uint32
-        )
+        keys = np.asarray(_member_keys_fn(int(n))(base), np.uint32)
         group = Group(
             id=self._next_group,
             prompt=ids.astype(np.int32),
