@@ -368,12 +368,12 @@ class DFSEngine(base.BucketState):
         within it never trigger a recompilation. Buckets only grow."""
         path = capacity.length
         for key, value in (
-            ("steps", capacity.plan_steps),
+            ("steps", capacity.plan_steps(self.config.chunk_len)),
             ("path", path),
             ("slots", capacity.group_size),
             ("seqs", capacity.sequences),
             ("flat", capacity.tokens),
-            ("tree", capacity.tokens),
+            ("tree", capacity.tree_tokens + 1),  # +1: the plan's trailing slot
         ):
             self._min[key] = max(self._min[key], bucket(value))
         chunk, wide = self.config.chunk_len, self.config.wide_chunks

@@ -51,7 +51,7 @@ RESERVE = Capacity(
     length=64,
     tokens=1024,
     group_size=16,
-    groups=2,
+    groups=8,  # random trees split into up to 8 groups below their shared first tokens
     prompt_len=40,
     response_len=40,
 )
