@@ -8,6 +8,7 @@ from flax import nnx
 
 from dtarl.engines import Capacity, EngineKind, RolloutBatch, make_engine
 from dtarl.engines.config import DFSConfig, EngineConfig, PrefixReuseConfig
+from dtarl.engines.prefix_reuse import deep_sequences
 from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model
 
@@ -85,6 +86,10 @@ def test_batches_differ_in_depth_leaves_and_lengths():
     assert len({s.depth for s in stats}) >= 3
     assert len({s.num_leaves for s in stats}) >= 3
     assert len({s.longest_path for s in stats}) >= 3
+    # Some batches have a group that forks deep below its prompt (prefix_reuse's
+    # deep groups), some do not.
+    deep = [bool(deep_sequences(b.prefix_tree()).any()) for b in trainer_like_batches()]
+    assert any(deep) and not all(deep)
 
 
 @pytest.mark.parametrize("kind", ["dense", "dfs", "prefix_reuse"])
