@@ -115,3 +115,20 @@ def test_reserved_prefix_reuse_multiturn_form(model_params):
     for batch in trainer_like_batches()[:3]:
         engine.value_and_grad(params, batch, loss)
     assert engine.trace_count == 1
+
+
+def test_reserved_dense_rows_are_the_capacity_length():
+    """dense pads to the reserved length itself (rounded up to 8), not to its
+    quarter-octave bucket (prompt 512 + 64 new tokens: 576, not 640)."""
+    model = init_model(ModelConfig.tiny(), seed=0)
+    cap = Capacity(sequences=8, length=PROMPT_LEN + RESPONSE_LEN)  # 36 -> 40, bucket 48
+    engine = make_engine(EngineKind.DENSE, model, ENGINES).reserve(cap)
+    for batch in trainer_like_batches()[:2]:
+        prepared = engine.prepare(batch, MaskedNLLLoss())
+        assert prepared.static.length == 40, prepared.static
+    assert (
+        make_engine(EngineKind.DENSE, model)
+        .reserve(Capacity(sequences=8, length=576))
+        .buckets["length"]
+        == 576
+    )
