@@ -2,6 +2,7 @@
 its program on the first batch and never again, while the batches of a trainer-like
 sequence differ in depth (forks at different positions), leaf counts and lengths."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -92,18 +93,40 @@ def test_batches_differ_in_depth_leaves_and_lengths():
     assert any(deep) and not all(deep)
 
 
-@pytest.mark.parametrize("kind", ["dense", "dfs", "prefix_reuse"])
+def buckets_of(engine):
+    """An engine's buckets (auto: each candidate's)."""
+    if hasattr(engine, "engines"):
+        return {k: e.buckets for k, e in engine.engines.items()}
+    return engine.buckets
+
+
+def run_once_timer(runs):
+    """auto's timer: one call of every candidate (compiling it, as the real timer's
+    warm-up does) and fixed seconds (dfs fastest): no assertion depends on real time."""
+    for run in runs.values():
+        jax.block_until_ready(run())
+    return {k: {"dense": 0.3, "prefix_reuse": 0.2, "dfs": 0.1}[k] for k in runs}
+
+
+@pytest.mark.parametrize("kind", ["dense", "dfs", "prefix_reuse", "auto"])
 def test_reserved_engine_compiles_once(model_params, kind):
     model, params = model_params
-    engine = make_engine(EngineKind(kind), model, ENGINES).reserve(capacity())
+    settings = {}
+    if kind == "auto":  # every candidate timed (and compiled) on the first batch
+        settings = dict(timer=run_once_timer, host_seconds=lambda k, b: 0.0, tune_all_below=1e9)
+    engine = make_engine(EngineKind(kind), model, ENGINES, **settings).reserve(capacity())
     loss = MaskedNLLLoss()
-    reserved = engine.buckets
-    counts = []
+    reserved = buckets_of(engine)
+    counts, tune_seconds = [], []
     for batch in trainer_like_batches():
-        engine.value_and_grad(params, batch, loss)
+        aux = engine.value_and_grad(params, batch, loss)[2]
         counts.append(engine.trace_count)
-    assert counts == [1] * len(counts), counts
-    assert engine.buckets == reserved, f"a batch outgrew the reserve: {engine.buckets}"
+        tune_seconds.append(aux.stats.get("autotune_seconds", 0.0))
+    first = counts[0]  # auto: one program per candidate
+    assert counts == [first] * len(counts) and first == (3 if kind == "auto" else 1), counts
+    assert buckets_of(engine) == reserved, f"a batch outgrew the reserve: {buckets_of(engine)}"
+    if kind == "auto":  # tuned once; later depths and sizes reuse or re-pick untimed
+        assert all(s == 0.0 for s in tune_seconds[1:]), tune_seconds
 
 
 def test_reserved_prefix_reuse_multiturn_form(model_params):
