@@ -234,7 +234,7 @@ class Trainer:
         prompts per step, turns), so that no engine compiles after the first step of
         each phase, whatever the depth, leaf counts and lengths of its trees (auto's
         candidates are sized as if each ran alone, and its choice signature counts
-        every depth within the turns as one)."""
+        every depth from 1 + 2 * turns up as one)."""
         cfg, r = self.cfg, self.cfg.rollout
         probe = self.task.generate(np.random.default_rng(0), 64)
         plen = max(len(encode_prompt(self.tokenizer, p.prompt)) for p in probe)
