@@ -120,30 +120,37 @@ def group_nodes(tree: PrefixTree, min_shared: float = 0.1) -> tuple[tuple[int, .
 
     Groups start at the root's children. A deep group is split into its children's
     groups (each with the whole path down to it as its prefix) when recomputing that
-    path once per child costs at most ``min_shared`` of the tokens below it and no
-    sequence ends there: a shared first token of every prompt (a BOS, a chat
-    template) makes one top-level node of the whole batch, but the groups are the
-    prompts under it.
+    path once per child costs at most ``min_shared`` of the tokens below it, no
+    sequence ends there, and not every child is deep itself (then the deep group,
+    computed once in the DFS program, is better): a shared first token of every
+    prompt (a BOS, a chat template) makes one top-level node of the whole batch,
+    but the groups are the prompts under it.
     """
     leaves, tokens, extra = _subtree_sums(tree)
+
+    def is_deep(x: int) -> bool:
+        ln = int(tree.length[x])
+        below = int(tokens[x]) - ln
+        return int(extra[x]) - ln * int(leaves[x] - 1) > min_shared * max(below, 1)
+
     out, deep = [], []
     stack = list(reversed(tree.children[0]))
     while stack:
         x = stack.pop()
-        ln, kids = int(tree.length[x]), tree.children[x]
-        below = int(tokens[x]) - ln
-        is_deep = int(extra[x]) - ln * int(leaves[x] - 1) > min_shared * max(below, 1)
-        path = int(tree.start[x]) + ln
+        kids = tree.children[x]
+        below = int(tokens[x]) - int(tree.length[x])
+        path = int(tree.start[x] + tree.length[x])
         if (
-            is_deep
+            is_deep(x)
             and kids
             and not tree.ends_at[x]
-            and (path * (len(kids) - 1) <= min_shared * below)
+            and path * (len(kids) - 1) <= min_shared * below
+            and not all(is_deep(c) for c in kids)
         ):
             stack.extend(reversed(kids))
             continue
         out.append(x)
-        deep.append(is_deep)
+        deep.append(is_deep(x))
     return tuple(out), np.asarray(deep, bool)
 
 
