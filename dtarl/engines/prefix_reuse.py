@@ -114,19 +114,35 @@ def _subtree_sums(tree: PrefixTree) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return leaves, tokens, extra
 
 
-def group_nodes(tree: PrefixTree, min_shared: float = 0.1) -> tuple[tuple[int, ...], np.ndarray]:
+def group_nodes(
+    tree: PrefixTree, min_shared: float = 0.1, fit: tuple[int, int] | None = None
+) -> tuple[tuple[int, ...], np.ndarray]:
     """The batch's groups (tree nodes, preorder) and whether each is *deep*: one where
     the rows form would recompute more than ``min_shared`` of the suffix tokens below it.
 
     Groups start at the root's children. A deep group is split into its children's
     groups (each with the whole path down to it as its prefix) when recomputing that
-    path once per child costs at most ``min_shared`` of the tokens below it, no
-    sequence ends there, and not every child is deep itself (then the deep group,
-    computed once in the DFS program, is better): a shared first token of every
-    prompt (a BOS, a chat template) makes one top-level node of the whole batch,
-    but the groups are the prompts under it.
+    path once per child costs at most a quarter of ``min_shared`` of the tokens
+    below it and no sequence ends there: a shared first token of every prompt (a
+    BOS, a chat template) makes one top-level node of the whole batch, but the
+    groups are the prompts under it; a prompt shared by deep multi-turn branches
+    stays one group (recomputing it per branch would cost more, padding included).
+    ``fit`` = (prefix, row): a reserved engine's prefix and suffix-row lengths; a
+    group whose rows would be longer (its prefix ending at most at ``prefix``) is
+    split too, where it can be, so that a run's batches keep the reserved shapes.
     """
     leaves, tokens, extra = _subtree_sums(tree)
+    deepest = (tree.start + tree.length).astype(np.int64)  # the longest path below
+    for y in range(tree.num_nodes - 1, 0, -1):
+        p = int(tree.parent[y])
+        deepest[p] = max(deepest[p], deepest[y])
+
+    def too_long(x: int) -> bool:
+        if fit is None:
+            return False
+        end = int(tree.start[x] + tree.length[x])
+        b = end if tree.ends_at[x] else min(end, fit[0] + 1)
+        return int(deepest[x]) - b > fit[1]
 
     def is_deep(x: int) -> bool:
         ln = int(tree.length[x])
@@ -140,13 +156,8 @@ def group_nodes(tree: PrefixTree, min_shared: float = 0.1) -> tuple[tuple[int, .
         kids = tree.children[x]
         below = int(tokens[x]) - int(tree.length[x])
         path = int(tree.start[x] + tree.length[x])
-        if (
-            is_deep(x)
-            and kids
-            and not tree.ends_at[x]
-            and path * (len(kids) - 1) <= min_shared * below
-            and not all(is_deep(c) for c in kids)
-        ):
+        cheap = is_deep(x) and path * (len(kids) - 1) <= min_shared / 4 * below
+        if kids and not tree.ends_at[x] and (cheap or too_long(x)):
             stack.extend(reversed(kids))
             continue
         out.append(x)
@@ -165,7 +176,9 @@ def sequence_groups(tree: PrefixTree, groups: Sequence[int]) -> np.ndarray:
     return out
 
 
-def deep_sequences(tree: PrefixTree, min_shared: float = 0.1) -> np.ndarray:
+def deep_sequences(
+    tree: PrefixTree, min_shared: float = 0.1, fit: tuple[int, int] | None = None
+) -> np.ndarray:
     """bool [N]: sequence i belongs to a *deep* group (``group_nodes``), one where the
     rows form would recompute more than ``min_shared`` of the group's suffix tokens.
 
@@ -174,7 +187,7 @@ def deep_sequences(tree: PrefixTree, min_shared: float = 0.1) -> np.ndarray:
     tokens of GRPO responses stay well under the threshold (rows), shared turns of
     a multi-turn tree do not (dfs).
     """
-    groups, deep = group_nodes(tree, min_shared)
+    groups, deep = group_nodes(tree, min_shared, fit)
     return deep[sequence_groups(tree, groups)]
 
 
@@ -251,7 +264,7 @@ class GroupPlan:
     seq_row: np.ndarray  # [N] row within its group (-1: ends at the prefix)
 
 
-def group_plan(tree: PrefixTree) -> GroupPlan:
+def group_plan(tree: PrefixTree, fit: tuple[int, int] | None = None) -> GroupPlan:
     """Groups = ``group_nodes``; one suffix row per leaf below each group's node.
 
     A sequence ending at an internal node Z below the prefix is evaluated on the
@@ -261,7 +274,7 @@ def group_plan(tree: PrefixTree) -> GroupPlan:
     seq_group = np.zeros(n, np.int64)
     seq_row = np.full(n, -1, np.int64)
     nodes, ends, leaves_all, slots_all, pslots = [], [], [], [], []
-    for g, x in enumerate(group_nodes(tree)[0]):
+    for g, x in enumerate(group_nodes(tree, fit=fit)[0]):
         nodes.append(x)
         ends.append(int(tree.start[x] + tree.length[x]))
         for i in tree.ends_at[x]:
@@ -340,6 +353,11 @@ class PrefixReuseEngine(base.BucketState):
     @property
     def trace_count(self) -> int:
         return self.jit.trace_count
+
+    @property
+    def _fit(self) -> tuple[int, int] | None:
+        """(prefix, row) lengths the groups must fit once reserved (``group_nodes``)."""
+        return (self._min["prefix"], self._min["row_len"]) if self._sealed else None
 
     @property
     def offloads(self) -> bool:
@@ -576,7 +594,7 @@ class PrefixReuseEngine(base.BucketState):
         tree = batch.prefix_tree()
         if self.dfs is None:
             return self._prepare_rows(batch, loss, w, tree)
-        deep = deep_sequences(tree)
+        deep = deep_sequences(tree, fit=self._fit)
         if deep.any() and not self._sealed:
             self._min["split"] = 1
         if not self._min["split"]:
@@ -612,7 +630,7 @@ class PrefixReuseEngine(base.BucketState):
         )
 
     def _prepare_rows(self, batch: RolloutBatch, loss, w, tree) -> base.Prepared:
-        plan = group_plan(tree)
+        plan = group_plan(tree, self._fit)
         ng = len(plan.prefix_nodes)
         b_end = plan.prefix_end.copy()
         if self._sealed:
