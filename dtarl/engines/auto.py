@@ -280,9 +280,9 @@ class AutoEngine:
         with ``choice_basis`` "predicted (autotune budget spent)". None: no bound.
       cache_path: a JSON file of measured choices (``ChoiceCache``), keyed by the
         model's and engines' configs, the device kind and the batch signature: a
-        run (with ``autotune`` and ``reuse_choices``) reads the choices of earlier runs (``choice_basis`` "cached": only that
-        engine prepares, nothing is timed or re-checked) and writes its own. None
-        (the default): no file.
+        run (with ``autotune`` and ``reuse_choices``) reads the choices of earlier
+        runs (``choice_basis`` "cached": only that engine prepares, nothing is timed
+        or re-checked) and writes its own. None (the default): no file.
     """
 
     def __init__(
