@@ -359,12 +359,43 @@ def machine_info() -> dict[str, Any]:
     )
 
 
+# ----------------------------------------------------------------------------- compile time
+
+# jax.monitoring's duration events of one jit cache miss: tracing to a jaxpr,
+# lowering it to StableHLO, and XLA's compile (they run one after another, so
+# their sum is the miss's cost; a persistent-cache hit skips the last).
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+_compile = {"seconds": 0.0, "listening": False}
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    if event in COMPILE_EVENTS:
+        _compile["seconds"] += float(duration)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent tracing, lowering and compiling jitted programs
+    (``COMPILE_EVENTS``, reported by JAX itself through ``jax.monitoring``), counted
+    from the first call of this function, which installs the listener. Differences
+    of two calls time the compiles in between, on whatever thread they ran."""
+    if not _compile["listening"]:
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        _compile["listening"] = True
+    return _compile["seconds"]
+
+
 __all__ = [
+    "COMPILE_EVENTS",
     "QuietGate",
     "Rounds",
     "Settle",
     "TimedRuns",
     "alternating",
+    "compile_seconds",
     "fixed",
     "interleaved_rounds",
     "load_avg",

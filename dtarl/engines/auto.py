@@ -39,17 +39,29 @@ program. Tuning happens once per bucket; later batches in the same buckets are
 neither timed nor recompiled. ``prepare`` (what the sharded runner calls) uses the
 corrected estimates but never times. The chosen engine runs its already-prepared
 batch; ``AutoEngine`` has the same API and delegates, and its stats say which
-engine ran, why (``choice_basis``: "measured" or "predicted", ``choice_reason``),
-and how long this batch's tuning took (``autotune_seconds``, 0 when none).
+engine ran, why (``choice_basis``: "measured", "reused", "cached" or "predicted",
+``choice_reason``), and how long this batch's tuning took (``autotune_seconds``,
+0 when none).
+
+In a run (after ``reserve``), the candidates' programs are fixed, so each is timed
+at most once; the signature that ``reuse_choices`` compares is bucketed (depth
+included), ``budget_seconds`` bounds the tuning, and ``cache_path`` carries
+measured choices over to the next run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
+import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from dtarl.batch import RolloutBatch
@@ -122,6 +134,102 @@ class _DelegatingJit:
         return sum(e.jit.trace_count for e in self._auto.engines.values())
 
 
+class ChoiceCache:
+    """Measured choices reused across runs: a JSON file mapping (scope, signature) to
+    the engine a measured choice picked, and its measured seconds.
+
+    ``scope`` says what a choice is valid for besides the batch's signature (the
+    model's and engines' configs and the device kind: ``AutoEngine._cache_scope``);
+    entries of other scopes in the same file are kept but never used. Every new
+    choice is written at once, atomically (a temporary file in the same folder,
+    then ``os.replace``), merged with what the file holds then. A file that is not
+    one of these (unreadable, not JSON, another format or version) gives a warning
+    and is ignored: nothing is read from it and it is never overwritten. ``path``
+    None: no file, nothing kept.
+    """
+
+    VERSION = 1
+    FORMAT = "dtarl.autotune-choices"
+
+    def __init__(self, path: str | None, scope: str):
+        self.path = path
+        self.scope = scope
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.writable = path is not None
+        if path is not None and os.path.exists(path):
+            data = self._read(path)
+            if data is None:
+                self.writable = False
+            else:
+                self.entries = data
+
+    @staticmethod
+    def key(scope: str, sig: tuple) -> str:
+        return scope + "|" + repr(sig)
+
+    def _read(self, path: str) -> dict[str, dict[str, Any]] | None:
+        """The file's entries, or None (with a warning) when it is not a choice cache."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            ok = (
+                isinstance(data, dict)
+                and data.get("format") == self.FORMAT
+                and data.get("version") == self.VERSION
+                and isinstance(data.get("entries"), dict)
+                and all(
+                    isinstance(v, dict) and isinstance(v.get("kind"), str)
+                    for v in data["entries"].values()
+                )
+            )
+            if not ok:
+                raise ValueError(f"not a {self.FORMAT} file of version {self.VERSION}")
+            return data["entries"]
+        except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+            warnings.warn(
+                f"engine.auto.cache_path={path!r}: {e}; the file is ignored and will not "
+                "be overwritten (delete it or choose another path to cache choices)",
+                stacklevel=3,
+            )
+            return None
+
+    def get(self, sig: tuple) -> dict[str, Any] | None:
+        return self.entries.get(self.key(self.scope, sig))
+
+    def put(self, sig: tuple, kind: str, seconds: float) -> None:
+        if self.path is None:
+            return
+        key = self.key(self.scope, sig)
+        entry = {"kind": kind, "measured_seconds": float(seconds)}
+        if self.entries.get(key) == entry:
+            return
+        self.entries[key] = entry
+        if not self.writable:
+            return
+        if os.path.exists(self.path):  # another run may have added choices meanwhile
+            on_disk = self._read(self.path)
+            if on_disk is None:
+                self.writable = False
+                return
+            self.entries = {**on_disk, **self.entries}
+        folder = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".autotune-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(
+                    {"format": self.FORMAT, "version": self.VERSION, "entries": self.entries},
+                    f,
+                    indent=1,
+                    sort_keys=True,
+                )
+            os.replace(tmp, self.path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+
 class AutoEngine:
     """Delegates each batch to the engine predicted (and, with ``autotune``, measured)
     fastest.
@@ -168,6 +276,16 @@ class AutoEngine:
         timed buckets' corrected estimates decide; a new bucket in margin is
         timed), so batches that share a signature but not a best engine are caught;
         0 never re-checks.
+      budget_seconds: the most seconds of tuning (timing rounds, whose first calls
+        compile) this engine spends in all; checked before each round, so one round
+        may overrun it. Once spent, batches whose candidates in margin were not
+        timed go to the cost model's pick (corrected by the buckets already timed),
+        with ``choice_basis`` "predicted (autotune budget spent)". None: no bound.
+      cache_path: a JSON file of measured choices (``ChoiceCache``), keyed by the
+        model's and engines' configs, the device kind and the batch signature: a
+        run (with ``autotune`` and ``reuse_choices``) reads the choices of earlier
+        runs (``choice_basis`` "cached": only that engine prepares, nothing is timed
+        or re-checked) and writes its own. None (the default): no file.
     """
 
     def __init__(
@@ -217,6 +335,10 @@ class AutoEngine:
         # batch signature -> the engine a measured choice picked for it.
         self.choices: dict[tuple, str] = {}
         self._reused: dict[tuple, int] = {}  # signature -> batches given the reused pick
+        # Signatures deeper than this count as this deep (``reserve`` sets it).
+        self._depth_cap: int | None = None
+        self.tune_seconds_total = 0.0  # all tuning so far (``budget_seconds`` bounds it)
+        self.cache = ChoiceCache(self.config.cache_path, self._cache_scope())
 
     @property
     def candidates(self) -> tuple[str, ...]:
@@ -231,7 +353,19 @@ class AutoEngine:
         programs auto times and runs are the candidates' own)."""
         for engine in self.engines.values():
             engine.reserve(capacity)
+        # Depths within the capacity's range share a signature: the candidates'
+        # programs are reserved for all of them (the depth a run's trees reach with
+        # forks in the responses and tool turns varies from batch to batch).
+        self._depth_cap = max(self._depth_cap or 0, bucket(1 + 2 * capacity.turns))
         return self
+
+    def _cache_scope(self) -> str:
+        """What a cached choice is valid for besides its signature: the model's and the
+        engines' configs and the device kind."""
+        dev = jax.devices()[0]
+        key = repr((self.cfg, [(k, e.config) for k, e in self.engines.items()], self.candidates))
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return f"{digest}|{dev.platform}:{dev.device_kind}x{jax.device_count()}"
 
     # ----------------------------------------------------------------- choice
 
@@ -269,10 +403,15 @@ class AutoEngine:
         then = self.cost_model.coefs[kind].predict(t.work)
         return t.measured if then <= 0 else pred * (t.measured / then)
 
-    @staticmethod
-    def signature(batch: RolloutBatch, loss) -> tuple:
-        """What ``reuse_choices`` compares: the loss and the batch's size buckets."""
+    def signature(self, batch: RolloutBatch, loss) -> tuple:
+        """What ``reuse_choices`` compares: the loss and the batch's size buckets. The
+        depth is bucketed too (powers of two), and after ``reserve`` every depth past
+        the capacity's ``1 + 2 * turns`` counts as that: a fork in the responses
+        adds a level without changing the reserved programs."""
         st = batch.prefix_tree().stats
+        depth = bucket(st.depth)
+        if self._depth_cap is not None:
+            depth = min(depth, self._depth_cap)
         return (
             loss,
             bucket(st.num_sequences),
@@ -280,8 +419,14 @@ class AutoEngine:
             fine_bucket(st.tree_tokens),
             bucket(st.longest_path),
             bucket(st.num_leaves),
-            int(st.depth),
+            depth,
         )
+
+    @property
+    def budget_spent(self) -> bool:
+        """Whether ``budget_seconds`` of tuning have been spent (never without one)."""
+        budget = self.config.budget_seconds
+        return budget is not None and self.tune_seconds_total >= budget
 
     def _reuse(self, batch, loss, weights) -> _Choice | None:
         """The remembered measured choice for this batch's signature, if its engine's
@@ -289,7 +434,7 @@ class AutoEngine:
         sig = self.signature(batch, loss)
         kind = self.choices.get(sig)
         if kind is None:
-            return None
+            return self._cached(sig, batch, loss, weights)
         self._reused[sig] = n = self._reused.get(sig, 0) + 1
         if self.config.recheck_every and n % self.config.recheck_every == 0:
             return None  # the full choice, from the candidates' corrected estimates
@@ -310,6 +455,31 @@ class AutoEngine:
             prepared={kind: prep},
         )
 
+    def _cached(self, sig, batch, loss, weights) -> _Choice | None:
+        """The choice the cache file holds for this signature (a measured choice of an
+        earlier run on the same model, engines and device), if any: only that engine
+        prepares; nothing is timed, and it is not re-checked."""
+        entry = self.cache.get(sig)
+        if entry is None:
+            return None
+        kind = entry["kind"]
+        if kind not in self.candidates:
+            return None
+        prep = self.engines[kind].prepare(batch, loss, weights=weights)
+        seconds = float(entry.get("measured_seconds", float("nan")))
+        return _Choice(
+            kind=kind,
+            reason=f"{kind}: measured {seconds * 1e3:.3g} ms on a batch with the same "
+            f"signature in an earlier run (cache {self.cache.path})",
+            basis="cached",
+            predicted={},
+            estimated={},
+            measured={},
+            timed_now=(),
+            tune_seconds=0.0,
+            prepared={kind: prep},
+        )
+
     def _choose(self, batch, loss, weights, params=None) -> _Choice:
         """The choice; with ``params`` (and ``autotune``) it times the programs in margin."""
         loss = loss if loss is not None else MaskedNLLLoss()
@@ -322,6 +492,7 @@ class AutoEngine:
         pred = {e: self.cost_model.coefs[e].predict(w) for e, w in work.items()}
         keys = {e: (e, prepared[e].static, loss) for e in work}
         timed_now: list[str] = []
+        over_budget = False
         t0 = time.perf_counter()
         # A step is host work (prepare, finish) plus the device program. A timed
         # candidate was timed a whole step at a time, so its (bucket-corrected)
@@ -339,10 +510,15 @@ class AutoEngine:
             todo = [e for e in in_margin if keys[e] not in self.timings]
             if not tune or not todo:
                 break
+            if self.budget_spent:  # checked before each round: one round may overrun it
+                over_budget = True
+                break
             # The new programs are timed side by side with the programs in margin
             # that were timed before (those are timed again, on this batch), so that
             # a close pick compares samples from one stretch of the machine's time.
+            t_round = time.perf_counter()
             seconds = self._time(in_margin, batch, loss, weights, params)
+            self.tune_seconds_total += time.perf_counter() - t_round
             for e in in_margin:
                 self.timings[keys[e]] = Timing(
                     measured=float(seconds[e]), predicted=pred[e], work=work[e]
@@ -352,11 +528,22 @@ class AutoEngine:
         tune_s = time.perf_counter() - t0 if timed_now else 0.0
         measured = {e: self.timings[keys[e]].measured for e in work if keys[e] in self.timings}
         basis = "measured" if best in measured else "predicted"
-        if tune and self.config.reuse_choices and basis == "measured":
-            self.choices[self.signature(batch, loss)] = best
+        budget_note = ""
+        if over_budget and basis == "predicted":
+            basis = "predicted (autotune budget spent)"
+            budget_note = (
+                f"; autotune budget of {self.config.budget_seconds:g} s spent "
+                f"({self.tune_seconds_total:.3g} s): cost-model prediction"
+            )
+        if tune and basis == "measured":
+            sig = self.signature(batch, loss)
+            if self.config.reuse_choices:
+                self.choices[sig] = best
+            self.cache.put(sig, best, measured[best])
         return _Choice(
             kind=best,
             reason=self._reason(best, work, pred, est, measured, timed_now)
+            + budget_note
             + "; host prepare "
             + ", ".join(f"{e} {host[e] * 1e3:.2g} ms" for e in work),
             basis=basis,
@@ -487,4 +674,4 @@ class AutoEngine:
         return self.cost_model
 
 
-__all__ = ["AutoEngine", "Timing", "time_program", "time_programs"]
+__all__ = ["AutoEngine", "ChoiceCache", "Timing", "time_program", "time_programs"]

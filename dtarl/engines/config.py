@@ -133,6 +133,8 @@ class AutoConfig:
     tune_repeats: int = 5  # timed calls per program (the median counts)
     reuse_choices: bool = True  # a batch of a measured signature goes to its pick
     recheck_every: int = 64  # re-run the full choice every N batches of a signature
+    budget_seconds: float | None = None  # total tuning time; then the cost model decides
+    cache_path: str | None = None  # JSON file of measured choices reused across runs
 
     def __post_init__(self):
         object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -146,6 +148,14 @@ class AutoConfig:
         _at_least(self, 0.0, "tune_all_below")
         _at_least(self, 1, "tune_repeats")
         _at_least(self, 0, "recheck_every")
+        if self.budget_seconds is not None:
+            _at_least(self, 0.0, "budget_seconds")
+        if self.cache_path is not None and not (
+            isinstance(self.cache_path, str) and self.cache_path
+        ):
+            raise ValueError(
+                f"{self.SECTION}.cache_path={self.cache_path!r}: must be a file path or None"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -169,6 +179,8 @@ class Capacity:
     ``group_size`` sequences each. ``prompt_len`` and ``response_len`` (optional)
     bound a group's shared prefix and each suffix: prefix_reuse reserves its group
     shapes only when they are given, since padding every group to them costs.
+    ``turns`` > 1 (multi-turn episodes: trees that branch below the prompt) makes
+    prefix_reuse reserve its two-program form for deep groups up front.
     """
 
     sequences: int
@@ -178,9 +190,10 @@ class Capacity:
     groups: int = 1
     prompt_len: int | None = None
     response_len: int | None = None
+    turns: int = 1
 
     def __post_init__(self):
-        for name in ("sequences", "length", "group_size", "groups"):
+        for name in ("sequences", "length", "group_size", "groups", "turns"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"Capacity.{name}={v!r}: must be an int >= 1")
@@ -192,9 +205,21 @@ class Capacity:
                 raise ValueError(f"Capacity.{name}={v!r}: must be an int >= 1 (or None)")
 
     @property
-    def plan_steps(self) -> int:
-        """A bound on a DFS plan's steps: a push and a pop per sequence and per group."""
-        return 2 * self.sequences + 2 * self.groups
+    def tree_tokens(self) -> int:
+        """A bound on a batch's prefix-tree tokens: ``tokens``, or, when the prompt and
+        response lengths are bounded, a prompt per group plus a response per sequence."""
+        if self.prompt_len is None or self.response_len is None:
+            return self.tokens
+        return min(self.tokens, self.groups * self.prompt_len + self.sequences * self.response_len)
+
+    def plan_steps(self, chunk_len: int) -> int:
+        """A bound on the steps of a DFS plan of chunk ``chunk_len`` for any batch
+        within this capacity. A node of n tokens costs at most ceil(n / C) pushes and
+        as many pops, and a tree of N sequences has at most 2N nodes (N leaves or
+        ends, at most N - 1 forks), so steps <= 2 * ceil(tree_tokens / C) + 4N
+        (packing, rows, wide pops and merged runs only remove steps). Padding steps
+        are no-ops in the scan, cheap next to a compile."""
+        return 2 * -(-self.tree_tokens // chunk_len) + 4 * self.sequences
 
 
 def configured(cls, config, settings: dict):

@@ -378,12 +378,12 @@ class DFSEngine(base.BucketState):
         within it never trigger a recompilation. Buckets only grow."""
         path = capacity.length
         for key, value in (
-            ("steps", capacity.plan_steps),
+            ("steps", capacity.plan_steps(self.config.chunk_len)),
             ("path", path),
             ("slots", capacity.group_size),
             ("seqs", capacity.sequences),
             ("flat", capacity.tokens),
-            ("tree", capacity.tokens),
+            ("tree", capacity.tree_tokens + 1),  # +1: the plan's trailing slot
         ):
             self._min[key] = max(self._min[key], bucket(value))
         chunk, wide = self.config.chunk_len, self.config.wide_chunks
@@ -465,8 +465,10 @@ class DFSEngine(base.BucketState):
         """Each step's entries: PUSH and POP run one chunk of C, POP_ROWS ``rows``
         chunks, POP_WIDE ``rows`` rows of ``wide`` chunks; a push is a forward, a pop
         a recomputed forward and a backward. Every entry attends its prefix bucket
-        and its whole row (C, or C * wide for a wide row); NOOP padding steps run
-        nothing but still count as scan steps."""
+        and its whole row (C, or C * wide for a wide row). NOOP padding steps run
+        nothing and are not counted as steps: a reserved plan pads to a bound of
+        several times its real steps, and on this CPU 14 and 1024 padded steps of the
+        same 13-step plan took the same time (within the machine's noise)."""
         steps, st = prepared.args[0], prepared.static
         f0, fa = token_flops(self.cfg)
         sizes = np.asarray(st.prefix_sizes, np.float64)
@@ -480,7 +482,7 @@ class DFSEngine(base.BucketState):
         return base.WorkFeatures(
             lin_flops=float(c * f0 * passes.sum()),
             attn_flops=float(c * fa * (passes * ctx).sum()),
-            steps=float(op.shape[0]),
+            steps=float(np.count_nonzero(op != Op.NOOP)),
             tokens=float(c * width.sum()),
             program=self.name,
         )

@@ -16,8 +16,10 @@ are non-separable across the prefix/suffix boundary (sequence-level
 normalisation, ratios, KL) stay exact because the loss of a sequence is always
 evaluated on its whole path.
 
-Groups are the top-level nodes of the batch's prefix tree (the children of the
-virtual root): for GRPO, one group per prompt, its node = the prompt. The fork
+Groups are nodes of the batch's prefix tree (``group_nodes``): the top-level
+nodes (the children of the virtual root), or the nodes below a short prefix that
+every prompt shares (a BOS token, a chat template); for GRPO, one group per
+prompt, its node = the prompt, and its prefix the whole path to it. The fork
 trick of ``dtarl.tree.plan`` applies: the prefix node X covering path positions
 [0, b) runs inputs [0, b-1) (its K/V are the first b-1 rows) and each suffix row
 starts with X's last token at position b-1, so the fork logit that predicts a
@@ -71,6 +73,7 @@ prefix, S path buffer, L layers.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -94,34 +97,98 @@ from dtarl.tree.plan import bucket, fine_bucket
 from dtarl.tree.trie import PrefixTree, build_tree
 
 
-def deep_sequences(tree: PrefixTree, min_shared: float = 0.1) -> np.ndarray:
-    """bool [N]: sequence i belongs to a *deep* top-level group, one where the rows
-    form would recompute more than ``min_shared`` of the group's suffix tokens.
+def _subtree_sums(tree: PrefixTree) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per node: leaves under it, tokens of its subtree, and the tokens the rows form
+    would recompute in its subtree (``len(y) * (leaves(y) - 1)`` summed over y)."""
+    n = tree.num_nodes
+    leaves, tokens, extra = (np.zeros(n, np.int64) for _ in range(3))
+    for y in range(n - 1, 0, -1):  # preorder ids: children after parents
+        leaves[y] = 1 if not tree.children[y] else leaves[y]
+        ln = int(tree.length[y])
+        tokens[y] += ln
+        extra[y] += ln * int(leaves[y] - 1)
+        p = int(tree.parent[y])
+        leaves[p] += leaves[y]
+        tokens[p] += tokens[y]
+        extra[p] += extra[y]
+    return leaves, tokens, extra
+
+
+def group_nodes(
+    tree: PrefixTree, min_shared: float = 0.1, fit: tuple[int, int] | None = None
+) -> tuple[tuple[int, ...], np.ndarray]:
+    """The batch's groups (tree nodes, preorder) and whether each is *deep*: one where
+    the rows form would recompute more than ``min_shared`` of the suffix tokens below it.
+
+    Groups start at the root's children. A deep group is split into its children's
+    groups (each with the whole path down to it as its prefix) when recomputing that
+    path once per child costs at most a quarter of ``min_shared`` of the tokens
+    below it and no sequence ends there: a shared first token of every prompt (a
+    BOS, a chat template) makes one top-level node of the whole batch, but the
+    groups are the prompts under it; a prompt shared by deep multi-turn branches
+    stays one group (recomputing it per branch would cost more, padding included).
+    ``fit`` = (prefix, row): a reserved engine's prefix and suffix-row lengths; a
+    group whose rows would be longer (its prefix ending at most at ``prefix``) is
+    split too, where it can be, so that a run's batches keep the reserved shapes.
+    """
+    leaves, tokens, extra = _subtree_sums(tree)
+    deepest = (tree.start + tree.length).astype(np.int64)  # the longest path below
+    for y in range(tree.num_nodes - 1, 0, -1):
+        p = int(tree.parent[y])
+        deepest[p] = max(deepest[p], deepest[y])
+
+    def too_long(x: int) -> bool:
+        if fit is None:
+            return False
+        end = int(tree.start[x] + tree.length[x])
+        b = end if tree.ends_at[x] else min(end, fit[0] + 1)
+        return int(deepest[x]) - b > fit[1]
+
+    def is_deep(x: int) -> bool:
+        ln = int(tree.length[x])
+        below = int(tokens[x]) - ln
+        return int(extra[x]) - ln * int(leaves[x] - 1) > min_shared * max(below, 1)
+
+    out, deep = [], []
+    stack = list(reversed(tree.children[0]))
+    while stack:
+        x = stack.pop()
+        kids = tree.children[x]
+        below = int(tokens[x]) - int(tree.length[x])
+        path = int(tree.start[x] + tree.length[x])
+        cheap = is_deep(x) and path * (len(kids) - 1) <= min_shared / 4 * below
+        if kids and not tree.ends_at[x] and (cheap or too_long(x)):
+            stack.extend(reversed(kids))
+            continue
+        out.append(x)
+        deep.append(is_deep(x))
+    return tuple(out), np.asarray(deep, bool)
+
+
+def sequence_groups(tree: PrefixTree, groups: Sequence[int]) -> np.ndarray:
+    """int [N]: the index in ``groups`` of the group of each sequence."""
+    index = {x: g for g, x in enumerate(groups)}
+    out = np.zeros(tree.stats.num_sequences, np.int64)
+    for i, node in enumerate(tree.seq_node.tolist()):
+        while node not in index:
+            node = int(tree.parent[node])
+        out[i] = index[node]
+    return out
+
+
+def deep_sequences(
+    tree: PrefixTree, min_shared: float = 0.1, fit: tuple[int, int] | None = None
+) -> np.ndarray:
+    """bool [N]: sequence i belongs to a *deep* group (``group_nodes``), one where the
+    rows form would recompute more than ``min_shared`` of the group's suffix tokens.
 
     The rows form recomputes a node y below the prefix once per leaf under it, so
     ``len(y) * (leaves(y) - 1)`` extra tokens; a few accidentally shared first
     tokens of GRPO responses stay well under the threshold (rows), shared turns of
     a multi-turn tree do not (dfs).
     """
-    n_leaves = np.zeros(tree.num_nodes, np.int64)
-    for y in range(tree.num_nodes - 1, 0, -1):  # preorder ids: children after parents
-        n_leaves[y] = 1 if not tree.children[y] else n_leaves[y]
-        n_leaves[int(tree.parent[y])] += n_leaves[y]
-    deep_group = {}
-    for x in tree.children[0]:
-        stack, extra, total = list(tree.children[x]), 0, 0
-        while stack:
-            y = stack.pop()
-            total += int(tree.length[y])
-            extra += int(tree.length[y]) * int(n_leaves[y] - 1)
-            stack.extend(tree.children[y])
-        deep_group[x] = extra > min_shared * max(total, 1)
-    out = np.zeros(tree.stats.num_sequences, bool)
-    for i, node in enumerate(tree.seq_node.tolist()):
-        while int(tree.parent[node]) != 0:
-            node = int(tree.parent[node])
-        out[i] = deep_group[node]
-    return out
+    groups, deep = group_nodes(tree, min_shared, fit)
+    return deep[sequence_groups(tree, groups)]
 
 
 def offload_supported() -> bool:
@@ -197,8 +264,8 @@ class GroupPlan:
     seq_row: np.ndarray  # [N] row within its group (-1: ends at the prefix)
 
 
-def group_plan(tree: PrefixTree) -> GroupPlan:
-    """Groups = the root's children; one suffix row per leaf below each group's node.
+def group_plan(tree: PrefixTree, fit: tuple[int, int] | None = None) -> GroupPlan:
+    """Groups = ``group_nodes``; one suffix row per leaf below each group's node.
 
     A sequence ending at an internal node Z below the prefix is evaluated on the
     row of the first leaf under Z (its logprobs are a prefix of that row's path).
@@ -207,7 +274,7 @@ def group_plan(tree: PrefixTree) -> GroupPlan:
     seq_group = np.zeros(n, np.int64)
     seq_row = np.full(n, -1, np.int64)
     nodes, ends, leaves_all, slots_all, pslots = [], [], [], [], []
-    for g, x in enumerate(tree.children[0]):
+    for g, x in enumerate(group_nodes(tree, fit=fit)[0]):
         nodes.append(x)
         ends.append(int(tree.start[x] + tree.length[x]))
         for i in tree.ends_at[x]:
@@ -286,10 +353,18 @@ class PrefixReuseEngine(base.BucketState):
         self.jit = base.JitCache(self)
         self._min = dict(groups=1, prefix=1, rows=1, row_len=1, slots=1, pslots=1, path=1)
         self._min.update(seqs=1, flat=1, split=0)
+        # Set by ``reserve`` with prompt and response bounds: the group shapes are
+        # then fixed (see ``reserve``).
+        self._sealed = False
 
     @property
     def trace_count(self) -> int:
         return self.jit.trace_count
+
+    @property
+    def _fit(self) -> tuple[int, int] | None:
+        """(prefix, row) lengths the groups must fit once reserved (``group_nodes``)."""
+        return (self._min["prefix"], self._min["row_len"]) if self._sealed else None
 
     @property
     def offloads(self) -> bool:
@@ -324,9 +399,18 @@ class PrefixReuseEngine(base.BucketState):
         never recompile. The group buckets (groups, rows, prefix and suffix lengths)
         are reserved only when ``capacity`` bounds the prompt and the response;
         otherwise they grow with the batches: their bound is then the longest
-        sequence, and padding every group to it costs more than a few compiles."""
+        sequence, and padding every group to it costs more than a few compiles.
+
+        Reserved group shapes stay fixed: a group whose responses share their first
+        tokens (its top-level node reaches past the reserved prefix) runs the shared
+        part in its suffix rows, and, unless ``capacity.turns`` > 1 reserved the
+        two-program form, a batch with deep groups runs them as rows (exact, shared
+        nodes below the prefix recomputed; ``DeepTrees.ROWS``) rather than compiling
+        the two-program form mid-run."""
         if self.dfs is not None:
             self.dfs.reserve(capacity)
+            if capacity.turns > 1:
+                self._min["split"] = 1
         for key, value in (
             ("slots", capacity.group_size),
             ("pslots", capacity.group_size),
@@ -343,6 +427,7 @@ class PrefixReuseEngine(base.BucketState):
                 ("row_len", capacity.response_len, fine_bucket),
             ):
                 self._min[key] = max(self._min[key], fn(value))
+            self._sealed = True
         return self
 
     # ------------------------------------------------------------ device side
@@ -518,8 +603,8 @@ class PrefixReuseEngine(base.BucketState):
         tree = batch.prefix_tree()
         if self.dfs is None:
             return self._prepare_rows(batch, loss, w, tree)
-        deep = deep_sequences(tree)
-        if deep.any():
+        deep = deep_sequences(tree, fit=self._fit)
+        if deep.any() and not self._sealed:
             self._min["split"] = 1
         if not self._min["split"]:
             return self._prepare_rows(batch, loss, w, tree)
@@ -554,9 +639,17 @@ class PrefixReuseEngine(base.BucketState):
         )
 
     def _prepare_rows(self, batch: RolloutBatch, loss, w, tree) -> base.Prepared:
-        plan = group_plan(tree)
+        plan = group_plan(tree, self._fit)
         ng = len(plan.prefix_nodes)
-        b_end = plan.prefix_end
+        b_end = plan.prefix_end.copy()
+        if self._sealed:
+            # A prefix past its reserved bucket (responses sharing their first tokens)
+            # ends at the bucket; the rest of the shared node runs in every row.
+            # Not when a sequence ends at the prefix node: its loss reads the prefix only.
+            cap = self._min["prefix"] + 1
+            for g in range(ng):
+                if b_end[g] > cap and not plan.prefix_slots[g]:
+                    b_end[g] = cap
         row_lens = [
             [int(tree.start[y] + tree.length[y]) - int(b_end[g]) for y in leaves]
             for g, leaves in enumerate(plan.row_leaf)
@@ -587,7 +680,7 @@ class PrefixReuseEngine(base.BucketState):
         computed = 0
         for g, x in enumerate(plan.prefix_nodes):
             b = int(b_end[g])
-            toks = tree.node_tokens(x)  # a top-level node starts at position 0
+            toks = tree.path_tokens(x)  # the group's prefix: the whole path to x
             g_in[g, : b - 1] = toks[: b - 1]
             g_tg[g, : b - 1] = toks[1:b]
             n_in[g] = b - 1

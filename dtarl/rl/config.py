@@ -272,6 +272,10 @@ class AlgoSection:
     recompute_old_logprobs: bool = False
     engine: EngineKind = EngineKind.AUTO  # its settings: the ``engine:`` section
     darts: DartsSection = dataclasses.field(default_factory=DartsSection)
+    # auto: seconds of engine tuning in all (None: unbounded); then the cost model picks
+    autotune_budget_seconds: float | None = None
+    # auto: JSON file of measured engine choices reused across runs (None: off)
+    autotune_cache: str | None = None
     gamma: float = 1.0  # PPO GAE
     lam: float = 0.95  # PPO GAE
     value_lr: float = 1e-3  # PPO value model
@@ -293,6 +297,14 @@ class AlgoSection:
         _in_range(self, "lam", 0, 1)
         if self.std_ddof not in (0, 1):
             raise ConfigError(f"algo.std_ddof={self.std_ddof} must be 0 or 1")
+        if self.autotune_budget_seconds is not None:
+            _nonneg(self, "autotune_budget_seconds")
+        if self.autotune_cache is not None and not (
+            isinstance(self.autotune_cache, str) and self.autotune_cache
+        ):
+            raise ConfigError(
+                f"algo.autotune_cache={self.autotune_cache!r} must be a file path (or null: off)"
+            )
 
     @property
     def eps_high(self) -> float:
@@ -377,6 +389,8 @@ RESUME_FREE_KEYS = (
     "eval_every",
     "eval_problems",
     "algo.engine",
+    "algo.autotune_budget_seconds",
+    "algo.autotune_cache",
     "engine",
 )
 

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from dtarl.batch import RolloutBatch
-from dtarl.engines import Capacity, make_engine, training_temperature
+from dtarl.engines import Capacity, EngineConfig, make_engine, training_temperature
 from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model, load_hf
 from dtarl.model.tokenizer import ByteTokenizer, load_tokenizer
@@ -82,6 +82,7 @@ from dtarl.rl.tasks import Problem, Task, make_task
 from dtarl.rl.value import ValueModel
 from dtarl.rollout.sampler import Sampler
 from dtarl.rollout.stream import StreamingScorers
+from dtarl.timing import compile_seconds
 
 # Seeds of the problem streams: np.random.default_rng([seed, stream, step]).
 _SEED_SFT, _SEED_RL, _SEED_EVAL = 1, 2, 3
@@ -139,6 +140,17 @@ def stop_sequences(tokenizer, strings) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
+def engine_config(cfg: TrainerConfig) -> EngineConfig:
+    """The ``engine:`` section with ``algo.autotune_budget_seconds`` and
+    ``algo.autotune_cache`` (where set) in auto's settings."""
+    a, auto = cfg.algo, cfg.engine.auto
+    if a.autotune_budget_seconds is not None:
+        auto = dataclasses.replace(auto, budget_seconds=a.autotune_budget_seconds)
+    if a.autotune_cache is not None:
+        auto = dataclasses.replace(auto, cache_path=a.autotune_cache)
+    return dataclasses.replace(cfg.engine, auto=auto)
+
+
 class Trainer:
     """Runs a ``TrainerConfig``. ``reward_fn`` (sync or async) replaces the task's verifier."""
 
@@ -172,12 +184,12 @@ class Trainer:
         # The engine's logprobs are those of logits / T, the sampler's (greedy: T = 1).
         self.temperature = training_temperature(r.temperature)
         self.engine = make_engine(
-            cfg.algo.engine, self.model, cfg.engine, temperature=self.temperature
+            cfg.algo.engine, self.model, engine_config(cfg), temperature=self.temperature
         )
         # SFT trains the model itself (T = 1): its own engine when the rollout's differs.
         self.sft_engine = self.engine
         if cfg.sft.steps and self.temperature != 1.0:
-            self.sft_engine = make_engine(cfg.algo.engine, self.model, cfg.engine)
+            self.sft_engine = make_engine(cfg.algo.engine, self.model, engine_config(cfg))
         self.loss = make_loss(cfg, self.max_response)
         self.sft_loss = MaskedNLLLoss()
         self.scorer = (
@@ -219,6 +231,8 @@ class Trainer:
         self.step = 0  # completed global steps (SFT + RL)
         self.data_cursor = 0  # problems consumed
         self.skipped = 0
+        self.compile_total = self.autotune_total = 0.0  # seconds, this process's steps
+        compile_seconds()  # starts JAX's compile-time events
         self.eval_rl_start: float | None = None  # greedy success rate after the warm-up
         self.eval_problems = self.task.generate(
             np.random.default_rng([cfg.seed, _SEED_EVAL]), cfg.eval_problems
@@ -239,12 +253,12 @@ class Trainer:
         return max(len(encode_prompt(self.tokenizer, p.prompt)) for p in probe)
 
     def _reserve(self):
-        """Pre-sizes sampler and engine buckets to the run's largest batch, so that
-        the sampler, dense and dfs never recompile after their first step (auto's
-        candidates are sized as if each ran alone). prefix_reuse's group buckets
-        (groups, prefix and suffix lengths, rows) are left to grow: their bound is
-        the longest sequence, and padding every group to it would cost more than
-        the few compiles early in a run."""
+        """Pre-sizes sampler and engine buckets to the run's largest batch (prompt
+        length, responses of ``max_new_tokens`` per turn plus tool output, group size,
+        prompts per step, turns), so that no engine compiles after the first step of
+        each phase, whatever the depth, leaf counts and lengths of its trees (auto's
+        candidates are sized as if each ran alone, and its choice signature counts
+        every depth from 1 + 2 * turns up as one)."""
         cfg, r = self.cfg, self.cfg.rollout
         plen = self._prompt_len()
         tool = 16 * (self.task.max_turns - 1)
@@ -261,7 +275,13 @@ class Trainer:
             self.eval_sampler.reserve(prompts=n_eval, rows=n_eval, prompt_len=max_len)
         n = max(rows, cfg.sft.batch_size if cfg.sft.steps else 1)
         capacity = Capacity(
-            sequences=n, length=max_len, group_size=r.group_size, groups=r.prompts_per_step
+            sequences=n,
+            length=max_len,
+            group_size=r.group_size,
+            groups=max(r.prompts_per_step, cfg.sft.batch_size if cfg.sft.steps else 1),
+            prompt_len=plen,
+            response_len=max_len - plen,
+            turns=self.task.max_turns,
         )
         self.engine.reserve(capacity)
         if self.sft_engine is not self.engine:
@@ -417,6 +437,7 @@ class Trainer:
     def train_step(self) -> StepInfo:
         """The next global step: SFT, or RL (entering the RL phase after the warm-up)."""
         g, sft = self.step, self.cfg.sft.steps
+        compile_s0 = compile_seconds()
         if g < sft:
             phase, m = Phase.SFT, self.sft_step(g)
         else:
@@ -425,8 +446,22 @@ class Trainer:
             phase, m = Phase.RL, self.rl_step(g - sft)
         self.step = g + 1
         m["skipped_total"] = self.skipped
+        self._time_totals(m, compile_s0)
         done_in_phase = self.step if phase is Phase.SFT else self.step - sft
         return StepInfo(step=self.step, phase=phase, phase_step=done_in_phase, metrics=m)
+
+    def _time_totals(self, m: dict[str, Any], compile_s0: float) -> None:
+        """``compile_seconds``: what JAX spent tracing, lowering and compiling during the
+        step (every program: rollout, scoring, engine, optimiser; ``compile_seconds``
+        of ``dtarl.timing``); ``autotune_seconds``: auto's tuning in the step (its
+        timed calls include compiling the candidates, so the two overlap); and both
+        summed over the steps of this process (``*_total``)."""
+        m["compile_seconds"] = compile_seconds() - compile_s0
+        m.setdefault("autotune_seconds", 0.0)
+        self.compile_total += m["compile_seconds"]
+        self.autotune_total += m["autotune_seconds"]
+        m["compile_seconds_total"] = self.compile_total
+        m["autotune_seconds_total"] = self.autotune_total
 
     def _start_rl(self):
         """A fresh optimizer for the RL phase; the reference policy = current weights."""
@@ -603,4 +638,4 @@ def train(cfg: TrainerConfig, **kwargs) -> TrainResult:
     return Trainer(cfg, **kwargs).run()
 
 
-__all__ = ["TrainResult", "Trainer", "build_model", "stop_sequences", "train"]
+__all__ = ["TrainResult", "Trainer", "build_model", "engine_config", "stop_sequences", "train"]

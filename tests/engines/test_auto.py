@@ -390,7 +390,8 @@ def test_prepared_work_counts_padding():
         assert work[kind] == auto.engines[kind].features(prepared[kind])
         assert work[kind].flops >= tree_flops(CFG, batch) * (1 - 1e-9), kind
     assert work["dense"].flops >= dense_flops(CFG, batch)
-    assert work["dfs"].steps == prepared["dfs"].args[0].op.shape[0]
+    op = prepared["dfs"].args[0].op  # padding steps (NOOP) are not counted
+    assert work["dfs"].steps == prepared["dfs"].stats["num_steps"] == (op != 0).sum()
     st = prepared["dense"].stats
     rows, t = st["computed_tokens"] // st["padded_length"], st["padded_length"]
     f0, fa = token_flops(CFG)  # every padded row computes its full t x t attention

@@ -5,6 +5,7 @@ Reuses the independent jax.grad reference and the random tree strategy of
 test_equivalence.py (the DFS engine's matrix).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -51,7 +52,7 @@ RESERVE = Capacity(
     length=64,
     tokens=1024,
     group_size=16,
-    groups=2,
+    groups=8,  # random trees split into up to 8 groups below their shared first tokens
     prompt_len=40,
     response_len=40,
 )
@@ -167,7 +168,9 @@ def test_deep_groups_go_to_dfs():
     deep = deep_sequences(build_tree(batch.tokens))
     assert deep.tolist() == [True] * 4 + [False] * 6
     model, params = _model(ModelFamily.QWEN3)
-    engine = PrefixReuseEngine(model, microbatch=2).reserve(RESERVE)
+    # Reserved for multi-turn trees: the two-program form from the start (a reserved
+    # single-turn engine runs the rare deep group as rows, without a new program).
+    engine = PrefixReuseEngine(model, microbatch=2).reserve(dataclasses.replace(RESERVE, turns=2))
     for b, n_deep in ((batch, 4), (shallow, 0)):
         want_loss, want_grads, want_logp = reference(model, params, b, LOSSES["dapo"])
         got_loss, got_grads, aux = engine.value_and_grad(params, b, LOSSES["dapo"])

@@ -94,6 +94,14 @@ def test_run_writes_metrics_and_checkpoints(runs):
     # Buckets were reserved for the run's largest batch: the second RL step
     # compiles nothing new.
     assert rl["engine"] == "dfs" and rl["trace_count"] == recs[-2]["trace_count"] > 0
+    # Compile and tuning time per step (JAX's compile events) and summed over the run.
+    assert recs[0]["compile_seconds"] > 0  # the first step compiles its programs
+    total = 0.0
+    for r in recs:
+        assert r["compile_seconds"] >= 0 and r["autotune_seconds"] == 0.0  # a fixed engine
+        total += r["compile_seconds"]
+        assert r["compile_seconds_total"] == pytest.approx(total)
+        assert r["autotune_seconds_total"] == 0.0
 
 
 def test_hooks_run_on_their_steps(runs):
@@ -107,6 +115,14 @@ def test_hooks_run_on_their_steps(runs):
 def test_engine_section_reaches_the_engine(tmp_path):
     t = Trainer(tiny_config(tmp_path, "algo.engine=dfs", "engine.dfs.chunk_len=64"))
     assert t.engine.name == "dfs" and t.engine.config.chunk_len == 64
+    cache = str(tmp_path / "choices.json")
+    extra = ("algo.autotune_budget_seconds=30", f"algo.autotune_cache={cache}")
+    auto = Trainer(tiny_config(tmp_path, *extra)).engine
+    assert auto.config.budget_seconds == 30 and auto.cache.path == cache
+    for bad, match in (("-1", "algo.autotune_budget_seconds=-1"), ("''", "algo.autotune_cache")):
+        key = "autotune_budget_seconds" if bad == "-1" else "autotune_cache"
+        with pytest.raises(ConfigError, match=match):
+            tiny_config(tmp_path, f"algo.{key}={bad}")
 
 
 def test_resume_reproduces_the_uninterrupted_run(runs):

@@ -1,0 +1,157 @@
+"""No compile stalls in a run: every engine, reserved from the run's maxima, compiles
+its program on the first batch and never again, while the batches of a trainer-like
+sequence differ in depth (forks at different positions), leaf counts and lengths."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from dtarl.engines import Capacity, EngineKind, RolloutBatch, make_engine
+from dtarl.engines.config import DFSConfig, EngineConfig, PrefixReuseConfig
+from dtarl.engines.prefix_reuse import deep_sequences
+from dtarl.losses import MaskedNLLLoss
+from dtarl.model import ModelConfig, init_model
+
+# The run's maxima (a trainer reserves these from its config).
+PROMPTS, GROUP, PROMPT_LEN, RESPONSE_LEN, TURNS = 2, 4, 12, 24, 1
+BOS = 1
+
+
+def capacity(turns: int = TURNS) -> Capacity:
+    return Capacity(
+        sequences=PROMPTS * GROUP,
+        length=PROMPT_LEN + RESPONSE_LEN,
+        group_size=GROUP,
+        groups=PROMPTS,
+        prompt_len=PROMPT_LEN,
+        response_len=RESPONSE_LEN,
+        turns=turns,
+    )
+
+
+def forked_batch(seed: int, *, prompts: int, group: int, fork_at: int | None) -> RolloutBatch:
+    """``prompts`` groups of ``group`` responses (at most the run's maxima). Responses
+    copy a prefix of an earlier response of the group (a fork at a random position,
+    or at ``fork_at``) and continue at random, so the tree's depth changes."""
+    rs = np.random.RandomState(seed)
+    toks, gids, plens = [], [], []
+    for g in range(prompts):
+        # Every prompt starts with the same token (a BOS), as the trainer's do.
+        prompt = [BOS] + list(rs.randint(3, 256, rs.randint(PROMPT_LEN // 2, PROMPT_LEN)))
+        responses: list[list[int]] = []
+        for _ in range(group):
+            n = int(rs.randint(2, RESPONSE_LEN + 1))
+            shared: list[int] = []
+            if responses and rs.rand() < 0.7:
+                other = responses[rs.randint(len(responses))]
+                k = fork_at if fork_at is not None else rs.randint(1, len(other) + 1)
+                shared = other[: min(k, len(other), n - 1)]
+            responses.append(shared + list(rs.randint(3, 256, n - len(shared))))
+        toks += [prompt + r for r in responses]
+        gids += [g] * group
+        plens += [len(prompt)] * group
+    return RolloutBatch.create(
+        tokens=toks, prompt_lens=plens, advantages=rs.randn(len(toks)), group_ids=np.asarray(gids)
+    )
+
+
+def trainer_like_batches() -> list[RolloutBatch]:
+    """Depth 2 (no forks), then forks early, late and everywhere, fewer groups and
+    leaves, longest and shortest lengths."""
+    return [
+        forked_batch(0, prompts=PROMPTS, group=GROUP, fork_at=0),
+        forked_batch(1, prompts=PROMPTS, group=GROUP, fork_at=1),
+        forked_batch(2, prompts=PROMPTS, group=GROUP, fork_at=RESPONSE_LEN - 2),
+        forked_batch(3, prompts=1, group=GROUP - 1, fork_at=None),
+        forked_batch(4, prompts=PROMPTS, group=GROUP, fork_at=None),
+        forked_batch(5, prompts=PROMPTS, group=2, fork_at=3),
+        forked_batch(6, prompts=PROMPTS, group=GROUP, fork_at=None),
+    ]
+
+
+@pytest.fixture(scope="module")
+def model_params():
+    model = init_model(ModelConfig.tiny(), seed=0)
+    return model, nnx.split(model, nnx.Param)[1]
+
+
+ENGINES = EngineConfig(
+    dfs=DFSConfig(chunk_len=8, leaf_rows=2, wide_chunks=2),
+    prefix_reuse=PrefixReuseConfig(microbatch=2, dfs_chunk_len=8),
+)
+
+
+def test_batches_differ_in_depth_leaves_and_lengths():
+    stats = [b.prefix_tree().stats for b in trainer_like_batches()]
+    assert len({s.depth for s in stats}) >= 3
+    assert len({s.num_leaves for s in stats}) >= 3
+    assert len({s.longest_path for s in stats}) >= 3
+    # Some batches have a group that forks deep below its prompt (prefix_reuse's
+    # deep groups), some do not.
+    deep = [bool(deep_sequences(b.prefix_tree()).any()) for b in trainer_like_batches()]
+    assert any(deep) and not all(deep)
+
+
+def buckets_of(engine):
+    """An engine's buckets (auto: each candidate's)."""
+    if hasattr(engine, "engines"):
+        return {k: e.buckets for k, e in engine.engines.items()}
+    return engine.buckets
+
+
+def run_once_timer(runs):
+    """auto's timer: one call of every candidate (compiling it, as the real timer's
+    warm-up does) and fixed seconds (dfs fastest): no assertion depends on real time."""
+    for run in runs.values():
+        jax.block_until_ready(run())
+    return {k: {"dense": 0.3, "prefix_reuse": 0.2, "dfs": 0.1}[k] for k in runs}
+
+
+@pytest.mark.parametrize("kind", ["dense", "dfs", "prefix_reuse", "auto"])
+def test_reserved_engine_compiles_once(model_params, kind):
+    model, params = model_params
+    settings = {}
+    if kind == "auto":  # every candidate timed (and compiled) on the first batch
+        settings = dict(timer=run_once_timer, host_seconds=lambda k, b: 0.0, tune_all_below=1e9)
+    engine = make_engine(EngineKind(kind), model, ENGINES, **settings).reserve(capacity())
+    loss = MaskedNLLLoss()
+    reserved = buckets_of(engine)
+    counts, tune_seconds = [], []
+    for batch in trainer_like_batches():
+        aux = engine.value_and_grad(params, batch, loss)[2]
+        counts.append(engine.trace_count)
+        tune_seconds.append(aux.stats.get("autotune_seconds", 0.0))
+    first = counts[0]  # auto: one program per candidate
+    assert counts == [first] * len(counts) and first == (3 if kind == "auto" else 1), counts
+    assert buckets_of(engine) == reserved, f"a batch outgrew the reserve: {buckets_of(engine)}"
+    if kind == "auto":  # tuned once; later depths and sizes reuse or re-pick untimed
+        assert all(s == 0.0 for s in tune_seconds[1:]), tune_seconds
+
+
+def test_reserved_prefix_reuse_multiturn_form(model_params):
+    """With turns > 1 prefix_reuse reserves its two-program form (deep groups through
+    its DFS program) up front, so a first deep batch does not switch programs."""
+    model, params = model_params
+    engine = make_engine(EngineKind.PREFIX_REUSE, model, ENGINES).reserve(capacity(turns=2))
+    loss = MaskedNLLLoss()
+    for batch in trainer_like_batches()[:3]:
+        engine.value_and_grad(params, batch, loss)
+    assert engine.trace_count == 1
+
+
+def test_reserved_dense_rows_are_the_capacity_length():
+    """dense pads to the reserved length itself (rounded up to 8), not to its
+    quarter-octave bucket (prompt 512 + 64 new tokens: 576, not 640)."""
+    model = init_model(ModelConfig.tiny(), seed=0)
+    cap = Capacity(sequences=8, length=PROMPT_LEN + RESPONSE_LEN)  # 36 -> 40, bucket 48
+    engine = make_engine(EngineKind.DENSE, model, ENGINES).reserve(cap)
+    for batch in trainer_like_batches()[:2]:
+        prepared = engine.prepare(batch, MaskedNLLLoss())
+        assert prepared.static.length == 40, prepared.static
+    assert (
+        make_engine(EngineKind.DENSE, model)
+        .reserve(Capacity(sequences=8, length=576))
+        .buckets["length"]
+        == 576
+    )
