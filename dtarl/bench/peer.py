@@ -18,10 +18,23 @@ Measurements:
 
 * rollout: Tunix's vanilla ``Sampler`` vs dtarl's static ``Sampler`` and the
   continuous engine (``ContinuousSampler``, 8 slots, one group, 16 steps per call).
-* update: Tunix's GRPO policy update (its ``GRPOLearner``'s train step on a fixed
-  batch: logprobs of the reference-free policy, the clipped loss, AdamW) vs
-  dtarl's update (``engine.value_and_grad`` + AdamW) with the dense and the auto
-  engine.
+* update: Tunix's GRPO policy update (``RLCluster.update_actor``, its actor
+  trainer's step as ``GRPOLearner`` runs it, on a fixed batch from its own
+  rollout: the policy's logprobs, the clipped loss, AdamW; beta 0, so no
+  reference model) vs dtarl's ``update`` (``engine.value_and_grad`` + AdamW) with
+  the dense and the auto engine, on the same shapes (random completion ids).
+* iteration: ``GRPOLearner.train`` (vanilla rollout, random rewards, advantages,
+  update, its loop; one iteration = the time between its requests for
+  consecutive batches) vs dtarl's iteration composed from its library calls
+  (continuous engine rollout, group-normalised random rewards, ``update`` with
+  auto), not the ``Trainer`` loop. Later batches differ in their completions,
+  so auto may meet a new tree shape and tune again: that tuning is subtracted.
+
+Both sides: AdamW (lr 1e-6, b1 0.9, b2 0.999, weight decay 0.01) behind
+global-norm clipping at 1.0; temperature 1, no top-p / top-k; the weights are
+random and not shared between the libraries (timing does not need equal
+outputs). On a shared machine the load moves between processes: read the
+per-round ratios, and run more ``--rounds`` when they spread.
 
 Asymmetries (read the ratios with them in mind):
 
@@ -31,10 +44,13 @@ Asymmetries (read the ratios with them in mind):
 * Tunix's sampler makes one extra decode call (it runs N decode steps after the
   prefill has already sampled the first token; dtarl runs N - 1).
 * Tunix's learner loop adds Python overhead (batch assembly, metrics, its
-  trainer's bookkeeping) that a bare dtarl ``update`` does not have.
-* dtarl's auto engine tunes itself (times candidate programs) in its first call;
-  that tuning is excluded from the timed steps and reported separately
-  (``autotune_s``).
+  trainer's bookkeeping, a worker thread for the rollout) that a bare dtarl
+  ``update`` and dtarl's composed iteration do not have.
+* dtarl's auto engine tunes itself (times candidate programs) in its first call
+  and on new shapes; that tuning is excluded from the timed steps and reported
+  separately (``autotune_s``, summed over a process's calls).
+* The continuous engine is compiled (``warmup``) before its first call; Tunix's
+  and dtarl's static sampler compile in their untimed first call.
 """
 
 from __future__ import annotations
@@ -110,8 +126,10 @@ MEASUREMENTS = {
     "tunix_update": ("tunix", "update"),
     "dtarl_dense": ("dtarl", "update"),
     "dtarl_auto": ("dtarl", "update"),
+    "tunix_iteration": ("tunix", "iteration"),
+    "dtarl_iteration": ("dtarl", "iteration"),
 }
-PARTS = ("rollout", "update")
+PARTS = ("rollout", "update", "iteration")
 
 
 def _prompt(w: Workload, m: PeerModel, seed: int = 0) -> np.ndarray:
@@ -207,7 +225,7 @@ class _IdTokenizer:
         self.vocab_size = vocab_size
 
     def encode(self, text: str, **_) -> list[int]:
-        return [int(t) for t in text.split()]
+        return [int(t) for t in str(text).split()]
 
     def decode(self, ids, **_) -> str:
         return " ".join(str(int(t)) for t in ids)
@@ -436,6 +454,80 @@ def _tunix_update(name: str, w: Workload, m: PeerModel, repeats: int) -> dict:
     return dict(seconds=statistics.median(times), times=times, compile_s=compile_s)
 
 
+def _tunix_iteration(name: str, w: Workload, m: PeerModel, repeats: int) -> dict:
+    """``GRPOLearner.train`` over 1 + ``repeats`` batches of one prompt; an iteration's
+    seconds are the time between the learner's requests for consecutive batches (its
+    rollout, rewards, advantages, update and loop bookkeeping)."""
+    learner, _, tok = _tunix_learner(w, m, steps=1 + repeats)
+    text = tok.decode(_prompt(w, m))
+    stamps: list[float] = []
+
+    def batches():
+        while True:
+            stamps.append(time.perf_counter())
+            yield {"prompts": np.array([text])}  # a batch of one, as a data loader gives
+
+    learner.train(batches())
+    stamps.append(time.perf_counter())
+    # stamps: train() peeks at the first batch (step 1 starts), each later step asks for
+    # its batch when the previous one is done, and train() returns
+    steps = np.diff(stamps).tolist()
+    assert len(steps) == 1 + repeats, (len(stamps), repeats)
+    times = steps[1:]
+    return dict(seconds=statistics.median(times), times=times, compile_s=steps[0] - times[0])
+
+
+def _dtarl_iteration(name: str, w: Workload, m: PeerModel, repeats: int) -> dict:
+    """dtarl's iteration from its library calls: the continuous engine's rollout of G
+    samples, random rewards normalised in the group, one ``update`` with the auto
+    engine. Auto's tuning (on new shapes) is subtracted and reported (``autotune_s``)."""
+    import jax
+    from flax import nnx
+
+    from dtarl.engines import make_engine
+    from dtarl.losses import ClippedSurrogateLoss
+    from dtarl.rl.optim import update
+    from dtarl.rollout.engine import ContinuousConfig, ContinuousSampler
+
+    model = _dtarl_model(m)
+    params = nnx.split(model, nnx.Param)[1]
+    g, n = w.group_size, w.new_tokens
+    sampler = ContinuousSampler(
+        model,
+        ContinuousConfig(slots=g, groups=1, group_size=g, prompt_len=w.prompt_len, response_len=n),
+        max_new_tokens=n,
+    )
+    sampler.engine.warmup(params, filtered=False)
+    engine = make_engine("auto", model)
+    loss = ClippedSurrogateLoss.grpo()
+    opt = _dtarl_optimizer()
+    state = dict(params=params, opt=opt.init(params), step=0)
+    prompt = _prompt(w, m)
+    tune: list[float] = []
+
+    def run():
+        roll = sampler.generate(state["params"], [prompt], num_samples=g, seed=state["step"])
+        assert int(roll.lengths.sum()) == g * n, roll.lengths
+        batch = _dtarl_batch(w, m, completions=roll.tokens, seed=state["step"])
+        res = update(state["params"], state["opt"], batch, engine=engine, loss=loss, optimizer=opt)
+        assert res.applied, res.skip_reason
+        jax.block_until_ready(res.params)
+        state.update(params=res.params, opt=res.opt_state, step=state["step"] + 1)
+        tune.append(float(res.aux.stats.get("autotune_seconds", 0.0)))
+
+    t0 = time.perf_counter()
+    run()
+    compile_s = time.perf_counter() - t0
+    raw = _time(run, repeats)
+    times = [t - s for t, s in zip(raw, tune[1:], strict=True)]
+    return dict(
+        seconds=statistics.median(times),
+        times=times,
+        compile_s=compile_s - tune[0],
+        autotune_s=sum(tune),
+    )
+
+
 # ----------------------------------------------------------------------------- worker
 
 
@@ -448,6 +540,8 @@ def worker(name: str, w: Workload, m: PeerModel, repeats: int) -> dict:
         ("tunix", "rollout"): _tunix_rollout,
         ("tunix", "update"): _tunix_update,
         ("dtarl", "update"): _dtarl_update,
+        ("tunix", "iteration"): _tunix_iteration,
+        ("dtarl", "iteration"): _dtarl_iteration,
     }[side, kind]
     return fn(name, w, m, repeats)
 
@@ -497,6 +591,7 @@ def run_worker(name: str, w: Workload, repeats: int, python: str | None = None) 
 PAIRS = {
     "rollout": ("tunix_rollout", ("dtarl_static", "dtarl_engine")),
     "update": ("tunix_update", ("dtarl_dense", "dtarl_auto")),
+    "iteration": ("tunix_iteration", ("dtarl_iteration",)),
 }
 
 
@@ -520,12 +615,13 @@ def run(
     repeats: int = 3,
     quick: bool = False,
     python: str | None = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] | None = None,
 ) -> dict:
     """Alternating rounds of one process per measurement; returns the results by
     workload and measurement (``seconds``: the per-round medians) and the ratios."""
     from dtarl.timing import alternating
 
+    log = log or (lambda line: print(line, flush=True))
     python = python or sys.executable
     check_python(python)
     workloads = QUICK_WORKLOADS if quick else WORKLOADS
