@@ -20,7 +20,7 @@ def _parse(*argv):
 
 def test_defaults():
     a = _parse()
-    assert a.parts == ["rollout", "update"]
+    assert a.parts == ["rollout", "update", "iteration"]
     assert (a.rounds, a.repeats, a.quick, a.python, a.json) == (2, 3, False, None, None)
 
 
