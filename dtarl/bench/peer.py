@@ -133,7 +133,7 @@ PARTS = ("rollout", "update", "iteration")
 
 
 def _prompt(w: Workload, m: PeerModel, seed: int = 0) -> np.ndarray:
-    # ids in [2, vocab): 0 is dtarl's pad, 1 never appears (Tunix's pad is kept out of range)
+    # ids in [2, vocab): clear of dtarl's pad id 0 (Tunix's pad and EOS lie outside the vocab)
     return np.random.RandomState(seed).randint(2, m.vocab_size, w.prompt_len).astype(np.int32)
 
 
@@ -218,8 +218,9 @@ def _dtarl_rollout(name: str, w: Workload, m: PeerModel, repeats: int) -> dict:
 
 class _IdTokenizer:
     """Tunix's sampler takes strings: space-separated ids. bos 0 (falsy: none is
-    prepended), pad and eos outside the vocabulary (no padding is needed, and no
-    sample ever stops early)."""
+    prepended); pad and EOS outside the vocabulary: no sample stops early, and no
+    generated token is taken for padding (Tunix masks pad-valued tokens out of
+    attention and out of the completion mask)."""
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size

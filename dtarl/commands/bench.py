@@ -222,7 +222,10 @@ def _add_peer(sub) -> None:
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds (processes each)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per process (median)")
     p.add_argument(
-        "--quick", action="store_true", help="short sequences and one round (a smoke test)"
+        "--quick",
+        action="store_true",
+        help="short sequences, one round: a smoke test (still about 7 min on 2 cores: "
+        "every process compiles, auto tunes)",
     )
     p.add_argument(
         "--python",
