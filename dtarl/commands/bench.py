@@ -1,14 +1,17 @@
-"""``dtarl bench train|memory|partition|rollout`` (thin: parse arguments, call ``dtarl.bench``)."""
+"""``dtarl bench train|memory|partition|rollout|peer`` (thin: parse arguments, call
+``dtarl.bench``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 from dtarl.bench import memory as bench_memory
 from dtarl.bench import partition as bench_partition
+from dtarl.bench import peer as bench_peer
 from dtarl.bench import rollout as bench_rollout
 from dtarl.bench import train as bench_train
 from dtarl.model import ModelConfig
@@ -299,18 +302,76 @@ def _rollout(args: argparse.Namespace) -> int:
             kv_path = path.with_suffix(".kv.json")
             kv_path.write_text(json.dumps(res["kv"], indent=1))
             print(f"wrote {kv_path}")
+
+
+# ----------------------------------------------------------------------------- peer
+
+
+def _add_peer(sub) -> None:
+    p = sub.add_parser(
+        "peer",
+        help="dtarl against Tunix (rollout, GRPO update) in alternating processes",
+        description=bench_peer.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        choices=list(bench_peer.PARTS),
+        default=list(bench_peer.PARTS),
+        help="what to compare (default: all)",
+    )
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds (processes each)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per process (median)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="short sequences, one round: a smoke test (still about 7 min on 2 cores: "
+        "every process compiles, auto tunes)",
+    )
+    p.add_argument(
+        "--python",
+        help="interpreter for the measurement processes (default: this one); it needs "
+        "dtarl importable and Tunix installed",
+    )
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the results here")
+    p.set_defaults(func=_peer)
+
+
+def _peer(args: argparse.Namespace) -> int:
+    for name in ("rounds", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name}={getattr(args, name)}: must be >= 1")
+    try:
+        res = bench_peer.run(
+            parts=args.parts,
+            rounds=1 if args.quick else args.rounds,
+            repeats=args.repeats,
+            quick=args.quick,
+            python=args.python,
+        )
+    except bench_peer.PeerMissing as e:
+        print(f"dtarl: {e}", file=sys.stderr)
+        return 2
+    print()
+    print(bench_peer.format_table(res))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=1))
+        print(f"wrote {args.json}")
     return 0
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    """Adds ``bench`` with its ``train``, ``memory``, ``partition`` and ``rollout`` subcommands
-    (each sets ``func``; ``func(args)`` returns the exit code)."""
+    """Adds ``bench`` with its ``train``, ``memory``, ``partition``, ``rollout`` and ``peer``
+    subcommands (each sets ``func``; ``func(args)`` returns the exit code)."""
     bench = subparsers.add_parser(
-        "bench", help="benchmarks (train engines, memory, DP partition, rollout)"
+        "bench", help="benchmarks (train engines, memory, DP partition, rollout, vs Tunix)"
     )
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_train(sub)
     _add_memory(sub)
     _add_partition(sub)
     _add_rollout(sub)
+    _add_peer(sub)
     return bench
