@@ -339,12 +339,18 @@ class RolloutEngine:
         key = (kind,) + statics
         if key not in self._fns:
             if kind == "decode":
-                steps, filtered = statics
+                steps, filtered, window = statics
 
                 def fn(weights, pool, slots, table):
                     self.trace_count += 1
                     return K.decode_chunk(
-                        self._model(weights), pool, slots, table, steps=steps, filtered=filtered
+                        self._model(weights),
+                        pool,
+                        slots,
+                        table,
+                        steps=steps,
+                        filtered=filtered,
+                        window=window,
                     )
 
                 self._fns[key] = self._jit(fn, "decode")
@@ -373,6 +379,11 @@ class RolloutEngine:
         outs = sh["pool"] if out == "pool" else (sh["pool"], sh["slots"], sh["replicated"])
         return jax.jit(fn, donate_argnums=(1,), out_shardings=outs)
 
+    def _windows(self) -> list[int]:
+        """Response windows of the decode programs: R/4, R/2, R (one program each)."""
+        r = self.config.response_len
+        return sorted({w for w in (r // 4, r // 2, r) if w >= 16} | {r})
+
     def _buckets(self, limit: int) -> list[int]:
         sizes, b = [], 16
         while b < limit:
@@ -390,9 +401,10 @@ class RolloutEngine:
         with ``extend``, each extend bucket), so that no later call compiles."""
         c = self.config
         for f in (False, True) if filtered is None else (filtered,):
-            self._fn("decode", c.steps_per_call, f).lower(
-                weights, self._pool, self._slots_device(), self._table_device()
-            ).compile()
+            for w in self._windows():
+                self._fn("decode", c.steps_per_call, f, w).lower(
+                    weights, self._pool, self._slots_device(), self._table_device()
+                ).compile()
         for t in self._buckets(c.prompt_len):
             self._fn("prefill", t).lower(
                 weights,
@@ -706,8 +718,11 @@ class RolloutEngine:
         filtered = bool(
             np.any(s["active"] & ((s["top_k"] > 0) | (s["top_p"] < 1)) & (s["temperature"] > 0))
         )
+        # Attention reads the response rows up to the longest active one after this call.
+        need = int(s["length"][s["active"]].max()) + c.steps_per_call + 1
+        window = next(w for w in self._windows() if w >= need or w == c.response_len)
         t0 = time.perf_counter()
-        self._pool, slots, out = self._fn("decode", c.steps_per_call, filtered)(
+        self._pool, slots, out = self._fn("decode", c.steps_per_call, filtered, window)(
             weights, self._pool, self._slots_device(), self._table_device()
         )
         out = jax.device_get(out)

@@ -161,8 +161,13 @@ def sample(logits_NxV, slots: Slots, position_N, *, filtered: bool):
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
-def decode_step(model: Decoder, pool: Pool, slots: Slots, table_QxM, *, filtered: bool):
-    """Feeds every active slot's token, writes its K/V and samples the next one."""
+def decode_step(
+    model: Decoder, pool: Pool, slots: Slots, table_QxM, *, filtered: bool, window: int = 0
+):
+    """Feeds every active slot's token, writes its K/V and samples the next one.
+
+    ``window`` > 0: attention reads only response rows [0, window) (every active
+    slot's length must stay below it; the host picks it per call)."""
     n = slots.token.shape[0]
     r = pool.resp_k[0].shape[1]
     rows = jnp.arange(n)
@@ -185,8 +190,8 @@ def decode_step(model: Decoder, pool: Pool, slots: Slots, table_QxM, *, filtered
             pool.prompt_len,
             table_QxM,
             slots.cell,
-            rk,
-            rv,
+            rk[:, :window] if window else rk,
+            rv[:, :window] if window else rv,
             slots.length + 1,
         )
         return o[:, None]
@@ -201,7 +206,14 @@ def decode_step(model: Decoder, pool: Pool, slots: Slots, table_QxM, *, filtered
 
 
 def decode_chunk(
-    model: Decoder, pool: Pool, slots: Slots, table_QxM, *, steps: int, filtered: bool
+    model: Decoder,
+    pool: Pool,
+    slots: Slots,
+    table_QxM,
+    *,
+    steps: int,
+    filtered: bool,
+    window: int = 0,
 ):
     """Up to ``steps`` decode steps (fewer when every slot is done): (pool, slots, ChunkOut)."""
     n = slots.token.shape[0]
@@ -226,7 +238,7 @@ def decode_chunk(
         act = st.active
         i = o.steps
         ctx = jnp.sum(jnp.where(act, pool.prompt_len[st.group] + st.length + 1, 0))
-        pool, tok, lp = decode_step(model, pool, st, table_QxM, filtered=filtered)
+        pool, tok, lp = decode_step(model, pool, st, table_QxM, filtered=filtered, window=window)
         length = st.length + act
         budget = st.budget - act
         hit = jnp.any((tok[:, None] == st.stop_ids) & (st.stop_ids >= 0), axis=1) & ~st.forced
