@@ -408,11 +408,14 @@ class Trainer:
         """The next global step: SFT, or RL (entering the RL phase after the warm-up)."""
         g, sft = self.step, self.cfg.sft.steps
         if g < sft:
+            t0 = time.perf_counter()
             phase, m = Phase.SFT, self.sft_step(g)
         else:
             if g == sft and sft > 0:
                 self._enter_rl()
+            t0 = time.perf_counter()  # after the warm-up's own evaluation
             phase, m = Phase.RL, self.rl_step(g - sft)
+        m["step_seconds"] = time.perf_counter() - t0  # the step alone: no hooks, no eval
         self.step = g + 1
         m["skipped_total"] = self.skipped
         done_in_phase = self.step if phase is Phase.SFT else self.step - sft
