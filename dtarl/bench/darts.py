@@ -264,7 +264,8 @@ def format_table(res: dict[str, Any]) -> str:
     s = res["summary"]
     head = (
         f"{'arm':6s} {'seeds':>5s} {'step s':>14s} {'rollout s':>10s} {'train s':>9s} "
-        f"{'len mean':>8s} {'len p90':>8s} {'len max':>7s} {'final success':>22s} {'tree ratio':>10s}"
+        f"{'len mean':>8s} {'len p90':>8s} {'len max':>7s} {'final success':>22s} "
+        f"{'tree ratio':>10s}"
     )
     lines = [head, "-" * len(head)]
     for arm in ARMS:
