@@ -18,9 +18,11 @@ prompt). The bench
    and the greedy ``eval_success_rate`` every ``eval_every`` steps (plus before
    RL and at the end).
 
-Timing: ``step_seconds`` of a run is the mean over its RL steps after the first
-``skip_steps`` (the first step traces and compiles, or loads from the compilation
-cache, the rollout and training programs); ``first_step_seconds`` reports it.
+Timing: ``step_seconds`` of a run is the mean over its RL steps that compiled
+nothing: the first ``skip_steps`` (tracing and compiling, or loading from the
+compilation cache, the rollout and training programs) and any step whose training
+engine traced a new program (``trace_count`` grew) are left out and reported
+(``compile_steps``, ``compile_seconds``; ``step_seconds_all`` is the plain mean).
 With ``compile_cache`` set, all runs share one persistent JAX compilation cache,
 so a shape compiles once per bench, not once per run.
 """
@@ -156,10 +158,16 @@ def run_arm(
     evals = [(0, res.eval_start)]
     evals += [(h["step"] + 1, h["eval_success_rate"]) for h in rl if "eval_success_rate" in h]
     evals.append((bench.steps, res.eval_end))
-    timed = slice(bench.skip_steps, None)
+    # Compile steps: the first ``skip_steps`` and any whose training engine traced a
+    # new program (``trace_count`` grew); the step time is the mean of the others.
+    traces = [h.get("trace_count", 0) for h in rl]
+    compiled = [
+        i < bench.skip_steps or (i > 0 and traces[i] > traces[i - 1]) for i in range(len(rl))
+    ]
+    timed = [i for i, c in enumerate(compiled) if not c] or list(range(len(rl)))
 
     def mean(key: str) -> float:
-        return float(np.nanmean(series[key][timed]))
+        return float(np.nanmean([series[key][i] for i in timed]))
 
     return dict(
         arm=arm,
@@ -168,6 +176,10 @@ def run_arm(
         rollout_seconds=mean("rollout_seconds"),
         train_seconds=mean("train_seconds"),
         first_step_seconds=series["step_seconds"][0],
+        step_seconds_all=float(np.mean(series["step_seconds"])),
+        compile_steps=int(sum(compiled)),
+        compile_seconds=float(np.sum(np.asarray(series["step_seconds"])[compiled])),
+        m_total=float(np.nanmean(series["darts_m_total"])) if arm == "darts" else float("nan"),
         final_success=float(res.eval_end),
         start_success=float(res.eval_start),
         mean_response_len=float(np.mean(series["response_len_mean"])),
@@ -242,6 +254,9 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             p90_response_len=float(np.mean([r["p90_response_len"] for r in rs])),
             max_response_len=float(np.max([r["max_response_len"] for r in rs])),
             tree_token_ratio=float(np.mean([r["tree_token_ratio"] for r in rs])),
+            step_seconds_all=float(np.mean([r["step_seconds_all"] for r in rs])),
+            compile_steps=float(np.mean([r["compile_steps"] for r in rs])),
+            m_total=float(np.mean([r["m_total"] for r in rs])),
             final_success=float(s.mean()),
             final_success_std=float(s.std()),
             final_success_min=float(s.min()),
@@ -283,6 +298,14 @@ def format_table(res: dict[str, Any]) -> str:
             f"{a['p90_response_len']:8.1f} {a['max_response_len']:7.0f} {succ:>22s} "
             f"{a['tree_token_ratio']:10.3f}"
         )
+    for arm in ARMS:
+        if arm in s:
+            a = s[arm]
+            extra = f", mean M_total {a['m_total']:.0f}" if arm == "darts" else ""
+            lines.append(
+                f"{arm}: mean over all steps incl. compile {a['step_seconds_all']:.3f} s/step "
+                f"({a['compile_steps']:.1f} compile steps per run left out above{extra})"
+            )
     if "speedup" in s:
         sp = s["speedup"]
         lines.append(
