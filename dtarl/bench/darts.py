@@ -54,6 +54,8 @@ SERIES = (
     "response_len_p90",
     "response_len_max",
     "tree_token_ratio",
+    "num_tokens",
+    "tree_tokens",
     "success_rate",
     "darts_m_total",
     "darts_generated_len_mean",
@@ -186,6 +188,8 @@ def run_arm(
         p90_response_len=float(np.mean(series["response_len_p90"])),
         max_response_len=float(np.max(series["response_len_max"])),
         tree_token_ratio=float(np.mean(series["tree_token_ratio"])),
+        num_tokens=float(np.nanmean(series["num_tokens"])),
+        tree_tokens=float(np.nanmean(series["tree_tokens"])),
         steps=len(rl),
         skipped_steps=int(sum(h.get("skipped", 0) for h in rl)),
         run_seconds=seconds,
@@ -244,19 +248,30 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if not rs:
             continue
         s = np.asarray([r["final_success"] for r in rs])
+
+        def avg(key: str, rs=rs) -> float:  # a key a run lacks counts as NaN
+            return float(np.mean([r.get(key, np.nan) for r in rs]))
+
         out[arm] = dict(
             seeds=len(rs),
-            step_seconds=float(np.mean([r["step_seconds"] for r in rs])),
             step_seconds_std=float(np.std([r["step_seconds"] for r in rs])),
-            rollout_seconds=float(np.mean([r["rollout_seconds"] for r in rs])),
-            train_seconds=float(np.mean([r["train_seconds"] for r in rs])),
-            mean_response_len=float(np.mean([r["mean_response_len"] for r in rs])),
-            p90_response_len=float(np.mean([r["p90_response_len"] for r in rs])),
             max_response_len=float(np.max([r["max_response_len"] for r in rs])),
-            tree_token_ratio=float(np.mean([r["tree_token_ratio"] for r in rs])),
-            step_seconds_all=float(np.mean([r["step_seconds_all"] for r in rs])),
-            compile_steps=float(np.mean([r["compile_steps"] for r in rs])),
-            m_total=float(np.mean([r["m_total"] for r in rs])),
+            **{
+                k: avg(k)
+                for k in (
+                    "step_seconds",
+                    "rollout_seconds",
+                    "train_seconds",
+                    "mean_response_len",
+                    "p90_response_len",
+                    "tree_token_ratio",
+                    "num_tokens",
+                    "tree_tokens",
+                    "step_seconds_all",
+                    "compile_steps",
+                    "m_total",
+                )
+            },
             final_success=float(s.mean()),
             final_success_std=float(s.std()),
             final_success_min=float(s.min()),
@@ -304,7 +319,8 @@ def format_table(res: dict[str, Any]) -> str:
             extra = f", mean M_total {a['m_total']:.0f}" if arm == "darts" else ""
             lines.append(
                 f"{arm}: mean over all steps incl. compile {a['step_seconds_all']:.3f} s/step "
-                f"({a['compile_steps']:.1f} compile steps per run left out above{extra})"
+                f"({a['compile_steps']:.1f} compile steps per run left out above{extra}); "
+                f"trained tokens per step {a['num_tokens']:.0f} (tree {a['tree_tokens']:.0f})"
             )
     if "speedup" in s:
         sp = s["speedup"]
