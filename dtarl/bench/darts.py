@@ -70,7 +70,7 @@ class DartsBenchConfig:
     config: str = DEFAULT_CONFIG
     overrides: tuple[str, ...] = ()
     seeds: tuple[int, ...] = (0, 1, 2)
-    steps: int = 60  # RL steps per run
+    steps: int = 100  # RL steps per run
     eval_every: int = 10
     eval_problems: int = 64
     sft_steps: int | None = None  # None: the config's sft.steps
@@ -96,7 +96,7 @@ class DartsBenchConfig:
     @classmethod
     def quick(cls, **overrides) -> DartsBenchConfig:
         """Fewer steps of the same comparison, still 3 seeds (under 10 minutes on 2 cores)."""
-        base = dict(steps=20, eval_every=5, eval_problems=32)
+        base = dict(steps=30, eval_every=10, eval_problems=32)
         return cls(**(base | overrides))
 
 

@@ -327,14 +327,14 @@ def _add_darts(sub) -> None:
         help="config override for every run (repeatable)",
     )
     p.add_argument("--seeds", type=int, nargs="+", help=f"RL seeds (default {list(d.seeds)})")
-    p.add_argument("--steps", type=int, help=f"RL steps per run (default {d.steps}; quick 20)")
+    p.add_argument("--steps", type=int, help=f"RL steps per run (default {d.steps}; quick 30)")
     p.add_argument("--eval-every", type=int, help=f"greedy eval period (default {d.eval_every})")
     p.add_argument("--eval-problems", type=int, help=f"eval set size (default {d.eval_problems})")
     p.add_argument("--sft-steps", type=int, help="SFT warm-up steps (default: the config's)")
     p.add_argument(
         "--skip-steps", type=int, help=f"first steps left out of step time (default {d.skip_steps})"
     )
-    p.add_argument("--quick", action="store_true", help="20 RL steps, 3 seeds (< 10 min, 2 cores)")
+    p.add_argument("--quick", action="store_true", help="30 RL steps, 3 seeds (< 10 min, 2 cores)")
     p.add_argument("--out-dir", default="bench_out/darts", help="run directories (%(default)s)")
     p.add_argument(
         "--compile-cache",
