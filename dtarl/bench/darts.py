@@ -340,8 +340,19 @@ def format_table(res: dict[str, Any]) -> str:
 
 def json_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     """One object per (arm, seed): ``arm``, ``seed``, ``step_seconds``, ``final_success``,
-    ``mean_response_len``, then the rest of the run's numbers and series."""
-    return [dict(r) for r in res["runs"]]
+    ``mean_response_len``, then the rest of the run's numbers and series. NaN (a
+    metric the arm does not have, e.g. ``m_total`` of grpo) becomes None (JSON null)."""
+
+    def clean(v):
+        if isinstance(v, float) and v != v:
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+
+    return [clean(r) for r in res["runs"]]
 
 
 def plot(res: dict[str, Any], path: str | os.PathLike) -> Path:
