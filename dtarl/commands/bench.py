@@ -1,14 +1,17 @@
-"""``dtarl bench train|memory|partition|rollout|peer`` (thin: parse arguments, call
+"""``dtarl bench train|memory|partition|rollout|peer|darts`` (thin: parse arguments, call
 ``dtarl.bench``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from dtarl.bench import darts as bench_darts
 from dtarl.bench import memory as bench_memory
 from dtarl.bench import partition as bench_partition
 from dtarl.bench import peer as bench_peer
@@ -362,11 +365,80 @@ def _peer(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- darts
+
+
+def _add_darts(sub) -> None:
+    p = sub.add_parser(
+        "darts",
+        help="GRPO with and without DARTS from one SFT checkpoint, over seeds",
+        description=bench_darts.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d = bench_darts.DartsBenchConfig()
+    p.add_argument("--config", default=d.config, help="trainer YAML (default: %(default)s)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every run (repeatable)",
+    )
+    p.add_argument("--seeds", type=int, nargs="+", help=f"RL seeds (default {list(d.seeds)})")
+    p.add_argument("--steps", type=int, help=f"RL steps per run (default {d.steps}; quick 30)")
+    p.add_argument("--eval-every", type=int, help=f"greedy eval period (default {d.eval_every})")
+    p.add_argument("--eval-problems", type=int, help=f"eval set size (default {d.eval_problems})")
+    p.add_argument("--sft-steps", type=int, help="SFT warm-up steps (default: the config's)")
+    p.add_argument(
+        "--skip-steps", type=int, help=f"first steps left out of step time (default {d.skip_steps})"
+    )
+    p.add_argument("--quick", action="store_true", help="30 RL steps, 3 seeds (< 10 min, 2 cores)")
+    p.add_argument("--out-dir", default="bench_out/darts", help="run directories (%(default)s)")
+    p.add_argument(
+        "--compile-cache",
+        help="persistent JAX compilation cache shared by the runs (default: a temporary one)",
+    )
+    p.add_argument("--png", default="bench_out/darts.png", help="length/success plot (%(default)s)")
+    p.add_argument(
+        "--json",
+        help="write one object per (arm, seed): arm, seed, step_seconds, final_success, "
+        "mean_response_len, ...",
+    )
+    p.set_defaults(func=_darts)
+
+
+def _darts(args: argparse.Namespace) -> int:
+    fields = ("steps", "eval_every", "eval_problems", "sft_steps", "skip_steps")
+    over = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
+    if args.seeds is not None:
+        over["seeds"] = tuple(args.seeds)
+    over.update(config=args.config, overrides=tuple(args.overrides))
+    make = bench_darts.DartsBenchConfig.quick if args.quick else bench_darts.DartsBenchConfig
+    cfg = make(**over)
+    cache = args.compile_cache or tempfile.mkdtemp(prefix="dtarl-darts-cache-")
+    try:
+        res = bench_darts.run(cfg, out_dir=args.out_dir, compile_cache=cache)
+    finally:
+        if args.compile_cache is None:
+            shutil.rmtree(cache, ignore_errors=True)
+    print()
+    print(bench_darts.format_table(res))
+    if args.png:
+        print(f"wrote {bench_darts.plot(res, args.png)}")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(bench_darts.json_rows(res), indent=1))
+        print(f"wrote {path}")
+    return 0
+
+
 def register(subparsers) -> argparse.ArgumentParser:
-    """Adds ``bench`` with its ``train``, ``memory``, ``partition``, ``rollout`` and ``peer``
-    subcommands (each sets ``func``; ``func(args)`` returns the exit code)."""
+    """Adds ``bench`` with its ``train``, ``memory``, ``partition``, ``rollout``, ``peer`` and
+    ``darts`` subcommands (each sets ``func``; ``func(args)`` returns the exit code)."""
     bench = subparsers.add_parser(
-        "bench", help="benchmarks (train engines, memory, DP partition, rollout, vs Tunix)"
+        "bench", help="benchmarks (train engines, memory, DP partition, rollout, vs Tunix, DARTS)"
     )
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_train(sub)
@@ -374,4 +446,5 @@ def register(subparsers) -> argparse.ArgumentParser:
     _add_partition(sub)
     _add_rollout(sub)
     _add_peer(sub)
+    _add_darts(sub)
     return bench

@@ -142,18 +142,49 @@ class ModelSection:
 class TaskSection:
     SECTION: typing.ClassVar[str] = "task"
     kind: TaskKind = TaskKind.ARITHMETIC
-    max_operand: int = 20  # arithmetic, calculator
-    ops: str = "+-"  # arithmetic
+    max_operand: int = 20  # arithmetic, calculator, verbose_arithmetic
+    ops: str = "+-"  # arithmetic, verbose_arithmetic (a subset of "+-")
     num_numbers: int = 3  # countdown
     max_number: int = 9  # countdown
     allow_unused: bool = False  # countdown: accept answers that leave given numbers out
     max_turns: int = 2  # calculator
+    # verbose_arithmetic: the SFT references' scratchpad (see VerboseArithmeticTask)
+    max_verbosity: int = 8  # most scratchpad steps
+    short_fraction: float = 0.4  # references with no scratchpad ...
+    wrong_fraction: float = 0.15  # ... of which this fraction (of all) answer wrongly
+
+    _VERBOSE_KEYS: typing.ClassVar[tuple[str, ...]] = (
+        "max_verbosity",
+        "short_fraction",
+        "wrong_fraction",
+    )
 
     def __post_init__(self):
-        if self.kind in (TaskKind.ARITHMETIC, TaskKind.CALCULATOR):
+        if self.kind in (TaskKind.ARITHMETIC, TaskKind.CALCULATOR, TaskKind.VERBOSE_ARITHMETIC):
             _positive(self, "max_operand")
         if self.kind is TaskKind.ARITHMETIC and (not self.ops or set(self.ops) - set("+-*")):
             raise ConfigError(f"task.ops={self.ops!r} must be a non-empty subset of '+-*'")
+        if self.kind is TaskKind.VERBOSE_ARITHMETIC:
+            if not self.ops or set(self.ops) - set("+-"):
+                raise ConfigError(
+                    f"task.ops={self.ops!r} must be a non-empty subset of '+-' (verbose_arithmetic)"
+                )
+            _positive(self, "max_verbosity")
+            _in_range(self, "short_fraction", 0, 1)
+            if not 0 <= self.wrong_fraction <= self.short_fraction:
+                raise ConfigError(
+                    f"task.wrong_fraction={self.wrong_fraction!r} must be in [0, "
+                    f"task.short_fraction={self.short_fraction!r}] (the wrong references "
+                    "are short ones)"
+                )
+        else:
+            for name in self._VERBOSE_KEYS:
+                if getattr(self, name) != getattr(TaskSection, name):
+                    raise ConfigError(
+                        f"task.{name}={getattr(self, name)!r}: only task.kind="
+                        f"verbose_arithmetic has a scratchpad (task.kind={self.kind.value!r}); "
+                        "remove the key"
+                    )
         if self.kind is TaskKind.COUNTDOWN:
             _in_range(self, "num_numbers", 2, 6)
             if not self.max_number >= 2:
@@ -170,6 +201,14 @@ class TaskSection:
     def options(self) -> dict[str, Any]:
         if self.kind is TaskKind.ARITHMETIC:
             return dict(max_operand=self.max_operand, ops=self.ops)
+        if self.kind is TaskKind.VERBOSE_ARITHMETIC:
+            return dict(
+                max_operand=self.max_operand,
+                ops=self.ops,
+                max_verbosity=self.max_verbosity,
+                short_fraction=self.short_fraction,
+                wrong_fraction=self.wrong_fraction,
+            )
         if self.kind is TaskKind.COUNTDOWN:
             return dict(
                 num_numbers=self.num_numbers,

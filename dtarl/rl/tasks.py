@@ -10,6 +10,12 @@ CALCULATOR   ``37*12+5=``         -> ``[37*12]`` (tool) ``=444;`` then ``449``
              ``=value;`` (masked out of the loss) and generation continues. Reward 1 iff
              the final answer is exact. Samples that make the same calls share earlier
              turns, so their trajectories form multi-level prefix trees.
+VERBOSE_ARITHMETIC ``17+5=``      -> ``7+5=12;10+12=22;22-5=17;#22``   reward 1 iff the text
+             after the last ``#`` is the exact answer. The SFT references carry a
+             scratchpad of random verbosity (0 to ``max_verbosity`` partly redundant
+             steps, long-tailed): short correct, verbose correct, and a
+             ``wrong_fraction`` of short *wrong* answers, so that a model warmed up on
+             them answers one prompt with long-tailed lengths (the DARTS workload).
 
 A task is a small frozen dataclass with ``generate(rng, n) -> list[Problem]``,
 ``reward(problem, completion) -> float`` (a sync reward function, see
@@ -31,6 +37,7 @@ class TaskKind(enum.Enum):
     ARITHMETIC = "arithmetic"
     COUNTDOWN = "countdown"
     CALCULATOR = "calculator"
+    VERBOSE_ARITHMETIC = "verbose_arithmetic"
 
 
 class Role(enum.Enum):
@@ -234,7 +241,92 @@ class CalculatorTask:
             return "=error;"
 
 
-Task = ArithmeticTask | CountdownTask | CalculatorTask
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerboseArithmeticTask:
+    """``a op b=`` (ops from ``+-``) answered as ``<scratchpad>#<answer>``.
+
+    Reference verbosity v (scratchpad steps): 0 with probability ``short_fraction``
+    (of which ``wrong_fraction`` of all references give a wrong answer, off by 1-3),
+    else Geometric(0.4) on {1, 2, ...} (mean 2.5) capped at ``max_verbosity``. Steps are drawn with
+    replacement from the problem's decomposition, partial sums, a check by the
+    inverse operation and restatements (``so 22;``), so long scratchpads repeat
+    themselves: redundant reasoning, not more information.
+    """
+
+    max_operand: int = 20
+    ops: str = "+-"
+    max_verbosity: int = 8
+    short_fraction: float = 0.4
+    wrong_fraction: float = 0.15
+    max_turns = 1
+    stop_strings = ()
+    kind = TaskKind.VERBOSE_ARITHMETIC
+
+    def __post_init__(self):
+        if self.max_operand < 1:
+            raise ValueError(f"task.max_operand={self.max_operand} must be >= 1")
+        if not self.ops or set(self.ops) - set("+-"):
+            raise ValueError(f"task.ops={self.ops!r} must be a non-empty subset of '+-'")
+        if self.max_verbosity < 1:
+            raise ValueError(f"task.max_verbosity={self.max_verbosity} must be >= 1")
+        if not 0 <= self.wrong_fraction <= self.short_fraction <= 1:
+            raise ValueError(
+                f"task.wrong_fraction={self.wrong_fraction} and task.short_fraction="
+                f"{self.short_fraction} must satisfy 0 <= wrong_fraction <= short_fraction <= 1"
+            )
+
+    @staticmethod
+    def steps(a: int, op: str, b: int) -> list[str]:
+        """The pool of scratchpad steps of ``a op b`` (each ends in ``;``)."""
+        ans = a + b if op == "+" else a - b
+        tens, units = a - a % 10, a % 10
+        part = units + b if op == "+" else units - b
+        inv = "-" if op == "+" else "+"
+        return [
+            f"{a}={tens}+{units};",
+            f"{units}{op}{b}={part};",
+            f"{tens}+{part}={ans};" if part >= 0 else f"{tens}-{-part}={ans};",
+            f"{ans}{inv}{b}={a};",
+            f"so {ans};",
+        ]
+
+    def generate(self, rng: np.random.Generator, n: int) -> list[Problem]:
+        out = []
+        for _ in range(n):
+            a, b = (int(x) for x in rng.integers(0, self.max_operand + 1, 2))
+            op = self.ops[int(rng.integers(len(self.ops)))]
+            ans = a + b if op == "+" else a - b
+            u = float(rng.random())
+            if u < self.short_fraction:
+                pad, shown = "", ans
+                if u < self.wrong_fraction:
+                    shown = ans + int(rng.choice([-3, -2, -1, 1, 2, 3]))
+            else:
+                v = min(self.max_verbosity, int(rng.geometric(0.4)))
+                pool = self.steps(a, op, b)
+                pad = "".join(pool[int(i)] for i in rng.integers(0, len(pool), v))
+                shown = ans
+            text = f"{pad}#{shown}"
+            out.append(
+                Problem(
+                    prompt=f"{a}{op}{b}=",
+                    answer=str(ans),
+                    reference=((Role.ASSISTANT, text),),
+                    numbers=(a, b),
+                )
+            )
+        return out
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        if "#" not in completion:
+            return 0.0
+        return float(_final(completion.rsplit("#", 1)[1]) == problem.answer)
+
+    def tool(self, problem: Problem, turn_text: str) -> str | None:
+        return None
+
+
+Task = ArithmeticTask | CountdownTask | CalculatorTask | VerboseArithmeticTask
 
 
 def make_task(kind: TaskKind, **options) -> Task:
@@ -242,6 +334,7 @@ def make_task(kind: TaskKind, **options) -> Task:
         TaskKind.ARITHMETIC: ArithmeticTask,
         TaskKind.COUNTDOWN: CountdownTask,
         TaskKind.CALCULATOR: CalculatorTask,
+        TaskKind.VERBOSE_ARITHMETIC: VerboseArithmeticTask,
     }[TaskKind(kind)]
     valid = {f.name for f in dataclasses.fields(cls)}
     unknown = set(options) - valid
@@ -262,6 +355,7 @@ __all__ = [
     "Role",
     "Task",
     "TaskKind",
+    "VerboseArithmeticTask",
     "make_task",
     "safe_eval",
 ]

@@ -439,11 +439,14 @@ class Trainer:
         g, sft = self.step, self.cfg.sft.steps
         compile_s0 = compile_seconds()
         if g < sft:
+            t0 = time.perf_counter()
             phase, m = Phase.SFT, self.sft_step(g)
         else:
             if g == sft and sft > 0:
                 self._enter_rl()
+            t0 = time.perf_counter()  # after the warm-up's own evaluation
             phase, m = Phase.RL, self.rl_step(g - sft)
+        m["step_seconds"] = time.perf_counter() - t0  # the step alone: no hooks, no eval
         self.step = g + 1
         m["skipped_total"] = self.skipped
         self._time_totals(m, compile_s0)

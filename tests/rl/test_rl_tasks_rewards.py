@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dtarl.model.tokenizer import ByteTokenizer
-from dtarl.rl.config import load_config
+from dtarl.rl.config import ConfigError, load_config
 from dtarl.rl.rewards import RewardError, RewardErrorPolicy, compute_rewards
 from dtarl.rl.tasks import (
     ArithmeticTask,
@@ -16,6 +16,7 @@ from dtarl.rl.tasks import (
     Problem,
     Role,
     TaskKind,
+    VerboseArithmeticTask,
     make_task,
     safe_eval,
 )
@@ -119,3 +120,67 @@ def test_raising_reward_names_the_sample_or_scores_zero():
 
     with pytest.raises(RewardError, match="not a finite float"):
         compute_rewards(nan, ["a"], ["c"])
+
+
+def test_verbose_arithmetic_reward_and_steps():
+    t = VerboseArithmeticTask()
+    p = Problem(prompt="17+5=", answer="22", reference=())
+    assert t.reward(p, "#22") == 1.0
+    assert t.reward(p, "7+5=12;10+12=22;so 22;#22") == 1.0
+    assert t.reward(p, "#21") == 0.0
+    assert t.reward(p, "so 22;") == 0.0  # no answer marker
+    assert t.reward(p, "#21;so 22;#22 ") == 1.0  # the last marker's answer counts
+    assert t.reward(p, "#22;so 21;#21") == 0.0
+    # The step pool of 17+5 by hand, and of 13-6 (negative units part).
+    assert t.steps(17, "+", 5) == ["17=10+7;", "7+5=12;", "10+12=22;", "22-5=17;", "so 22;"]
+    assert t.steps(13, "-", 6) == ["13=10+3;", "3-6=-3;", "10-3=7;", "7+6=13;", "so 7;"]
+
+    def value(side: str) -> int:  # safe_eval has no unary minus: "-3" as "0-3"
+        return safe_eval("0" + side if side.startswith("-") else side)[0]
+
+    for a, op, b in [(17, "+", 5), (13, "-", 6), (0, "-", 9), (9, "+", 9)]:
+        for step in t.steps(a, op, b):  # every step is a true statement
+            if "=" in step:
+                lhs, rhs = step.rstrip(";").split("=")
+                assert value(lhs) == value(rhs), step
+
+
+def test_verbose_arithmetic_references_are_long_tailed():
+    t = VerboseArithmeticTask(max_operand=9, short_fraction=0.4, wrong_fraction=0.15)
+    problems = t.generate(np.random.default_rng(0), 2000)
+    again = t.generate(np.random.default_rng(0), 2000)
+    assert [p.reference for p in problems] == [p.reference for p in again]  # seeded
+    texts = [p.reference[0][1] for p in problems]
+    lens = np.asarray([len(ByteTokenizer().encode(x)) for x in texts])
+    rewards = np.asarray([t.reward(p, x) for p, x in zip(problems, texts, strict=True)])
+    short = np.asarray([x.startswith("#") for x in texts])
+    # 40% short (15% of all wrong, off by 1-3), 60% verbose and always correct.
+    assert abs(short.mean() - 0.4) < 0.04
+    assert abs((rewards == 0).mean() - 0.15) < 0.03
+    assert (rewards[~short] == 1).all() and (rewards[short] == 0).any()
+    assert all(t.reward(p, f"#{p.answer}") == 1 for p in problems[:50])
+    # Varied lengths with a long tail: p90 several times the median, capped by the
+    # 8 steps of at most 10 bytes each plus the answer.
+    med, p90, top = np.percentile(lens, [50, 90, 100])
+    assert len(np.unique(lens)) > 20
+    assert p90 >= 3 * med and top > 2 * p90
+    assert top <= 8 * 10 + 3
+    # The verbosity tail follows Geometric(0.4): P(v >= 5 | verbose) = 0.6^4 ~ 0.13.
+    steps = np.asarray([x.count(";") for x in texts])[~short]
+    assert abs((steps >= 5).mean() - 0.6**4) < 0.04 and steps.max() == 8
+
+
+def test_verbose_arithmetic_config():
+    cfg = load_config(None, ["task.kind=verbose_arithmetic", "task.max_verbosity=4"])
+    task = make_task(cfg.task.kind, **cfg.task.options())
+    assert isinstance(task, VerboseArithmeticTask) and task.max_verbosity == 4
+    with pytest.raises(ConfigError, match="task.wrong_fraction=0.5 must be in"):
+        load_config(None, ["task.kind=verbose_arithmetic", "task.wrong_fraction=0.5"])
+    with pytest.raises(ConfigError, match="subset of '\\+-'"):
+        load_config(None, ["task.kind=verbose_arithmetic", "task.ops='*'"])
+    with pytest.raises(ConfigError, match="task.max_verbosity=0 must be > 0"):
+        load_config(None, ["task.kind=verbose_arithmetic", "task.max_verbosity=0"])
+    with pytest.raises(ConfigError, match="only task.kind=verbose_arithmetic"):
+        load_config(None, ["task.kind=arithmetic", "task.short_fraction=0.2"])
+    with pytest.raises(ValueError, match="wrong_fraction"):
+        VerboseArithmeticTask(short_fraction=0.1, wrong_fraction=0.2)
