@@ -721,6 +721,7 @@ class RolloutEngine:
         # Attention reads the response rows up to the longest active one after this call.
         need = int(s["length"][s["active"]].max()) + c.steps_per_call + 1
         window = next(w for w in self._windows() if w >= need or w == c.response_len)
+        traces = self.trace_count
         t0 = time.perf_counter()
         self._pool, slots, out = self._fn("decode", c.steps_per_call, filtered, window)(
             weights, self._pool, self._slots_device(), self._table_device()
@@ -734,7 +735,8 @@ class RolloutEngine:
         st["decode_steps"] += steps
         st["active"].extend(out.batch[:steps].tolist())
         st["context"].extend(out.context[:steps].tolist())
-        st["calls"].append((seconds, steps, int(out.batch[:steps].sum())))
+        if self.trace_count == traces:  # a call that compiled would price the compile
+            st["calls"].append((seconds, steps, int(out.batch[:steps].sum())))
         produced = []
         for i in np.flatnonzero(out.count):
             r = self._slot_req[i]
@@ -878,7 +880,8 @@ class RolloutEngine:
             generated_tokens=0,
             active=[],
             context=[],
-            calls=[],  # per decode call: (seconds, steps, sum of active slots over its steps)
+            # per decode call that compiled nothing: (seconds, steps, sum of active slots)
+            calls=[],
             peak_kv_bytes=0,
         )
 
