@@ -131,9 +131,9 @@ def test_trainer_runs_darts_and_resumes(tmp_path):
         sft=dict(steps=0),
         rollout=dict(prompts_per_step=3, group_size=4, max_new_tokens=6),
         algo=dict(engine="dense", darts=dict(enabled=True, short_k=3, up_factor=2.0)),
-        steps=3,
+        steps=4,
         eval_problems=0,
-        checkpoint_every=3,
+        checkpoint_every=4,
         out_dir=str(tmp_path),
         console=False,
         tensorboard=False,
@@ -144,13 +144,16 @@ def test_trainer_runs_darts_and_resumes(tmp_path):
     assert tr.sampler.engine.config.group_size == 8  # room for M_up = 2 M candidates
     tr.run()
     rl = [h for h in tr.history if h.get("phase") == "rl"]
-    assert len(rl) == 3
+    assert len(rl) == 4
     for h in rl:
         assert 12 <= h["darts_m_total"] <= 24
         assert sum(h["darts_alloc_hist"]) == 3
         assert h["darts_kept_len_mean"] <= h["darts_generated_len_mean"] + 6
         assert h["num_sequences"] == 12 if "num_sequences" in h else True
-    assert rl[-1]["darts_cost_error"] == rl[-1]["darts_cost_error"]  # fitted by step 3: finite
+    # Decode calls that compiled are not cost observations; once two calls that
+    # did not are recorded, the held-out prediction error is finite.
+    fitted = [h for h in rl if h["darts_cost_error"] == h["darts_cost_error"]]
+    assert fitted and fitted[-1] is rl[-1] and 0 <= rl[-1]["darts_cost_error"]
     saved = tr.darts.state_dict()
     assert saved["mean_len"] is not None and saved["cost"]["obs"]
     back = Trainer(cfg)

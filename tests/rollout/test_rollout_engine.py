@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,20 +49,36 @@ def _prompts(n, seed=0, lo=2, hi=30):
     return [rng.randint(1, CFG.vocab_size, rng.randint(lo, hi)).tolist() for _ in range(n)]
 
 
+_REF_LEN = 128  # the reference forward pads to this (causal: padding after is unseen)
+
+
+@functools.cache
+def _forward(model):
+    """The full causal forward over a padded sequence (one compiled program)."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def logits(state, seq_T):
+        m = nnx.merge(graphdef, state)
+        return m(seq_T[None], jnp.arange(seq_T.shape[0])[None])[0][0]
+
+    return lambda seq: np.asarray(
+        logits(state, jnp.asarray(np.pad(np.asarray(seq, np.int32), (0, _REF_LEN - len(seq)))))
+    )[: len(seq)]
+
+
 def _full_forward_greedy(model, prompt, n):
     """Reference: the full forward over the whole sequence at every step."""
     seq = list(prompt)
     for _ in range(n):
-        logits, _ = model(jnp.asarray([seq]), jnp.arange(len(seq))[None])
-        seq.append(int(jnp.argmax(logits[0, -1])))
+        seq.append(int(np.argmax(_forward(model)(seq)[-1])))
     return seq[len(prompt) :]
 
 
 def _policy_logprobs(model, prompt, tokens, temperature):
     """log softmax(logits / T) of each generated token, from one full forward."""
     seq = np.concatenate([prompt, tokens]).astype(np.int32)
-    logits, _ = model(jnp.asarray(seq[None]), jnp.arange(seq.size)[None])
-    lp = jax.nn.log_softmax(logits[0] / temperature, axis=-1)
+    lp = jax.nn.log_softmax(jnp.asarray(_forward(model)(seq)) / temperature, axis=-1)
     p = len(prompt)
     return np.asarray(lp[p - 1 : -1][np.arange(len(tokens)), tokens])
 
