@@ -58,7 +58,8 @@ class FinishReason(enum.IntEnum):
     RUNNING = 0
     STOP = 1  # sampled a stop token (included in the output)
     LENGTH = 2  # reached its max_new (or forced) length
-    ABORTED = 3  # cancelled by a controller (DARTS early stop)
+    CANCELLED = 3  # cancelled by a controller (DARTS early stop, a group predicate)
+    ABORTED = 3  # the same value (an alias kept for existing code)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -145,13 +145,13 @@ def test_sharded_at_a_sampling_temperature():
     """An engine built at T = 0.7 trains on logits / T sharded too: equal to that engine
     on one device (tests/engines ties it to the jax.grad reference at T), and not to T = 1."""
     model, params, batch = _problem()
-    engine = DFSEngine(model, chunk_len=8, temperature=0.7)
+    engine = DenseEngine(model, microbatch=4, temperature=0.7)
     ref_loss, ref_grads, aux_ref = engine.value_and_grad(params, batch, LOSS)
-    sharded = ShardedEngine(DFSEngine(model, chunk_len=8, temperature=0.7), make_mesh(4, 2))
+    sharded = ShardedEngine(DenseEngine(model, microbatch=4, temperature=0.7), make_mesh(4, 2))
     total, grads, aux = sharded.value_and_grad(sharded.shard_params(params), batch, LOSS)
     np.testing.assert_allclose(float(total), float(ref_loss), rtol=1e-6)
     assert _max_rel(grads, ref_grads) <= RTOL
-    for lp, rlp, one in zip(aux.logprobs, aux_ref.logprobs, _reference("dfs")[2], strict=True):
+    for lp, rlp, one in zip(aux.logprobs, aux_ref.logprobs, _reference("dense")[2], strict=True):
         np.testing.assert_allclose(lp, rlp, atol=1e-5, rtol=0)
         assert np.abs(lp - one).max() > 1e-3
 
