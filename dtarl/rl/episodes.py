@@ -200,25 +200,7 @@ def rollout(
                     turn_text[row] += text + out
                     nxt.append(row)
         active = nxt
-    trajs = []
-    for row in range(n):
-        p = prompts[owner[row]]
-        toks = np.concatenate([p] + [x[0] for x in parts[row]]).astype(np.int32)
-        mask = np.concatenate([np.zeros(p.shape, np.float32)] + [x[1] for x in parts[row]])
-        old = np.concatenate([np.zeros(p.shape, np.float32)] + [x[2] for x in parts[row]])
-        trajs.append(
-            Trajectory(
-                tokens=toks,
-                loss_mask=mask,
-                old_logprobs=old.astype(np.float32),
-                prompt_len=int(p.shape[0]),
-                response_len=int(mask.sum()),
-                completion=tokenizer.decode(toks[p.shape[0] :].tolist()),
-                truncated=bool(truncated[row]),
-                num_turns=int(turns[row]),
-                problem_index=int(owner[row]),
-            )
-        )
+    trajs = _trajectories(tokenizer, prompts, parts, truncated, turns, owner)
     stats = dict(
         rollout_seconds=seconds,
         rollout_tokens=gen_tokens,

@@ -262,14 +262,12 @@ class RolloutEngine:
         self.trace_count = 0
         self.errors: list[tuple[tuple[int, int], str]] = []
         cd = jnp.dtype(cfg.compute_dtype)
-        kv = (cfg.num_kv_heads, cfg.head_dim)
-        layers = range(cfg.num_layers)
-        self._pool = K.Pool(
-            prompt_k=tuple(jnp.zeros((q, config.prompt_len) + kv, cd) for _ in layers),
-            prompt_v=tuple(jnp.zeros((q, config.prompt_len) + kv, cd) for _ in layers),
-            prompt_len=jnp.zeros((q,), jnp.int32),
-            resp_k=tuple(jnp.zeros((n, config.response_len) + kv, cd) for _ in layers),
-            resp_v=tuple(jnp.zeros((n, config.response_len) + kv, cd) for _ in layers),
+        self._pool = K.Pool.zeros(
+            self.cfg,
+            groups=config.prompt_slots,
+            prompt_len=config.prompt_len,
+            slots=config.slots,
+            response_len=config.response_len,
         )
         self._token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cd.itemsize
         # Host mirror of the slot state.

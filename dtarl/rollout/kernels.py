@@ -53,6 +53,23 @@ class Pool(NamedTuple):
     resp_k: tuple[jax.Array, ...]  # L x [N, R, K, D]
     resp_v: tuple[jax.Array, ...]
 
+    @classmethod
+    def zeros(cls, cfg, *, groups: int, prompt_len: int, slots: int, response_len: int) -> Pool:
+        """An empty pool in the model's compute dtype."""
+        cd = jnp.dtype(cfg.compute_dtype)
+        kv = (cfg.num_kv_heads, cfg.head_dim)
+
+        def layers(rows, length):
+            return tuple(jnp.zeros((rows, length) + kv, cd) for _ in range(cfg.num_layers))
+
+        return cls(
+            prompt_k=layers(groups, prompt_len),
+            prompt_v=layers(groups, prompt_len),
+            prompt_len=jnp.zeros((groups,), jnp.int32),
+            resp_k=layers(slots, response_len),
+            resp_v=layers(slots, response_len),
+        )
+
 
 class Slots(NamedTuple):
     """Per-slot decode state (host-owned; uploaded with every decode call)."""

@@ -29,7 +29,6 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -74,16 +73,13 @@ class StreamingScorer:
         self.temperature = 1.0 if temperature <= 0 else float(temperature)
         self.pad_id = int(pad_id)
         self.graphdef, _ = nnx.split(model, nnx.Param)
-        cd = jnp.dtype(self.cfg.compute_dtype)
-        kv = (self.cfg.num_kv_heads, self.cfg.head_dim)
         q, n = config.prompt_slots, config.slots
-        layers = range(self.cfg.num_layers)
-        self._pool = K.Pool(
-            prompt_k=tuple(jnp.zeros((q, config.prompt_len) + kv, cd) for _ in layers),
-            prompt_v=tuple(jnp.zeros((q, config.prompt_len) + kv, cd) for _ in layers),
-            prompt_len=jnp.zeros((q,), jnp.int32),
-            resp_k=tuple(jnp.zeros((n, config.response_len) + kv, cd) for _ in layers),
-            resp_v=tuple(jnp.zeros((n, config.response_len) + kv, cd) for _ in layers),
+        self._pool = K.Pool.zeros(
+            self.cfg,
+            groups=config.prompt_slots,
+            prompt_len=config.prompt_len,
+            slots=config.slots,
+            response_len=config.response_len,
         )
         self._free_slots = list(range(n))
         self._free_rows = list(range(q))
