@@ -546,6 +546,7 @@ class Trainer:
 
     def try_resume(self) -> bool:
         """Restores the latest checkpoint in out_dir (False when there is none)."""
+        self.ckpt.wait()  # a save of this trainer still in flight is committed first
         step = self.ckpt.latest_step()
         if step is None:
             return False
@@ -622,6 +623,7 @@ class Trainer:
                     self.save_checkpoint()
                 if cfg.eval_problems:
                     eval_end = self._eval_record(self.step)
+            self.ckpt.wait()  # checkpoints are written asynchronously
         finally:
             self.logger.close()
             self.logger = None
