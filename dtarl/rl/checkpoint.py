@@ -100,7 +100,7 @@ def leaf_names(tree) -> list[str]:
 def _nest(names: list[str], leaves: list) -> dict:
     """{'a/b/c': x} -> {'a': {'b': {'c': x}}}; a name that is a prefix of another is an error."""
     out: dict = {}
-    for name, leaf in zip(names, leaves):
+    for name, leaf in zip(names, leaves, strict=True):
         node = out
         parts = name.split("/")
         for p in parts[:-1]:
@@ -126,7 +126,8 @@ def _shape_dtype(x) -> tuple[tuple[int, ...], np.dtype]:
 
 
 def _fingerprint(names: list[str], leaves: list) -> list[list]:
-    return [[n, list(s), str(d)] for n, (s, d) in zip(names, map(_shape_dtype, leaves))]
+    sds = map(_shape_dtype, leaves)
+    return [[n, list(s), str(d)] for n, (s, d) in zip(names, sds, strict=True)]
 
 
 def _abstract(x):
@@ -356,9 +357,9 @@ class CheckpointManager:
         missing = [n for n in need if n not in have]
         extra = [n for n in have if n not in need]
         differ = [
-            f"{n}: saved {tuple(have[n][0])} {have[n][1]}, expected {tuple(need[n][0])} {need[n][1]}"
-            for n in need
-            if n in have and have[n] != need[n]
+            f"{n}: saved {tuple(s)} {d}, expected {tuple(need[n][0])} {need[n][1]}"
+            for n, (s, d) in have.items()
+            if n in need and (s, d) != need[n]
         ]
         what = []
         if missing:
