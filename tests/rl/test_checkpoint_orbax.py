@@ -68,8 +68,9 @@ def test_saved_leaves_are_named_by_their_paths(tmp_path, params):
 
 def test_save_returns_before_the_commit_and_keeps_n(tmp_path, monkeypatch):
     """The commit (Orbax's rename of the temporary directory) is held back: ``save``
-    has returned, the step is not listed, its arrays are on disk uncommitted;
-    once released, ``wait`` commits it. Then keep=2 drops the oldest steps."""
+    has returned, the step is not listed, its arrays are on disk uncommitted (and
+    deleting the saved device array meanwhile is safe); once released, ``wait``
+    commits it. Then keep=2 drops the oldest steps."""
     gate = threading.Event()
     real_commit = async_checkpointer._on_commit_callback
 
@@ -80,12 +81,15 @@ def test_save_returns_before_the_commit_and_keeps_n(tmp_path, monkeypatch):
     monkeypatch.setattr(async_checkpointer, "_on_commit_callback", held_commit)
     mgr = CheckpointManager(tmp_path, keep=2)
     tree = {"w": jnp.arange(6.0).reshape(2, 3)}
-    assert mgr.save(1, tree) == mgr.path(1)
+    donated = jnp.arange(6.0).reshape(2, 3) * 10
+    assert mgr.save(1, {"w": donated}) == mgr.path(1)
+    donated.delete()  # as a donating update would: save has copied it off the device
     assert mgr.steps() == [] and mgr.latest_step() is None
     assert os.listdir(tmp_path) == ["step_00000001.orbax-checkpoint-tmp"]
     gate.set()
     mgr.wait()
     assert mgr.steps() == [1]
+    np.testing.assert_array_equal(mgr.restore(1, tree)[0]["w"], tree["w"] * 10)
     for s in (2, 3, 4):
         mgr.save(s, {"w": tree["w"] + s})
     mgr.wait()
@@ -197,15 +201,16 @@ def _run_and_kill(script, directory, mode, after):
 
 def test_kill_9_during_saves_never_leaves_a_bad_checkpoint(tmp_path):
     """Rounds of a saving loop (value = f(step)) killed with SIGKILL: right after the
-    2nd save returned, with a write complete but uncommitted, and right after the
-    1st save returned (its write in flight). After each, a fresh manager lists only complete
+    2nd save returned, with a write complete but uncommitted, right after the 1st
+    save returned (its write in flight), and after the 5th (past keep=3, so while
+    old steps are being dropped). After each, a fresh manager lists only complete
     steps, and each restores to exactly f(step)."""
     script = tmp_path / "child.py"
     script.write_text(KILL_CHILD)
     directory = tmp_path / "ckpt"
     template = {"a": np.zeros((128, 256), np.float32), "b": np.zeros(4096, np.int32)}
     last = 0
-    for mode, after in (("loop", 2), ("hold", 1), ("loop", 1)):
+    for mode, after in (("loop", 2), ("hold", 1), ("loop", 1), ("loop", 5)):
         assert _run_and_kill(script, directory, mode, after) == after
         mgr = CheckpointManager(directory, keep=3)
         steps = mgr.steps()
@@ -221,7 +226,7 @@ def test_kill_9_during_saves_never_leaves_a_bad_checkpoint(tmp_path):
             for got, want in zip(jax.tree.leaves(tree), jax.tree.leaves(_f(s)), strict=True):
                 np.testing.assert_array_equal(got, want)
         last = steps[-1]
-    assert last >= 1
+    assert last >= 5  # the last round ran past keep=3: old steps were dropped
 
 
 # ------------------------------------------------------------- two processes
