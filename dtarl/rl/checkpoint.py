@@ -160,7 +160,7 @@ class CheckpointManager:
         self._pending: int | None = None  # the step of the last save not yet waited for
 
     def _manager(self) -> ocp.CheckpointManager:
-        """The Orbax manager, made on first use (so that reading never creates directories)."""
+        """The Orbax manager, made on the first save (reads do not need it)."""
         if self._mgr is None:
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=self.keep,
@@ -339,13 +339,19 @@ class CheckpointManager:
         names = leaf_names(target)
         self._check_fingerprint(step, meta.get("fingerprint"), _fingerprint(names, leaves))
         abstract = _nest(names, [_abstract(x) for x in leaves])
+        # A plain (synchronous) checkpointer on the committed item: unlike opening
+        # Orbax's manager, reading never touches the directory (no tmp cleanup that
+        # could remove the in-flight save of a run writing there).
+        reader = ocp.Checkpointer(ocp.StandardCheckpointHandler())
         try:
-            out = self._manager().restore(
-                step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
+            out = reader.restore(
+                os.path.join(self.path(step), _STATE), args=ocp.args.StandardRestore(abstract)
             )
         except Exception as e:
             raise CheckpointError(f"{self.path(step)}: cannot restore ({e})") from e
-        restored = [_lookup(out[_STATE], n) for n in names]
+        finally:
+            reader.close()
+        restored = [_lookup(out, n) for n in names]
         return jax.tree.unflatten(treedef, restored), meta
 
     def _check_fingerprint(self, step: int, saved, want: list[list]) -> None:
