@@ -45,12 +45,14 @@ import orbax.checkpoint as ocp
 LAYOUT = "dtarl-orbax-1"
 _STATE, _META = "state", "meta"
 _STEP_RE = re.compile(r"^step_(\d{8})$")
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"
 _TRASH = ".deleted"  # Orbax renames dropped steps here (atomic); dtarl empties it
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or restored; the message names the path."""
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written or restored; the message names the path.
+
+    A ValueError, like dtarl's other input errors, so ``dtarl train`` prints it
+    (e.g. an old-layout or mismatched checkpoint in out_dir) instead of a traceback."""
 
 
 # ------------------------------------------------------------------ leaf names
@@ -286,15 +288,6 @@ class CheckpointManager:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def cleanup_partial(self) -> None:
-        """Removes leftovers of interrupted saves (Orbax's ``*.orbax-checkpoint-tmp``)."""
-        self.wait()
-        if not os.path.isdir(self.directory) or jax.process_index() != 0:
-            return
-        for name in os.listdir(self.directory):
-            if _TMP_SUFFIX in name:
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     # ----------------------------------------------------------------- read
 
