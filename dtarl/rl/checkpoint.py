@@ -14,7 +14,7 @@ Saves are asynchronous: ``save`` returns once the arrays are copied off the
 devices; a background thread writes them and then commits the step by renaming
 its temporary directory (atomic on POSIX). A crash (even ``kill -9``) mid-save
 leaves only the ``.orbax-checkpoint-tmp`` directory, which ``steps`` never
-lists and the next manager removes. Steps beyond ``keep`` are first renamed
+lists and the next save removes. Steps beyond ``keep`` are first renamed
 into ``.deleted/`` and only then deleted, so a crash mid-delete never leaves a
 half-deleted step in the listing either. ``wait`` blocks until the pending save is
 committed; ``restore`` and ``save`` wait for it first.
@@ -51,7 +51,7 @@ _TRASH = ".deleted"  # Orbax renames dropped steps here (atomic); dtarl empties 
 class CheckpointError(ValueError):
     """A checkpoint cannot be written or restored; the message names the path.
 
-    A ValueError, like dtarl's other input errors, so ``dtarl train`` prints it
+    A ValueError, like dtarl's other input errors, so the ``dtarl`` CLI prints it
     (e.g. an old-layout or mismatched checkpoint in out_dir) instead of a traceback."""
 
 
@@ -145,7 +145,8 @@ def _abstract(x):
 
 
 class CheckpointManager:
-    """Saves and restores ``(pytree, meta)`` pairs by step; keeps the newest ``keep``.
+    """Saves and restores ``(pytree, meta)`` pairs by step; keeps the ``keep`` most
+    recently saved steps (Orbax's ``max_to_keep``).
 
     A thin layer over ``orbax.checkpoint.CheckpointManager`` (async saves,
     ``max_to_keep=keep``) with two items per step: ``state`` (the pytree, leaves
