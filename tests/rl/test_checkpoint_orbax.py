@@ -176,26 +176,29 @@ def _f(s):
 def _run_and_kill(script, directory, mode, after):
     """Runs the saving loop and SIGKILLs it as soon as it printed ``returned after``."""
     env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="", JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(directory), mode],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    try:
-        seen = 0
-        for line in proc.stdout:
-            if line.startswith("returned"):
-                seen += 1
-                if seen == after:
-                    break
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(30) == -signal.SIGKILL, "the saving loop ended by itself"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    log = script.parent / "child.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(directory), mode],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+        )
+        try:
+            seen = 0
+            for line in proc.stdout:
+                if line.startswith("returned"):
+                    seen += 1
+                    if seen == after:
+                        break
+            os.kill(proc.pid, signal.SIGKILL)
+            rc = proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert rc == -signal.SIGKILL, f"the saving loop ended by itself:\n{log.read_text()[-3000:]}"
     return seen
 
 
