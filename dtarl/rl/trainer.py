@@ -43,6 +43,7 @@ from dtarl.engines import Capacity, EngineConfig, make_engine, training_temperat
 from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model, load_hf
 from dtarl.model.tokenizer import ByteTokenizer, load_tokenizer
+from dtarl.parallel.launch import report_progress
 from dtarl.rl import darts
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import (
@@ -451,6 +452,7 @@ class Trainer:
         m["skipped_total"] = self.skipped
         self._time_totals(m, compile_s0)
         done_in_phase = self.step if phase is Phase.SFT else self.step - sft
+        report_progress()  # dtarl launch's watchdog: this rank finished a step
         return StepInfo(step=self.step, phase=phase, phase_step=done_in_phase, metrics=m)
 
     def _time_totals(self, m: dict[str, Any], compile_s0: float) -> None:
