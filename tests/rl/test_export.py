@@ -17,6 +17,7 @@ from dtarl.commands.export import ExportError, export_checkpoint
 from dtarl.model import init_model
 from dtarl.model.config import ModelConfig
 from dtarl.model.hf import check_export_dir, load_hf, save_hf, tokenizer_files
+from dtarl.model.tokenizer import load_tokenizer
 from dtarl.rl import trainer as trainer_mod
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import ConfigError, load_config
@@ -183,3 +184,43 @@ def test_save_hf_carries_tokenizer_files(tmp_path):
     with pytest.raises(ValueError, match="would overwrite the checkpoint's own config.json"):
         save_hf(model, tmp_path / "hf2", extra_files=[out + "/config.json"])
     assert not (tmp_path / "hf2").exists()
+
+
+def test_trainer_export_carries_the_runs_hf_tokenizer(tmp_path):
+    """A run whose tokenizer is a HF tokenizer.json: the export holds its files and
+    loads back as the same tokenizer (the byte tokenizer's export has none, above)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(["what is 3 + 4? the answer is 7"] * 5, trainer=bpe)
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    tok.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text('{"eos_token": "</s>", "pad_token": "<pad>"}')
+    (tok_dir / "README.md").write_text("not a tokenizer file")
+    cfg = load_config(
+        None,
+        [*TINY, f"out_dir={tmp_path / 'run'}", f"model.tokenizer_path={tok_dir}"]
+        + ["model.overrides={num_layers: 1, vocab_size: 320}"],
+    )
+    t = Trainer(cfg)
+    out = t.export_hf(str(tmp_path / "hf"))
+    assert sorted(os.listdir(out)) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    back = load_tokenizer(out)
+    text = "what is 3 + 4?"
+    assert back.encode(text) == t.tokenizer.encode(text)
+    assert (back.eos_id, back.pad_id) == (t.tokenizer.eos_id, t.tokenizer.pad_id)
+    assert load_hf(out).cfg.vocab_size == 320
