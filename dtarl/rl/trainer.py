@@ -37,12 +37,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from dtarl.batch import RolloutBatch
 from dtarl.engines import Capacity, EngineConfig, make_engine, training_temperature
 from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model, load_hf
+from dtarl.model.hf import check_export_dir, save_hf, tokenizer_files
 from dtarl.model.tokenizer import ByteTokenizer, load_tokenizer
+from dtarl.parallel.launch import report_progress
 from dtarl.rl import darts
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import (
@@ -226,6 +229,10 @@ class Trainer:
         self.ckpt = CheckpointManager(
             os.path.join(cfg.out_dir, "checkpoints"), keep=cfg.keep_checkpoints
         )
+        if cfg.export.hf_dir:  # refused now, not after training
+            check_export_dir(
+                cfg.export.hf_dir, what="export.hf_dir", protect=[("out_dir", cfg.out_dir)]
+            )
         d = cfg.algo.darts
         self.darts = darts.DartsState(ema=d.ema) if d.enabled else None  # checkpointed
         self.step = 0  # completed global steps (SFT + RL)
@@ -451,6 +458,7 @@ class Trainer:
         m["skipped_total"] = self.skipped
         self._time_totals(m, compile_s0)
         done_in_phase = self.step if phase is Phase.SFT else self.step - sft
+        report_progress()  # dtarl launch's watchdog: this rank finished a step
         return StepInfo(step=self.step, phase=phase, phase_step=done_in_phase, metrics=m)
 
     def _time_totals(self, m: dict[str, Any], compile_s0: float) -> None:
@@ -544,6 +552,20 @@ class Trainer:
         )
         return self.ckpt.save(self.step, self.state_tree(), meta)
 
+    def export_hf(self, path: str) -> str:
+        """Writes the current policy to ``path`` as a HF checkpoint (``save_hf``: atomic,
+        in ``param_dtype``) with the run's tokenizer files when its tokenizer came from a
+        HF directory (``model.tokenizer_path`` / ``model.hf_path``); the byte tokenizer
+        has none. Process 0 writes (after gathering the parameters)."""
+        params = self.params
+        if jax.process_count() > 1:
+            params = multihost_utils.process_allgather(params, tiled=True)
+            if jax.process_index() != 0:
+                return path
+        tok_dir = self.cfg.model.tokenizer_path or self.cfg.model.hf_path
+        model = nnx.merge(self.graphdef, params)
+        return save_hf(model, path, extra_files=tokenizer_files(tok_dir))
+
     def try_resume(self) -> bool:
         """Restores the latest checkpoint in out_dir (False when there is none)."""
         self.ckpt.wait()  # a save of this trainer still in flight is committed first
@@ -621,6 +643,8 @@ class Trainer:
             if self.step >= cfg.total_steps:
                 if not (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
                     self.save_checkpoint()
+                if cfg.export.hf_dir:
+                    self.logger.print(f"exported the policy to {self.export_hf(cfg.export.hf_dir)}")
                 if cfg.eval_problems:
                     eval_end = self._eval_record(self.step)
             self.ckpt.wait()  # checkpoints are written asynchronously
