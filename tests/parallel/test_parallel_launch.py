@@ -475,14 +475,14 @@ def test_watchdog_stops_a_run_without_progress(tmp_path):
     ids=["report_progress", "output-lines", "output-not-counted"],
 )
 def test_watchdog_spares_a_run_that_progresses(tmp_path, how, output_progress, code):
-    """A rank making progress every 0.2 s for 5 s outlives a 2 s watchdog. Output lines
+    """A rank making progress every 0.2 s for 5 s outlives a 3 s watchdog (margin for a slow start). Output lines
     count unless output_progress=False; then a rank that only prints is stopped."""
     (tmp_path / "works.py").write_text(WORKS)
     out, err = io.StringIO(), io.StringIO()
     res = launch_lib.launch(
         [str(tmp_path / "works.py"), how],
         1,
-        watchdog=2.0,
+        watchdog=3.0,
         output_progress=output_progress,
         timeout=60,
         stdout=out,
@@ -493,7 +493,7 @@ def test_watchdog_spares_a_run_that_progresses(tmp_path, how, output_progress, c
         assert "[rank 0] done after 5 s" in out.getvalue()
     else:
         assert "done after 5 s" not in out.getvalue()
-        assert "no rank made progress for 2 s" in res.message
+        assert "no rank made progress for 3 s" in res.message
         assert "or a line of output" not in res.message
         assert re.search(r"rank 0 last progressed [\d.]+ s ago", res.message), res.message
 
