@@ -11,6 +11,8 @@ The lead wires ``register(subparsers)`` into ``dtarl``'s argparse parser:
     dtarl trace simulate [SOURCE ...] --profile PROFILE.json [--calibrate [--no-rollout]]
                        [--engines dense dfs prefix_reuse auto] [--validate REPLAY.json]
                        [--devices N --dp D --tp T] [--out DIR]
+    dtarl trace validate [--rollout RUN] [--reward RUN] [--fit-steps 0 1 2] [--test-steps 3 4]
+                       [--no-reward] [--out DIR]
 
 Without SOURCEs, replay / simulate use the real-trace suite (``DEFAULT_SUITE``).
 """
@@ -39,6 +41,7 @@ from dtarl.bench.simulate import (
     profile_engines,
     validate,
 )
+from dtarl.bench.simulate.production import validate_production
 from dtarl.model import ModelConfig
 from dtarl.timing import QuietGate
 from dtarl.traces.report import write_report
@@ -294,6 +297,27 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate(args: argparse.Namespace) -> int:
+
+    rep = validate_production(
+        args.rollout,
+        fit_steps=args.fit_steps,
+        test_steps=args.test_steps,
+        reward_trace=args.reward,
+        reward_fit_steps=args.reward_fit_steps,
+        reward_test_steps=args.reward_test_steps,
+        reward=not args.no_reward,
+    )
+    print(rep.table())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    js = out / "production.json"
+    js.write_text(json.dumps(rep.to_dict(), indent=1))
+    png = rep.plot(out / "production.png")
+    print(f"wrote {js} and {png}")
+    return 0
+
+
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "sources",
@@ -325,7 +349,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    """Adds ``trace`` with ``report``, ``sample``, ``replay`` and ``simulate`` to a subparsers.
+    """Adds ``trace`` (report, sample, replay, simulate, validate) to a subparsers.
 
     Each leaf parser sets ``func`` (call it as ``args.func(args)``; returns an exit code).
     """
@@ -408,4 +432,18 @@ def register(subparsers) -> argparse.ArgumentParser:
     sim.add_argument("--model", default=None, help="model preset for FLOPs (default: profile's)")
     sim.add_argument("--out", default="trace_simulate", help="output directory")
     sim.set_defaults(func=_simulate)
+
+    val = sub.add_parser(
+        "validate",
+        help="fit the traces' production latencies on some steps, predict the held-out ones",
+    )
+    val.add_argument("--rollout", default=None, help="multi-turn run (default: shared search_r1)")
+    val.add_argument("--reward", default=None, help="run with reward timings (default: rllm)")
+    val.add_argument("--fit-steps", type=int, nargs="+", default=None, help="default: 1st half")
+    val.add_argument("--test-steps", type=int, nargs="+", default=None, help="default: the rest")
+    val.add_argument("--reward-fit-steps", type=int, nargs="+", default=None)
+    val.add_argument("--reward-test-steps", type=int, nargs="+", default=None)
+    val.add_argument("--no-reward", action="store_true", help="rollout only")
+    val.add_argument("--out", default="trace_validate", help="output directory (JSON + PNG)")
+    val.set_defaults(func=_validate)
     return trace

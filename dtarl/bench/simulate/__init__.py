@@ -77,6 +77,11 @@ one ring all-reduce of the fp32 gradient (2 (dp-1)/dp x bytes / bandwidth +
 rollout's samples are split evenly over the dp ranks (its FLOP terms divided
 by tp x throughput_scale; no tp traffic is modelled for generation).
 
+Production (``production``, ``dtarl trace validate``): a separate, trace-only
+model of the original deployment's rollout (SGLang per-turn latency under
+processor sharing, tool calls on each trajectory's timeline) and reward time,
+fitted on some steps of the traces' real timings and scored on held-out steps.
+
 Validation (``validate``) regenerates the workloads of a ``replay`` JSON,
 predicts every stage with a profile, and reports |pred - measured| / measured
 per (workload, stage, engine) against both the replay's minimum and median.
@@ -129,6 +134,13 @@ from dtarl.bench.simulate.predict import (
     predict_step,
     predict_workload,
 )
+from dtarl.bench.simulate.production import (
+    EngineLatencyModel,
+    ProductionReport,
+    RewardTimeModel,
+    TurnTable,
+    validate_production,
+)
 from dtarl.bench.simulate.validate import ValidationReport, ValidationRow, validate
 from dtarl.engines.cost import nnls
 
@@ -144,6 +156,11 @@ __all__ = [
     "ClusterSpec",
     "CostProfile",
     "EngineCost",
+    "EngineLatencyModel",
+    "ProductionReport",
+    "RewardTimeModel",
+    "TurnTable",
+    "validate_production",
     "EnginePrediction",
     "RolloutCost",
     "RolloutFeatures",
