@@ -158,9 +158,12 @@ def _replay(args: argparse.Namespace) -> int:
                 f"(compile {r.compile_s:.1f}s, {r.status})"
             )
         )
+        step = w.rollout_step_s()
+        timeline = "" if step is None else f"; rollout with tools (slowest trajectory) {step:.2f}s"
         print(
             f"{w.spec.name}: rollout {roll}; tool ({w.tool.clock} clock) "
-            f"{w.tool.seconds:.2f}s over {w.tool.calls} calls ({w.tool.status})"
+            f"{w.tool.seconds:.2f} {w.tool.units} over {w.tool.calls} calls ({w.tool.status})"
+            f"{timeline}"
         )
     print(f"wrote {js} and {png}")
     return 0
@@ -282,13 +285,15 @@ def _simulate(args: argparse.Namespace) -> int:
             )
             rows.append(dict(spec=spec.to_dict(), prediction=p.to_dict()))
             parts = ", ".join(
-                f"{k} {p.step_s(k):.3f}s (train {e.train_s:.3f}s"
+                f"{k} {'-' if p.step_s(k) is None else f'{p.step_s(k):.3f}s'} "
+                f"(train {e.train_s:.3f}s"
                 + (f" as {e.program}" if e.program != k else "")
                 + f", all-reduce {e.allreduce_s * 1e3:.2f}ms)"
                 for k, e in p.engines.items()
             )
             roll = "not modelled" if p.rollout_s is None else f"{p.rollout_s:.3f}s"
-            print(f"{spec.name}: rollout {roll}; tool {p.tool_s:.2f}s (simulated); {parts}")
+            units = "replay s" if p.tool_in_step_units else "production s, not in the step"
+            print(f"{spec.name}: rollout {roll}; tool {p.tool_s:.2f}s ({units}); {parts}")
         out.mkdir(parents=True, exist_ok=True)
         (out / "simulate.json").write_text(
             json.dumps(dict(kind="dtarl.trace.simulate", workloads=rows), indent=1)
@@ -384,7 +389,13 @@ def register(subparsers) -> argparse.ArgumentParser:
     )
     rpl.add_argument("--warmup", type=int, default=1, help="untimed calls (compile)")
     rpl.add_argument("--tool-clock", choices=("simulated", "sleep"), default="simulated")
-    rpl.add_argument("--tool-time-scale", type=float, default=1.0, help="scales slept latency")
+    rpl.add_argument(
+        "--tool-time-scale",
+        type=float,
+        default=None,
+        help="production -> replay seconds for tool latencies (default: none; tools are "
+        "reported apart, no end-to-end total)",
+    )
     rpl.add_argument("--tool-latencies", default=None, help="multi-turn trace for latencies")
     rpl.add_argument("--rollout-repeats", type=int, default=3, help="timed rollouts (min, median)")
     rpl.add_argument("--no-rollout", action="store_true", help="skip the rollout stage")
@@ -416,7 +427,10 @@ def register(subparsers) -> argparse.ArgumentParser:
         "--target", type=float, default=0.10, help="relative error target of --validate"
     )
     sim.add_argument(
-        "--tool-time-scale", type=float, default=1.0, help="scales the simulated tool latencies"
+        "--tool-time-scale",
+        type=float,
+        default=None,
+        help="production -> simulated seconds for tool latencies (default: none; no step total)",
     )
     sim.add_argument("--devices", type=int, default=None, help="default dp x tp")
     sim.add_argument("--dp", type=int, default=1)

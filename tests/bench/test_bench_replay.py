@@ -10,9 +10,13 @@ import pytest
 
 from dtarl.bench.replay import (
     ROLLOUT_UNAVAILABLE,
+    EngineTiming,
     ReplayConfig,
+    RolloutPhase,
     TimingJob,
     ToolClock,
+    ToolPhase,
+    WorkloadReplay,
     WorkloadSpec,
     auto_length_scale,
     find_forced_length_sampler,
@@ -67,6 +71,72 @@ def test_tool_phase_simulated_clock_is_critical_path(multi_run):
     assert ph.critical_path_s == pytest.approx(1.0)
     assert ph.total_call_s == pytest.approx(3.0)
     assert ph.seconds == pytest.approx(1.0)
+    assert ph.units == "production s" and ph.time_scale is None
+    # Per trajectory (sorted ids): its calls x 0.5 s, production seconds.
+    per = tool_calls_per_trajectory(w)
+    assert ph.per_trajectory_s == pytest.approx([0.5 * per[t] for t in sorted(per)])
+    scaled = tool_phase(w, const, clock=ToolClock.SIMULATED, time_scale=0.1)
+    assert scaled.units == "replay s" and scaled.seconds == pytest.approx(0.1)
+
+
+def _replay_of(turn_seconds, tool_s, turns, train_s=0.25, time_scale=0.5):
+    t = EngineTiming(
+        kind="dense",
+        first_call_s=1.0,
+        compile_s=0.75,
+        step_s=train_s,
+        step_min_s=train_s,
+        device_s=train_s,
+        host_s=0.0,
+        runs_s=(train_s,),
+        device_runs_s=(train_s,),
+        host_runs_s=(0.0,),
+        background_cores=(None,),
+        num_tokens=10,
+        tree_tokens=None,
+        computed_tokens=None,
+        trace_count=1,
+        stats={},
+    )
+    tool = ToolPhase(
+        clock="simulated",
+        calls=3,
+        critical_path_s=max(tool_s),
+        total_call_s=sum(tool_s),
+        seconds=max(tool_s) * (1.0 if time_scale is None else time_scale),
+        time_scale=time_scale,
+        per_trajectory_s=tuple(tool_s),
+    )
+    roll = RolloutPhase(status="ok", seconds=sum(turn_seconds), turn_seconds=turn_seconds)
+    spec = WorkloadSpec(name="x", source="fitted:tool", batch_size=1)
+    return WorkloadReplay(
+        spec=spec,
+        num_sequences=3,
+        dense_tokens=10,
+        tree_tokens=8,
+        max_len=5,
+        rollout=roll,
+        tool=tool,
+        engines={"dense": t},
+        turns_per_trajectory=tuple(turns),
+    )
+
+
+def test_end_to_end_puts_tools_on_each_trajectory_timeline():
+    # Turns take 1, 2, 4 s (replay); production tool seconds 10, 4, 0 scaled by 0.5.
+    # Timelines: 1 + 2 + 5 = 8; 1 + 2 + 4 + 2 = 9; 1 + 0 = 1 -> the rollout stage is 9 s
+    # (the serial sum rollout + tool critical path would be 7 + 5 = 12 s).
+    w = _replay_of((1.0, 2.0, 4.0), (10.0, 4.0, 0.0), (2, 3, 1))
+    assert w.trajectory_timelines_s() == pytest.approx((8.0, 9.0, 1.0))
+    assert w.rollout_step_s() == pytest.approx(9.0)
+    assert w.step_s("dense") == pytest.approx(9.25)
+    d = w.to_dict()
+    assert d["engines"]["dense"]["end_to_end_step_s"] == pytest.approx(9.25)
+    assert d["stages"]["tool"]["units"] == "replay s"
+    # Production tool seconds are never added to replay seconds: no total.
+    w = _replay_of((1.0, 2.0, 4.0), (10.0, 4.0, 0.0), (2, 3, 1), time_scale=None)
+    assert w.rollout_step_s() is None and w.step_s("dense") is None
+    assert w.to_dict()["engines"]["dense"]["end_to_end_step_s"] is None
 
 
 def test_tool_phase_sleep_clock_sleeps(multi_run):
@@ -113,6 +183,8 @@ def test_replay_config_validates():
     with pytest.raises(ValueError, match="warmup"):
         ReplayConfig(warmup=0)
     assert ReplayConfig(tool_clock="sleep").tool_clock is ToolClock.SLEEP
+    with pytest.raises(ValueError, match="tool_time_scale"):
+        ReplayConfig(tool_time_scale=-1.0)
 
 
 @pytest.mark.parametrize("cfg", [ModelConfig.tiny(), ModelConfig.tiny(ModelFamily.LLAMA3)])
@@ -133,6 +205,7 @@ def test_rollout_phase_forced_lengths(single_run):
     assert ph.status == "ok" and ph.detail["lengths_match"] and ph.detail["turns"] == 1
     assert ph.generated_tokens == int(w.info.response_lens.sum())
     assert ph.seconds > 0 and ph.compile_s >= 0 and 0 < ph.min_seconds <= ph.seconds
+    assert sum(ph.turn_seconds) == pytest.approx(ph.min_seconds)  # the fastest run's turns
     # The calls are the turns of the workload (one per turn, forced lengths per row).
     calls = rollout_calls(w)
     assert len(calls) == ph.detail["turns"]
@@ -173,8 +246,8 @@ def test_replay_end_to_end_tiny(multi_run, tmp_path):
         )
         assert t.trace_count == 1  # warm-up compiled once; timed repeats never retrace
         assert t.num_tokens == w.dense_tokens
-        roll = w.rollout.seconds or 0.0
-        assert w.step_s(kind) == pytest.approx(roll + w.tool.seconds + t.step_s)
+        # Tool seconds are production seconds (no tool_time_scale): no end-to-end total.
+        assert w.step_s(kind) is None
     assert w.speedup("dense") == 1.0
     assert w.speedup("dfs") == pytest.approx(w.engines["dense"].step_s / w.engines["dfs"].step_s)
     js = res.save(tmp_path / "r" / "replay.json")

@@ -9,10 +9,13 @@ size, ``length_scale``) has three stages:
            reported as "unavailable (sampler not built)" and nothing is faked.
   tool     tool-call latencies drawn from the real search_r1 latencies
            (``ToolLatencySampler``) for every tool output in the trajectories.
-           Trajectories run concurrently and their calls sequentially, so the
-           stage's wall time is the critical path  max_traj sum_calls latency.
-           ``ToolClock.SIMULATED`` adds that number to a simulated clock;
-           ``ToolClock.SLEEP`` really sleeps it (times ``tool_time_scale``).
+           Trajectories run concurrently and their calls sequentially. The
+           latencies are production seconds; ``tool_time_scale`` converts them
+           to the replay's seconds. Without it they are reported apart and no
+           end-to-end total is formed. With it, each trajectory's calls sit on
+           its own timeline between its turns (``WorkloadReplay.
+           trajectory_timelines_s``) and the rollout stage is the slowest
+           trajectory. ``ToolClock.SLEEP`` really sleeps the critical path.
   train    ``engine.value_and_grad`` of the batch, for every engine kind asked
            (anything ``make_engine`` accepts: dense, dense_remat, dfs, ...).
 
@@ -124,7 +127,9 @@ def _stages(
 
 
 def _assemble(workload: Workload, spec: WorkloadSpec, rollout, tool, timings) -> WorkloadReplay:
+    turns = model_turns(workload)
     return WorkloadReplay(
+        turns_per_trajectory=tuple(len(turns[t][1]) for t in sorted(turns)),
         spec=spec,
         num_sequences=workload.batch.num_sequences,
         dense_tokens=workload.info.dense_tokens,

@@ -24,7 +24,11 @@ class ReplayConfig:
 
     engines: engine kinds (``make_engine``); "dense" is the speedup baseline.
     repeats / warmup: timed and untimed (compile) calls per engine.
-    tool_clock / tool_time_scale: see ``ToolClock``; the scale shrinks slept time.
+    tool_clock: see ``ToolClock``. tool_time_scale: the factor from the trace's
+    production tool seconds to the replay's (tiny model, CPU) seconds, e.g. the
+    ratio of the replayed to the production generation time. None (default):
+    tool seconds stay production seconds, are reported apart and no end-to-end
+    step total is formed (it would add real search latency to tiny-model time).
     tool_latency_source: a multi-turn trace for latencies (None: the default).
     model: the policy (the tiny test model by default); model_seed: its init.
     rollout / rollout_repeats: run the rollout stage (when a sampler exists) and
@@ -37,7 +41,7 @@ class ReplayConfig:
     repeats: int = 5
     warmup: int = 1
     tool_clock: ToolClock = ToolClock.SIMULATED
-    tool_time_scale: float = 1.0
+    tool_time_scale: float | None = None
     tool_latency_source: str | None = None
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig.tiny)
     model_seed: int = 0
@@ -55,8 +59,10 @@ class ReplayConfig:
             raise ValueError(f"ReplayConfig.repeats={self.repeats}: must be >= 1")
         if self.warmup < 1:
             raise ValueError(f"ReplayConfig.warmup={self.warmup}: must be >= 1 (it compiles)")
-        if not self.tool_time_scale >= 0:
-            raise ValueError(f"ReplayConfig.tool_time_scale={self.tool_time_scale}: must be >= 0")
+        if self.tool_time_scale is not None and not self.tool_time_scale >= 0:
+            raise ValueError(
+                f"ReplayConfig.tool_time_scale={self.tool_time_scale}: must be >= 0 or None"
+            )
         if self.quiet_cores is not None and not self.quiet_cores > 0:
             raise ValueError(f"ReplayConfig.quiet_cores={self.quiet_cores}: must be > 0 or None")
         if not self.quiet_budget_s >= 0:
@@ -77,6 +83,7 @@ class WorkloadReplay:
     rollout: RolloutPhase
     tool: ToolPhase
     engines: dict[str, EngineTiming]
+    turns_per_trajectory: tuple[int, ...] = ()  # model turns, trajectory order (as tool's)
 
     def speedup(self, kind: str, baseline: str = "dense") -> float | None:
         """Training step-time speedup of ``kind`` over ``baseline`` (None if not run)."""
@@ -84,10 +91,44 @@ class WorkloadReplay:
             return None
         return self.engines[baseline].step_s / self.engines[kind].step_s
 
-    def step_s(self, kind: str) -> float:
-        """End-to-end step: rollout (when it ran) + tool + training."""
-        roll = self.rollout.seconds or 0.0  # None when the stage did not run
-        return roll + self.tool.seconds + self.engines[kind].step_s
+    def trajectory_timelines_s(self) -> tuple[float, ...] | None:
+        """Each trajectory's rollout timeline in replay seconds: its turns' generate calls
+        (the fastest timed rollout's seconds of turn k, for k < its turns) plus its own tool
+        calls x ``tool.time_scale``, between its turns.
+
+        None unless the rollout ran and the tool stage is in replay seconds.
+        """
+        turn_s = self.rollout.turn_seconds
+        if not turn_s or self.tool.time_scale is None or not self.turns_per_trajectory:
+            return None
+        tools = self.tool.per_trajectory_s or (0.0,) * len(self.turns_per_trajectory)
+        if len(tools) != len(self.turns_per_trajectory):
+            raise ValueError(
+                f"tool.per_trajectory_s has {len(tools)} trajectories but the rollout "
+                f"{len(self.turns_per_trajectory)}"
+            )
+        cum = np.concatenate([[0.0], np.cumsum(turn_s)])
+        return tuple(
+            float(cum[min(k, len(turn_s))] + self.tool.time_scale * t)
+            for k, t in zip(self.turns_per_trajectory, tools, strict=True)
+        )
+
+    def rollout_step_s(self) -> float | None:
+        """The rollout stage with its tool calls: the slowest trajectory's timeline."""
+        tl = self.trajectory_timelines_s()
+        return None if tl is None else max(tl)
+
+    def step_s(self, kind: str) -> float | None:
+        """End-to-end step in replay seconds: the rollout stage on per-trajectory timelines
+        (tools between turns; the scaled tool critical path alone when the rollout did not
+        run) + training. None when the tool seconds are production seconds (no
+        ``tool_time_scale``): stages in two unit systems are never added."""
+        if self.tool.time_scale is None:
+            return None
+        roll = self.rollout_step_s()
+        if roll is None:
+            roll = self.tool.seconds
+        return roll + self.engines[kind].step_s
 
     def to_dict(self) -> dict[str, Any]:
         engines = {}
@@ -97,7 +138,7 @@ class WorkloadReplay:
             d["tokens_per_s"] = t.tokens_per_s
             d["tree_tokens_per_s"] = self.tree_tokens / t.step_s if t.step_s > 0 else float("nan")
             d["speedup_vs_dense"] = self.speedup(k)
-            d["end_to_end_step_s"] = self.step_s(k)
+            d["end_to_end_step_s"] = self.step_s(k)  # None: tool in production seconds
             engines[k] = d
         return dict(
             spec=self.spec.to_dict(),
@@ -107,8 +148,11 @@ class WorkloadReplay:
             ideal_speedup=self.dense_tokens / max(self.tree_tokens, 1),
             max_len=self.max_len,
             stages=dict(
-                rollout=dataclasses.asdict(self.rollout), tool=dataclasses.asdict(self.tool)
+                rollout=dataclasses.asdict(self.rollout),
+                tool=dict(dataclasses.asdict(self.tool), units=self.tool.units),
+                rollout_step_s=self.rollout_step_s(),
             ),
+            turns_per_trajectory=list(self.turns_per_trajectory),
             engines=engines,
         )
 
@@ -164,6 +208,12 @@ class ReplayResult:
                     f"{t.tokens_per_s:>9.0f}{'-' if sp is None else f'{sp:.2f}x':>9}"
                     f"{w.tool.seconds:>8.2f}"
                 )
+        units = {w.tool.units for w in self.workloads}
+        if "production s" in units:
+            lines.append(
+                "tool_s: production seconds of the trace's search calls (no tool_time_scale), "
+                "reported apart: no end-to-end step total"
+            )
         return "\n".join(lines)
 
     def plot(self, path: str | os.PathLike) -> Path:

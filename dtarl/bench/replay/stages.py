@@ -73,10 +73,14 @@ class ToolPhase:
     """The tool stage of one step.
 
     clock: "simulated" (critical path added to a clock) or "sleep" (really slept).
-    calls: tool calls in the step; critical_path_s: max over trajectories of the
-    sum of their call latencies; total_call_s: sum over all calls; seconds: the
-    stage's wall time (critical path x time scale; measured when sleeping);
-    status: "ok", "no tool calls" or why latencies are missing.
+    calls: tool calls in the step; per_trajectory_s: each trajectory's summed
+    call latencies (trajectory order, *production* seconds: sampled from the
+    real trace); critical_path_s: their maximum; total_call_s: sum over all
+    calls. time_scale: the factor from production seconds to the replay's
+    seconds, or None when none was given; then ``seconds`` (the stage's wall
+    time: critical path x time_scale, measured when sleeping) stays in
+    production seconds and must not be added to the replay's tiny-model stages
+    (``units``). status: "ok", "no tool calls" or why latencies are missing.
     """
 
     clock: str
@@ -85,6 +89,13 @@ class ToolPhase:
     total_call_s: float
     seconds: float
     status: str = "ok"
+    time_scale: float | None = None
+    per_trajectory_s: tuple[float, ...] = ()
+
+    @property
+    def units(self) -> str:
+        """ "replay s" when scaled into the replay's unit system, else "production s"."""
+        return "production s" if self.time_scale is None else "replay s"
 
 
 def default_tool_sampler(workload_source: str | None = None) -> ToolLatencySampler | None:
@@ -112,10 +123,13 @@ def tool_phase(
     sampler: ToolLatencySampler | None,
     *,
     clock: ToolClock = ToolClock.SIMULATED,
-    time_scale: float = 1.0,
+    time_scale: float | None = None,
     seed: int = 0,
 ) -> ToolPhase:
-    """Samples every tool call's latency (seeded) and runs the tool stage's clock."""
+    """Samples every tool call's latency (seeded) and runs the tool stage's clock.
+
+    ``time_scale``: production seconds -> replay seconds (None: keep production seconds).
+    """
     clock = ToolClock(clock)
     per_traj = tool_calls_per_trajectory(workload)
     n = sum(per_traj.values())
@@ -127,6 +141,8 @@ def tool_phase(
             total_call_s=0.0,
             seconds=0.0,
             status="no tool calls",
+            time_scale=time_scale,
+            per_trajectory_s=tuple(0.0 for _ in per_traj),
         )
     if sampler is None:
         return ToolPhase(
@@ -136,6 +152,7 @@ def tool_phase(
             total_call_s=0.0,
             seconds=0.0,
             status="no tool-latency data (pass a multi-turn trace)",
+            time_scale=time_scale,
         )
     rng = np.random.default_rng([seed, 7])
     lat = sampler.sample(n, seed=rng)
@@ -145,7 +162,7 @@ def tool_phase(
         sums.append(float(lat[k : k + c].sum()))
         k += c
     crit = max(sums)
-    wall = crit * time_scale
+    wall = crit * (1.0 if time_scale is None else time_scale)
     if clock is ToolClock.SLEEP:
         t0 = time.perf_counter()
         time.sleep(wall)
@@ -156,6 +173,8 @@ def tool_phase(
         critical_path_s=crit,
         total_call_s=float(lat.sum()),
         seconds=wall,
+        time_scale=time_scale,
+        per_trajectory_s=tuple(sums),
     )
 
 
@@ -166,7 +185,8 @@ def tool_phase(
 class RolloutPhase:
     """The generation stage: ``status`` is "ok" or why it did not run (seconds None).
 
-    seconds / min_seconds: median / minimum over the timed rollouts.
+    seconds / min_seconds: median / minimum over the timed rollouts;
+    turn_seconds: the fastest rollout's seconds per turn (one generate call each).
     """
 
     status: str
@@ -175,6 +195,7 @@ class RolloutPhase:
     compile_s: float | None = None
     generated_tokens: int = 0
     tokens_per_s: float | None = None
+    turn_seconds: tuple[float, ...] = ()  # per generate call (turn) of the fastest rollout
     detail: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -280,7 +301,13 @@ def run_rollout_calls(sampler, params, calls: Sequence[RolloutCall], seed: int):
     Returns (seconds, generated tokens, lengths honoured); seconds sums the
     sampler's own per-call timing (prefill + decode, device synchronised).
     """
-    total_s, gen, ok = 0.0, 0, True
+    turn_s, gen, ok = run_rollout_turns(sampler, params, calls, seed)
+    return sum(turn_s), gen, ok
+
+
+def run_rollout_turns(sampler, params, calls: Sequence[RolloutCall], seed: int):
+    """``run_rollout_calls`` with the seconds of every call (turn): (list, tokens, ok)."""
+    turn_s, gen, ok = [], 0, True
     for k, call in enumerate(calls):
         res = sampler.generate(
             params,
@@ -289,10 +316,10 @@ def run_rollout_calls(sampler, params, calls: Sequence[RolloutCall], seed: int):
             seed=seed + k,
             forced_lengths=list(call.forced),
         )
-        total_s += float(res.stats["seconds"])
+        turn_s.append(float(res.stats["seconds"]))
         gen += int(res.lengths.sum())
         ok = ok and bool(np.array_equal(np.sort(res.lengths), np.sort(np.asarray(call.forced))))
-    return total_s, gen, ok
+    return turn_s, gen, ok
 
 
 def rollout_sampler(model, calls: Sequence[RolloutCall]):
@@ -320,6 +347,7 @@ class RolloutRun:
     first_s: float
     generated: int
     ok: bool
+    timed_turns: list = dataclasses.field(default_factory=list)  # per-turn seconds per call()
 
     @classmethod
     def warm(cls, model, params, calls: Sequence[RolloutCall], seed: int = 0) -> RolloutRun | None:
@@ -339,11 +367,15 @@ class RolloutRun:
         )
 
     def call(self) -> float:
-        return run_rollout_calls(self.sampler, self.params, self.calls, self.seed)[0]
+        turn_s = run_rollout_turns(self.sampler, self.params, self.calls, self.seed)[0]
+        self.timed_turns.append(tuple(turn_s))
+        return sum(turn_s)
 
     def phase(self, timed: TimedRuns) -> RolloutPhase:
         runs = list(timed.seconds)
         med = statistics.median(runs)
+        by_total = {sum(t): t for t in self.timed_turns}
+        fastest = by_total.get(min(runs), min(self.timed_turns, key=sum, default=()))
         return RolloutPhase(
             status=(
                 "ok" if self.ok else "ok (WARNING: sampler lengths differ from the forced lengths)"
@@ -353,6 +385,7 @@ class RolloutRun:
             compile_s=max(self.first_s - min(runs), 0.0),
             generated_tokens=self.generated,
             tokens_per_s=self.generated / med if med > 0 else None,
+            turn_seconds=tuple(fastest),
             detail=dict(
                 sampler=f"{type(self.sampler).__module__}.{type(self.sampler).__name__}",
                 turns=len(self.calls),

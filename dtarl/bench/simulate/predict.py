@@ -95,15 +95,24 @@ class EnginePrediction:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepPrediction:
-    """Predicted step: rollout (when modelled) + tool stage (simulated clock) + training."""
+    """Predicted step: rollout (when modelled) + tool stage (simulated clock) + training.
+
+    tool_in_step_units: whether ``tool_s`` is in the same seconds as the other
+    stages (False: the trace's production seconds, and ``step_s`` is None).
+    With it, the step is rollout + tool critical path + train: an upper bound of
+    the per-trajectory timeline, where tool calls overlap other trajectories' turns.
+    """
 
     cluster: ClusterSpec
     tool_s: float
     engines: dict[str, EnginePrediction]
     rollout_s: float | None = None
     rollout_features: RolloutFeatures | None = None
+    tool_in_step_units: bool = True
 
-    def step_s(self, kind: str) -> float:
+    def step_s(self, kind: str) -> float | None:
+        if self.tool_s > 0 and not self.tool_in_step_units:
+            return None
         return (self.rollout_s or 0.0) + self.tool_s + self.engines[kind].train_s
 
     def to_dict(self) -> dict[str, Any]:
@@ -228,10 +237,11 @@ def predict_workload(
     *,
     engines: Sequence[str] | None = None,
     model: ModelConfig | None = None,
-    tool_time_scale: float = 1.0,
+    tool_time_scale: float | None = None,
 ) -> StepPrediction:
     """``predict_step`` of a spec's workload, with its rollout (2) and its tool stage on a
-    simulated clock (the replay's sampled latencies, times ``tool_time_scale``)."""
+    simulated clock (the replay's sampled latencies, times ``tool_time_scale``; None keeps
+    production seconds and the prediction then has no step total)."""
     cfg = profile.model if model is None else model
     w = spec.build(vocab_size=cfg.vocab_size)
     tool = tool_phase(
@@ -242,6 +252,7 @@ def predict_workload(
         seed=spec.seed,
     )
     pred = predict_step(w, profile, cluster, engines=engines, model=cfg, tool_s=tool.seconds)
+    pred = dataclasses.replace(pred, tool_in_step_units=tool_time_scale is not None)
     roll = predict_rollout(w, profile, cluster, model=cfg)
     if roll is None:
         return pred
