@@ -32,6 +32,7 @@ from dtarl.traces.records import (
     Turn,
 )
 from dtarl.traces.workload import (
+    GroupCorrelation,
     GroupSpec,
     ToolLatencySampler,
     Workload,
@@ -39,6 +40,7 @@ from dtarl.traces.workload import (
     WorkloadMode,
     build_workload,
     generate_workload,
+    measure_group_correlation,
     sample_workload,
 )
 
@@ -46,6 +48,7 @@ __all__ = [
     "DapoFilterBatch",
     "FileKind",
     "FittedWorkload",
+    "GroupCorrelation",
     "GroupSpec",
     "PromptGroup",
     "RewardTiming",
@@ -67,5 +70,6 @@ __all__ = [
     "iter_jsonl",
     "load_fitted",
     "load_trace",
+    "measure_group_correlation",
     "sample_workload",
 ]
