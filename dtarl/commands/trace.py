@@ -6,7 +6,9 @@ The lead wires ``register(subparsers)`` into ``dtarl``'s argparse parser:
     dtarl trace sample SOURCE --batch-size B [--n-sampling G] [--step K] [--seed S]
                        [--length-scale X] [--mode trajectory|per_turn]
     dtarl trace replay [SOURCE ...] [--engines dense dfs] [--repeats 7] [--max-len 256]
-                       [--tool-clock simulated|sleep] [--out DIR]
+                       [--tool-clock simulated|sleep] [--tool-time-scale X]
+                       [--inference-passes 0|1|2] [--no-reward]
+                       [--batch-sizes 2 4 8] [--max-response-lens 1000 3000] [--out DIR]
     dtarl trace simulate [SOURCE ...] --profile PROFILE.json --joint [--out DIR]
     dtarl trace simulate [SOURCE ...] --profile PROFILE.json [--calibrate [--no-rollout]]
                        [--engines dense dfs prefix_reuse auto] [--validate REPLAY.json]
@@ -20,6 +22,7 @@ Without SOURCEs, replay / simulate use the real-trace suite (``DEFAULT_SUITE``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -31,6 +34,7 @@ from dtarl.bench.replay import (
     auto_length_scale,
     default_suite,
     load_replay_json,
+    plot_stages,
     replay,
 )
 from dtarl.bench.simulate import (
@@ -141,12 +145,15 @@ def _replay(args: argparse.Namespace) -> int:
         rollout_repeats=args.rollout_repeats,
         quiet_cores=args.quiet_cores or None,
         quiet_budget_s=args.quiet_budget,
+        inference_passes=args.inference_passes,
+        reward=not args.no_reward,
     )
-    specs = _workload_specs(args)
+    specs = sweep_specs(_workload_specs(args), args.batch_sizes, args.max_response_lens)
     res = replay(specs, cfg, log=print)
     out = Path(args.out)
     js = res.save(out / "replay.json")
     png = res.plot(out / "replay.png")
+    stages_png = plot_stages(res, out / "stages.png", kind=cfg.engines[0])
     print(res.table())
     for w in res.workloads:
         r = w.rollout
@@ -165,8 +172,22 @@ def _replay(args: argparse.Namespace) -> int:
             f"{w.tool.seconds:.2f} {w.tool.units} over {w.tool.calls} calls ({w.tool.status})"
             f"{timeline}"
         )
-    print(f"wrote {js} and {png}")
+    print(f"wrote {js}, {png} and {stages_png}")
     return 0
+
+
+def sweep_specs(specs, batch_sizes=None, max_response_lens=None) -> list:
+    """Every spec at every (batch size, max response length) of the sweep (same length
+    scale as the spec, so the sweep's points share one unit system); none given: ``specs``."""
+    if not batch_sizes and not max_response_lens:
+        return list(specs)
+    out = []
+    for s in specs:
+        for b in batch_sizes or [s.batch_size]:
+            for cap in max_response_lens or [s.max_response_len]:
+                name = f"{s.name}/b{b}" + ("" if cap is None else f"/L{cap}")
+                out.append(dataclasses.replace(s, name=name, batch_size=b, max_response_len=cap))
+    return out
 
 
 def _cluster(args: argparse.Namespace):
@@ -399,6 +420,24 @@ def register(subparsers) -> argparse.ArgumentParser:
     rpl.add_argument("--tool-latencies", default=None, help="multi-turn trace for latencies")
     rpl.add_argument("--rollout-repeats", type=int, default=3, help="timed rollouts (min, median)")
     rpl.add_argument("--no-rollout", action="store_true", help="skip the rollout stage")
+    rpl.add_argument(
+        "--inference-passes",
+        type=int,
+        default=1,
+        choices=(0, 1, 2),
+        help="forward-only logprob passes per step (old / reference policy)",
+    )
+    rpl.add_argument("--no-reward", action="store_true", help="skip the sampled reward stage")
+    rpl.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=None, help="sweep: prompt groups"
+    )
+    rpl.add_argument(
+        "--max-response-lens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="sweep: response budget in trace tokens (responses cut, before the length scale)",
+    )
     rpl.add_argument("--out", default="trace_replay", help="output directory")
     rpl.set_defaults(func=_replay)
 

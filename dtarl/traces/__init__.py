@@ -34,6 +34,7 @@ from dtarl.traces.records import (
 from dtarl.traces.workload import (
     GroupCorrelation,
     GroupSpec,
+    RewardTimeSampler,
     ToolLatencySampler,
     Workload,
     WorkloadInfo,
@@ -51,6 +52,7 @@ __all__ = [
     "GroupCorrelation",
     "GroupSpec",
     "PromptGroup",
+    "RewardTimeSampler",
     "RewardTiming",
     "RunKind",
     "RunTrace",

@@ -323,6 +323,24 @@ def scale_len(length: int, length_scale: float, min_len: int) -> int:
     return max(min_len, int(round(length * length_scale)))
 
 
+def truncate_spec(spec: GroupSpec, max_response_len: int) -> GroupSpec:
+    """Responses cut at ``max_response_len`` tokens (model and tool runs alike), as a run
+    with that response budget would have cut them; a cut response is marked truncated."""
+    if max_response_len < 1:
+        raise ValueError(f"max_response_len={max_response_len}: must be >= 1")
+    responses, truncated = [], []
+    for resp, was in zip(spec.responses, spec.truncated, strict=True):
+        out, left = [], max_response_len
+        for m, n in resp:
+            if left <= 0:
+                break
+            out.append((m, min(n, left)))
+            left -= n
+        responses.append(tuple(out) if out else ((1, max_response_len),))
+        truncated.append(was or left < 0)
+    return dataclasses.replace(spec, responses=tuple(responses), truncated=tuple(truncated))
+
+
 def _scale_spec(spec: GroupSpec, length_scale: float, min_len: int) -> GroupSpec:
     return dataclasses.replace(
         spec,
@@ -550,6 +568,7 @@ def generate_workload(
     min_len: int = 1,
     group_correlation: GroupCorrelation | None = None,
     dapo_filter: bool = False,
+    max_response_len: int | None = None,
 ) -> Workload:
     """``sample_workload`` plus the side structure (``WorkloadInfo``)."""
     if not length_scale > 0:
@@ -565,6 +584,8 @@ def generate_workload(
         group_correlation=group_correlation,
         dapo_filter=dapo_filter,
     )
+    if max_response_len is not None:
+        specs = [truncate_spec(s, max_response_len) for s in specs]
     specs = [_scale_spec(s, length_scale, min_len) for s in specs]
     return build_workload(
         specs, mode=mode, seed=seed, vocab_size=vocab_size, source=label, step=used_step
@@ -669,3 +690,47 @@ class ToolLatencySampler:
     @property
     def mean_s(self) -> float:
         return float(self.latencies_s.mean())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardTimeSampler:
+    """Draws per-rank reward-stage times from a run's reward timings (bootstrap, seeded).
+
+    The rllm trace's reward time (sandboxed test execution) barely follows the
+    response lengths (``dtarl trace validate``: a length model scores ~55%), so
+    the stage is replayed from the observed per-rank times themselves.
+
+    Attributes:
+      times_s: observed per-rank reward times in seconds (> 0), sorted.
+      batch_size: responses per rank in the source run (the largest seen).
+    """
+
+    times_s: np.ndarray
+    batch_size: int
+
+    def __post_init__(self):
+        a = np.sort(np.asarray(self.times_s, np.float64).reshape(-1))
+        if a.size == 0:
+            raise ValueError("times_s: empty; need at least one reward timing")
+        if not np.all(np.isfinite(a)) or a[0] <= 0:
+            raise ValueError("times_s: entries must be finite and > 0")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size}: must be >= 1")
+        object.__setattr__(self, "times_s", a)
+
+    @classmethod
+    def from_trace(cls, source, *, steps: Sequence[int] | None = None) -> RewardTimeSampler:
+        run = source if isinstance(source, RunTrace) else load_trace(Path(source))
+        if not isinstance(run, RunTrace) or not run.reward_files:
+            raise TraceFormatError(f"{source}: no reward_timings_step_<k>.jsonl files")
+        recs = [r for r in run.iter_reward_timings(steps) if not r.validate and r.reward_time_s > 0]
+        if not recs:
+            raise TraceFormatError(f"{source}: no positive training reward timings")
+        return cls(
+            times_s=np.array([r.reward_time_s for r in recs]),
+            batch_size=max(r.batch_size for r in recs),
+        )
+
+    def sample(self, n: int, *, seed: int | np.random.Generator = 0) -> np.ndarray:
+        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+        return self.times_s[rng.integers(0, self.times_s.size, size=n)]

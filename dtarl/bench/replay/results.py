@@ -11,7 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from dtarl.bench.replay.stages import RolloutPhase, ToolClock, ToolPhase
+from dtarl.bench.replay.stages import (
+    InferencePhase,
+    RewardPhase,
+    RolloutPhase,
+    ToolClock,
+    ToolPhase,
+)
 from dtarl.bench.replay.suite import WorkloadSpec, jsonable, model_config_to_dict
 from dtarl.bench.replay.train_stage import EngineTiming
 from dtarl.model.config import ModelConfig
@@ -35,6 +41,9 @@ class ReplayConfig:
     how many timed rollouts (min, median) follow its untimed warm-up.
     quiet_cores / quiet_budget_s: time calls when other processes use less than
     this many cores, waiting at most this long in all (``QuietGate``; None: off).
+    inference_passes: forward-only logprob passes per step (old / reference
+    policy; 0 skips the stage). reward: sample the reward stage from the rllm
+    reward timings (production seconds; ``tool_time_scale`` converts them too).
     """
 
     engines: tuple[str, ...] = ("dense", "dfs")
@@ -49,8 +58,15 @@ class ReplayConfig:
     rollout_repeats: int = 3
     quiet_cores: float | None = 0.3
     quiet_budget_s: float = 120.0
+    inference_passes: int = 1
+    reward: bool = True
 
     def __post_init__(self):
+        if self.inference_passes not in (0, 1, 2):
+            raise ValueError(
+                f"ReplayConfig.inference_passes={self.inference_passes}: must be 0, 1 (old or "
+                "reference logprobs) or 2 (both)"
+            )
         if self.rollout_repeats < 1:
             raise ValueError(f"ReplayConfig.rollout_repeats={self.rollout_repeats}: must be >= 1")
         if not self.engines:
@@ -84,6 +100,8 @@ class WorkloadReplay:
     tool: ToolPhase
     engines: dict[str, EngineTiming]
     turns_per_trajectory: tuple[int, ...] = ()  # model turns, trajectory order (as tool's)
+    inference: InferencePhase = InferencePhase(status="skipped")
+    reward: RewardPhase = RewardPhase(status="skipped")
 
     def speedup(self, kind: str, baseline: str = "dense") -> float | None:
         """Training step-time speedup of ``kind`` over ``baseline`` (None if not run)."""
@@ -121,14 +139,33 @@ class WorkloadReplay:
     def step_s(self, kind: str) -> float | None:
         """End-to-end step in replay seconds: the rollout stage on per-trajectory timelines
         (tools between turns; the scaled tool critical path alone when the rollout did not
-        run) + training. None when the tool seconds are production seconds (no
-        ``tool_time_scale``): stages in two unit systems are never added."""
-        if self.tool.time_scale is None:
+        run) + reward + forward-only inference + training. None when the tool or reward
+        seconds are production seconds (no ``tool_time_scale``): stages in two unit systems
+        are never added."""
+        if self.tool.time_scale is None or (
+            self.reward.status == "ok" and self.reward.time_scale is None
+        ):
             return None
         roll = self.rollout_step_s()
         if roll is None:
             roll = self.tool.seconds
-        return roll + self.engines[kind].step_s
+        return (
+            roll + self.reward.seconds + (self.inference.seconds or 0.0) + self.engines[kind].step_s
+        )
+
+    def stage_seconds(self, kind: str) -> dict[str, tuple[float, str]]:
+        """{stage: (seconds, units)} of the stages that ran (train: ``kind``'s median)."""
+        out = {}
+        if self.rollout.seconds is not None:
+            out["rollout"] = (self.rollout.seconds, "replay s")
+        if self.tool.calls:
+            out["tool"] = (self.tool.seconds, self.tool.units)
+        if self.reward.status == "ok":
+            out["reward"] = (self.reward.seconds, self.reward.units)
+        if self.inference.seconds is not None:
+            out["inference"] = (self.inference.seconds, "replay s")
+        out["train"] = (self.engines[kind].step_s, "replay s")
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         engines = {}
@@ -150,6 +187,8 @@ class WorkloadReplay:
             stages=dict(
                 rollout=dataclasses.asdict(self.rollout),
                 tool=dict(dataclasses.asdict(self.tool), units=self.tool.units),
+                reward=dict(dataclasses.asdict(self.reward), units=self.reward.units),
+                inference=dataclasses.asdict(self.inference),
                 rollout_step_s=self.rollout_step_s(),
             ),
             turns_per_trajectory=list(self.turns_per_trajectory),
@@ -248,6 +287,59 @@ class ReplayResult:
         fig.savefig(p, dpi=110)
         plt.close(fig)
         return p
+
+
+def plot_stages(results: list[ReplayResult] | ReplayResult, path, *, kind: str = "dense"):
+    """PNG of each replayed workload's per-stage time share (the paper's stage-share figure).
+
+    One stacked bar per workload (every workload of every result, e.g. a sweep):
+    rollout, inference and train (replay seconds); tool and reward join the bar
+    only when scaled into replay seconds, else they get their own panel in
+    production seconds (never stacked with the tiny model's stages).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = [results] if isinstance(results, ReplayResult) else list(results)
+    ws = [w for r in res for w in r.workloads if kind in w.engines]
+    if not ws:
+        raise ValueError(f"plot_stages: no replayed workload has engine {kind!r}")
+    order = ("rollout", "tool", "reward", "inference", "train")
+    stages = [w.stage_seconds(kind) for w in ws]
+    same = [{k: v for k, (v, u) in st.items() if u == "replay s"} for st in stages]
+    prod = [{k: v for k, (v, u) in st.items() if u == "production s"} for st in stages]
+    has_prod = any(prod)
+    fig, axes = plt.subplots(1, 2 if has_prod else 1, figsize=(12 if has_prod else 7, 4.5))
+    axes = np.atleast_1d(axes)
+    x = np.arange(len(ws))
+    names = [f"{w.spec.name} b{w.spec.batch_size}" for w in ws]
+    bottom = np.zeros(len(ws))
+    for st in order:
+        v = np.array([s.get(st, 0.0) for s in same])
+        tot = np.array([max(sum(s.values()), 1e-12) for s in same])
+        if v.any():
+            axes[0].bar(x, v / tot, bottom=bottom, label=st)
+            bottom += v / tot
+    axes[0].set_ylabel("share of the step (replay seconds)")
+    axes[0].set_title(f"replay stage shares ({kind})")
+    if has_prod:
+        for j, st in enumerate(("tool", "reward")):
+            v = [p.get(st, np.nan) for p in prod]
+            axes[1].bar(x + 0.4 * j, v, 0.4, label=f"{st} (production s)")
+        axes[1].set_ylabel("seconds (production: the trace's real latencies)")
+        axes[1].set_title("stages replayed from production timings")
+    for ax in axes:
+        ax.set_xticks(x)
+        ax.set_xticklabels(names, rotation=20, fontsize=8)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
 
 
 def load_replay_json(path: str | os.PathLike) -> dict[str, Any]:

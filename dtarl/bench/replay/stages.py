@@ -1,8 +1,11 @@
-"""The rollout and tool stages of a replayed step.
+"""The rollout, tool, reward and inference stages of a replayed step.
 
 rollout: dtarl's sampler generating every response with its forced trace length
 (one ``Sampler.generate`` per turn), when ``dtarl.rollout`` offers one.
 tool: sampled tool-call latencies on a simulated clock (or slept).
+reward: sampled per-rank reward times of the rllm trace (production seconds).
+inference: the forward-only logprob passes (old / reference policy) over the
+batch, timed with the trainer's dense ``Scorer``.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from dtarl.bench.replay.suite import SEARCH_R1_RELPATH
+from dtarl.bench.replay.suite import RLLM_RELPATH, SEARCH_R1_RELPATH
 from dtarl.bench.replay.train_stage import replay_rounds
+from dtarl.rl.episodes import Scorer
 from dtarl.timing import QuietGate, TimedRuns
 from dtarl.traces.loaders import RunKind, RunTrace, default_polytrace_root, load_trace
-from dtarl.traces.workload import ToolLatencySampler, Workload
+from dtarl.traces.workload import RewardTimeSampler, ToolLatencySampler, Workload
 from dtarl.tree.plan import bucket
 
 ROLLOUT_UNAVAILABLE = "unavailable (sampler not built)"
@@ -176,6 +180,117 @@ def tool_phase(
         time_scale=time_scale,
         per_trajectory_s=tuple(sums),
     )
+
+
+# ----------------------------------------------------------------------------- reward stage
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardPhase:
+    """The reward stage: ``ranks`` = ceil(responses / the source's per-rank batch) ranks
+    score in parallel, each taking a sampled per-rank time of the trace (a partial rank
+    is charged a full one: an upper bound); the stage is the slowest rank.
+
+    seconds: that maximum x time_scale (production seconds when time_scale is None);
+    status: "ok" or why no timings are available (then seconds = 0).
+    """
+
+    status: str
+    seconds: float = 0.0
+    ranks: int = 0
+    production_s: float = 0.0
+    time_scale: float | None = None
+
+    @property
+    def units(self) -> str:
+        return "production s" if self.time_scale is None else "replay s"
+
+
+def default_reward_sampler() -> RewardTimeSampler | None:
+    """Reward timings of the shared rllm run (None when absent)."""
+    try:
+        return RewardTimeSampler.from_trace(default_polytrace_root() / RLLM_RELPATH)
+    except (FileNotFoundError, ValueError, OSError):
+        return None
+
+
+def reward_phase(
+    workload: Workload,
+    sampler: RewardTimeSampler | None,
+    *,
+    time_scale: float | None = None,
+    seed: int = 0,
+) -> RewardPhase:
+    """Samples the reward stage of the workload's responses (seeded)."""
+    if sampler is None:
+        return RewardPhase(
+            status="no reward timings (pass a run with reward_timings_step_<k>.jsonl)",
+            time_scale=time_scale,
+        )
+    n = len(np.unique(workload.info.trajectory_ids))
+    ranks = -(-n // sampler.batch_size)
+    prod = float(sampler.sample(ranks, seed=np.random.default_rng([seed, 11])).max())
+    return RewardPhase(
+        status="ok",
+        seconds=prod * (1.0 if time_scale is None else time_scale),
+        ranks=ranks,
+        production_s=prod,
+        time_scale=time_scale,
+    )
+
+
+# ----------------------------------------------------------------------------- inference stage
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InferencePhase:
+    """Forward-only logprob passes over the batch (old and/or reference policy).
+
+    passes: forward passes per step (1: old logprobs or reference; 2: both);
+    seconds / min_seconds: passes x median / minimum of one timed pass;
+    compile_s: first call - fastest pass; status: "ok" or "skipped (...)".
+    """
+
+    status: str
+    passes: int = 0
+    seconds: float | None = None
+    min_seconds: float | None = None
+    compile_s: float | None = None
+    tokens: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class InferenceRun:
+    """A warmed-up dense scorer (the trainer's ``Scorer``) over one workload's sequences."""
+
+    scorer: Any
+    params: Any
+    tokens: tuple[np.ndarray, ...]
+    first_s: float
+
+    @classmethod
+    def warm(cls, model, params, workload: Workload) -> InferenceRun:
+        scorer = Scorer(model)
+        tokens = tuple(np.asarray(t, np.int32) for t in workload.batch.tokens)
+        t0 = time.perf_counter()
+        scorer(params, list(tokens))  # compiles; returns host arrays (synchronised)
+        return cls(scorer=scorer, params=params, tokens=tokens, first_s=time.perf_counter() - t0)
+
+    def call(self) -> float:
+        t0 = time.perf_counter()
+        self.scorer(self.params, list(self.tokens))
+        return time.perf_counter() - t0
+
+    def phase(self, timed: TimedRuns, passes: int) -> InferencePhase:
+        runs = list(timed.seconds)
+        return InferencePhase(
+            status="ok",
+            passes=passes,
+            seconds=passes * statistics.median(runs),
+            min_seconds=passes * min(runs),
+            compile_s=max(self.first_s - min(runs), 0.0),
+            tokens=int(sum(t.shape[0] for t in self.tokens)),
+        )
 
 
 # ----------------------------------------------------------------------------- rollout stage
