@@ -314,7 +314,11 @@ def _simulate(args: argparse.Namespace) -> int:
             )
             roll = "not modelled" if p.rollout_s is None else f"{p.rollout_s:.3f}s"
             units = "replay s" if p.tool_in_step_units else "production s, not in the step"
-            print(f"{spec.name}: rollout {roll}; tool {p.tool_s:.2f}s ({units}); {parts}")
+            inf = "-" if p.inference_s is None else f"{p.inference_s:.3f}s"
+            print(
+                f"{spec.name}: rollout {roll}; tool {p.tool_s:.2f}s, reward {p.reward_s:.2f}s "
+                f"({units}); inference {inf}; {parts}"
+            )
         out.mkdir(parents=True, exist_ok=True)
         (out / "simulate.json").write_text(
             json.dumps(dict(kind="dtarl.trace.simulate", workloads=rows), indent=1)

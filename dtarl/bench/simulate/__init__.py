@@ -1,12 +1,17 @@
 """Step-time simulator: predict a workload's RL step on a described cluster, without running it.
 
-A replayed step (``dtarl.bench.replay``) has three stages; each has a model here:
+A replayed step (``dtarl.bench.replay``) has five stages; each has a model here:
 
   train    per engine, the linear cost model (1) over the features of the program
            the engine would compile for the batch;
   rollout  the linear cost model (2) over the sampler's generate calls (one per turn);
   tool     the critical path of the workload's sampled tool latencies on the
-           simulated clock (seeded like the replay; nothing is fitted).
+           simulated clock (seeded like the replay; nothing is fitted);
+  reward   the replay's sampled rllm per-rank reward times (nothing is fitted);
+  inference  forward-only logprob passes: the dense train coefficients applied
+           to the scorer's forward FLOPs (``predict_inference``).
+Tool and reward are production seconds unless ``tool_time_scale`` converts
+them; a step total is only formed in one unit system.
 
 Train cost model. For engine e the training step time of a batch is
 
@@ -130,6 +135,8 @@ from dtarl.bench.simulate.predict import (
     ClusterSpec,
     EnginePrediction,
     StepPrediction,
+    inference_features,
+    predict_inference,
     predict_rollout,
     predict_step,
     predict_workload,
@@ -181,6 +188,8 @@ __all__ = [
     "fit_relative",
     "multi_turn_batch",
     "nnls",
+    "inference_features",
+    "predict_inference",
     "predict_rollout",
     "price",
     "predict_step",

@@ -20,7 +20,7 @@ from dtarl.bench.replay import (
 )
 from dtarl.bench.simulate.features import AUTO
 from dtarl.bench.simulate.fit import CostProfile
-from dtarl.bench.simulate.predict import predict_rollout, predict_step
+from dtarl.bench.simulate.predict import predict_inference, predict_rollout, predict_step
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -297,6 +297,20 @@ def validate(
                     measured_median_s=float(tool["seconds"]),
                     predicted_s=tool_pred,
                     note=f"{tool.get('clock')} clock; same sampled latencies",
+                )
+            )
+        inf = stages.get("inference") or {}
+        if inf.get("seconds") is not None and "dense" in profile.kinds:
+            ip = predict_inference(wl, profile, passes=int(inf["passes"]), model=rcfg)
+            rows.append(
+                ValidationRow(
+                    workload=spec.name,
+                    stage="inference",
+                    engine="",
+                    measured_s=float(inf.get("min_seconds") or inf["seconds"]),
+                    measured_median_s=float(inf["seconds"]),
+                    predicted_s=ip,
+                    note=f"{inf['passes']} forward pass(es), dense coefficients",
                 )
             )
         roll = stages.get("rollout", {})
