@@ -158,11 +158,14 @@ def test_reward_and_inference_stages_join_the_step(multi_run, tmp_path):
     r = _replay_of((1.0, 2.0, 4.0), (10.0, 4.0, 0.0), (2, 3, 1), inference=inf, reward=scaled)
     # rollout timeline 9 + reward 0.5 + inference 0.75 + train 0.25
     assert r.step_s("dense") == pytest.approx(10.5)
-    assert set(r.stage_seconds("dense")) == {"rollout", "tool", "reward", "inference", "train"}
+    st = r.stage_seconds("dense")
+    assert set(st) == {"rollout+tool", "reward", "inference", "train"}
+    assert sum(v for v, _ in st.values()) == pytest.approx(r.step_s("dense"))
     # Reward in production seconds: reported apart, no total.
     r2 = _replay_of((1.0,), (0.0, 0.0, 0.0), (1, 1, 1), inference=inf, reward=ph)
     assert r2.step_s("dense") is None
     assert r2.stage_seconds("dense")["reward"] == (5.0, "production s")
+    assert set(r2.stage_seconds("dense")) == {"rollout+tool", "reward", "inference", "train"}
     res = ReplayResult(config=ReplayConfig(), machine={}, workloads=(r, r2))
     assert plot_stages(res, tmp_path / "stages.png").stat().st_size > 0
     with pytest.raises(ValueError, match="no replayed workload has engine 'dfs'"):

@@ -154,12 +154,20 @@ class WorkloadReplay:
         )
 
     def stage_seconds(self, kind: str) -> dict[str, tuple[float, str]]:
-        """{stage: (seconds, units)} of the stages that ran (train: ``kind``'s median)."""
+        """{stage: (seconds, units)} of the stages that ran (train: ``kind``'s median).
+
+        With tools in replay seconds, rollout and tools are one stage, "rollout+tool"
+        (the slowest trajectory's timeline); in replay seconds the stages then add up
+        to ``step_s``."""
         out = {}
-        if self.rollout.seconds is not None:
-            out["rollout"] = (self.rollout.seconds, "replay s")
-        if self.tool.calls:
-            out["tool"] = (self.tool.seconds, self.tool.units)
+        timeline = self.rollout_step_s()
+        if timeline is not None:  # tools overlap other trajectories' turns: one stage
+            out["rollout+tool"] = (timeline, "replay s")
+        else:
+            if self.rollout.seconds is not None:
+                out["rollout"] = (self.rollout.seconds, "replay s")
+            if self.tool.calls:
+                out["tool"] = (self.tool.seconds, self.tool.units)
         if self.reward.status == "ok":
             out["reward"] = (self.reward.seconds, self.reward.units)
         if self.inference.seconds is not None:
@@ -232,8 +240,9 @@ class ReplayResult:
 
     def table(self) -> str:
         """A plain-text summary: one row per (workload, engine)."""
+        wn = max([14] + [len(w.spec.name) + 2 for w in self.workloads])
         head = (
-            f"{'workload':<14}{'engine':<14}{'seqs':>5}{'dense':>7}{'tree':>7}"
+            f"{'workload':<{wn}}{'engine':<14}{'seqs':>5}{'dense':>7}{'tree':>7}"
             f"{'compile_s':>10}{'min_s':>8}{'median_s':>9}{'tok/s':>9}{'speedup':>9}"
             f"{'tool_s':>8}"
         )
@@ -242,7 +251,7 @@ class ReplayResult:
             for k, t in w.engines.items():
                 sp = w.speedup(k)
                 lines.append(
-                    f"{w.spec.name:<14}{k:<14}{w.num_sequences:>5}{w.dense_tokens:>7}"
+                    f"{w.spec.name:<{wn}}{k:<14}{w.num_sequences:>5}{w.dense_tokens:>7}"
                     f"{w.tree_tokens:>7}{t.compile_s:>10.2f}{t.step_min_s:>8.3f}{t.step_s:>9.3f}"
                     f"{t.tokens_per_s:>9.0f}{'-' if sp is None else f'{sp:.2f}x':>9}"
                     f"{w.tool.seconds:>8.2f}"
@@ -306,7 +315,7 @@ def plot_stages(results: list[ReplayResult] | ReplayResult, path, *, kind: str =
     ws = [w for r in res for w in r.workloads if kind in w.engines]
     if not ws:
         raise ValueError(f"plot_stages: no replayed workload has engine {kind!r}")
-    order = ("rollout", "tool", "reward", "inference", "train")
+    order = ("rollout+tool", "rollout", "tool", "reward", "inference", "train")
     stages = [w.stage_seconds(kind) for w in ws]
     same = [{k: v for k, (v, u) in st.items() if u == "replay s"} for st in stages]
     prod = [{k: v for k, (v, u) in st.items() if u == "production s"} for st in stages]

@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from dtarl.engines.cost import nnls
-from dtarl.traces.loaders import RunTrace, default_polytrace_root, load_trace
+from dtarl.traces.loaders import RunKind, RunTrace, default_polytrace_root, load_trace
 from dtarl.traces.records import RewardTiming, Trajectory
 
 SEARCH_R1_RELPATH = Path("search_r1/profile/multiturn_workload_log/0617_0223")
@@ -556,7 +556,7 @@ def validate_production(
     ``reward=False`` skips it). Partial steps are not usable (``complete_steps``).
     """
     run = _run(rollout_trace, SEARCH_R1_RELPATH, "rollout_trace")
-    if not run.step_files or run.kind.value != "multi_turn":
+    if not run.step_files or run.kind is not RunKind.MULTI_TURN:
         raise ValueError(f"rollout_trace: {run.path} has no multi-turn steps (search_r1 format)")
     fit, test = split_steps(complete_steps(run), fit_steps, test_steps, what="rollout")
     tables = {s: TurnTable.from_trajectories(s, list(run.iter_step(s))) for s in (*fit, *test)}
