@@ -16,8 +16,11 @@ from dtarl.bench.replay import (
     ReplayConfig,
     RolloutCall,
     WorkloadSpec,
+    default_tool_sampler,
     model_config_to_dict,
+    model_turns,
     rollout_calls,
+    tool_phase,
 )
 from dtarl.bench.simulate import (
     AutoCost,
@@ -40,7 +43,9 @@ from dtarl.bench.simulate import (
     predict_inference,
     predict_rollout,
     predict_step,
+    predict_workload,
     profile_engines,
+    rollout_call_features,
     rollout_features,
     validate,
 )
@@ -495,6 +500,29 @@ def test_inference_prediction_by_hand_and_validated(single_run):
     )
     (row,) = [r for r in validate(prof, js).rows if r.stage == "inference"]
     assert row.rel_error == pytest.approx(0.2)  # |2 - 2.5| / 2.5
+
+
+def test_predicted_rollout_puts_tools_on_trajectory_timelines(multi_run):
+    prof = hand_profile()
+    spec = WorkloadSpec(name="mt", source=str(multi_run), batch_size=2, step=0, seed=1)
+    w = spec.build(vocab_size=CFG.vocab_size)
+    per_call = [prof.rollout.predict(f) for f in rollout_call_features(rollout_calls(w), CFG)]
+    p = predict_workload(spec, prof, tool_time_scale=0.5)
+    assert sum(per_call) == pytest.approx(p.rollout_s)  # per-call prices add up
+    tool = tool_phase(w, default_tool_sampler(spec.source), time_scale=0.5, seed=spec.seed)
+    turns = model_turns(w)
+    want = max(
+        sum(per_call[: len(turns[t][1])]) + 0.5 * x
+        for t, x in zip(sorted(turns), tool.per_trajectory_s, strict=True)
+    )
+    assert p.rollout_step_s == pytest.approx(want)
+    # Never above the serial bound (here equal: the slowest trajectory has the most turns).
+    assert p.rollout_step_s <= p.rollout_s + p.tool_s + 1e-12
+    total = want + p.reward_s + p.inference_s + p.engines["dense"].train_s
+    assert p.step_s("dense") == pytest.approx(total)
+    # Production tool seconds: no timeline, no step total.
+    q = predict_workload(spec, prof)
+    assert q.rollout_step_s is None and q.tool_s > 0 and q.step_s("dense") is None
 
 
 def test_validate_rejects_mismatched_input(single_run):

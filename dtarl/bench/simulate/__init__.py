@@ -117,6 +117,7 @@ from dtarl.bench.simulate.features import (
     WorkFeatures,
     engine_features,
     feature_engine,
+    rollout_call_features,
     rollout_features,
 )
 from dtarl.bench.simulate.fit import (
@@ -195,6 +196,7 @@ __all__ = [
     "predict_step",
     "predict_workload",
     "profile_engines",
+    "rollout_call_features",
     "rollout_features",
     "validate",
 ]

@@ -15,6 +15,7 @@ from dtarl.bench.replay import (
     WorkloadSpec,
     default_reward_sampler,
     default_tool_sampler,
+    model_turns,
     reward_phase,
     rollout_calls,
     tool_phase,
@@ -25,6 +26,7 @@ from dtarl.bench.simulate.features import (
     WorkFeatures,
     check_kind,
     engine_features,
+    rollout_call_features,
     rollout_features,
 )
 from dtarl.bench.simulate.fit import CostProfile, price
@@ -100,10 +102,12 @@ class EnginePrediction:
 class StepPrediction:
     """Predicted step: rollout (when modelled) + tool stage (simulated clock) + training.
 
-    tool_in_step_units: whether ``tool_s`` is in the same seconds as the other
-    stages (False: the trace's production seconds, and ``step_s`` is None).
-    With it, the step is rollout + tool critical path + train: an upper bound of
-    the per-trajectory timeline, where tool calls overlap other trajectories' turns.
+    tool_in_step_units: whether ``tool_s`` and ``reward_s`` are in the same seconds
+    as the other stages (False: the trace's production seconds, and ``step_s`` is None).
+    rollout_step_s: with them, the rollout on per-trajectory timelines (each
+    trajectory's turns, priced per call, plus its own tool calls; the slowest
+    trajectory), as the replay's ``WorkloadReplay.rollout_step_s``; the step is
+    then rollout_step_s + reward + inference + train.
     """
 
     cluster: ClusterSpec
@@ -114,17 +118,15 @@ class StepPrediction:
     tool_in_step_units: bool = True
     reward_s: float = 0.0  # sampled like the replay; production seconds unless scaled
     inference_s: float | None = None  # forward-only passes (predict_inference)
+    rollout_step_s: float | None = None
 
     def step_s(self, kind: str) -> float | None:
         if (self.tool_s > 0 or self.reward_s > 0) and not self.tool_in_step_units:
             return None
-        return (
-            (self.rollout_s or 0.0)
-            + self.tool_s
-            + self.reward_s
-            + (self.inference_s or 0.0)
-            + self.engines[kind].train_s
-        )
+        roll = self.rollout_step_s
+        if roll is None:
+            roll = (self.rollout_s or 0.0) + self.tool_s
+        return roll + self.reward_s + (self.inference_s or 0.0) + self.engines[kind].train_s
 
     def to_dict(self) -> dict[str, Any]:
         return dict(
@@ -132,6 +134,7 @@ class StepPrediction:
             tool_s=self.tool_s,
             reward_s=self.reward_s,
             inference_s=self.inference_s,
+            rollout_step_s=self.rollout_step_s,
             production_stages_in_step=self.tool_in_step_units,
             rollout_s=(
                 self.rollout_s
@@ -324,4 +327,23 @@ def predict_workload(
     roll = predict_rollout(w, profile, cluster, model=cfg)
     if roll is None:
         return pred
-    return dataclasses.replace(pred, rollout_s=roll[0], rollout_features=roll[1])
+    pred = dataclasses.replace(pred, rollout_s=roll[0], rollout_features=roll[1])
+    if tool_time_scale is None:
+        return pred
+    cl = ClusterSpec.single() if cluster is None else cluster
+    div = cl.tp * cl.throughput_scale
+    turn_s = np.cumsum(
+        [0.0]
+        + [
+            profile.rollout.predict(f, flop_divisor=div)
+            for f in rollout_call_features(rollout_calls(w), cfg, dp=cl.dp)
+        ]
+    )
+    turns = model_turns(w)
+    counts = [len(turns[t][1]) for t in sorted(turns)]
+    tools = tool.per_trajectory_s or (0.0,) * len(counts)
+    timeline = max(
+        float(turn_s[min(k, len(turn_s) - 1)] + tool_time_scale * t)
+        for k, t in zip(counts, tools, strict=True)
+    )
+    return dataclasses.replace(pred, rollout_step_s=timeline)
