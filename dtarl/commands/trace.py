@@ -8,7 +8,8 @@ The lead wires ``register(subparsers)`` into ``dtarl``'s argparse parser:
     dtarl trace replay [SOURCE ...] [--engines dense dfs] [--repeats 7] [--max-len 256]
                        [--tool-clock simulated|sleep] [--tool-time-scale X]
                        [--inference-passes 0|1|2] [--no-reward]
-                       [--batch-sizes 2 4 8] [--max-response-lens 1000 3000] [--out DIR]
+                       [--batch-sizes 2 4 8] [--max-response-lens 1000 3000]
+                       [--steps 0 1 2] [--out DIR]
     dtarl trace simulate [SOURCE ...] --profile PROFILE.json --joint [--out DIR]
     dtarl trace simulate [SOURCE ...] --profile PROFILE.json [--calibrate [--no-rollout]]
                        [--engines dense dfs prefix_reuse auto] [--validate REPLAY.json]
@@ -148,7 +149,7 @@ def _replay(args: argparse.Namespace) -> int:
         inference_passes=args.inference_passes,
         reward=not args.no_reward,
     )
-    specs = sweep_specs(_workload_specs(args), args.batch_sizes, args.max_response_lens)
+    specs = sweep_specs(_workload_specs(args), args.batch_sizes, args.max_response_lens, args.steps)
     res = replay(specs, cfg, log=print)
     out = Path(args.out)
     js = res.save(out / "replay.json")
@@ -176,17 +177,27 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def sweep_specs(specs, batch_sizes=None, max_response_lens=None) -> list:
-    """Every spec at every (batch size, max response length) of the sweep (same length
+def sweep_specs(specs, batch_sizes=None, max_response_lens=None, steps=None) -> list:
+    """Every spec at every (step, batch size, max response length) of the sweep (same length
     scale as the spec, so the sweep's points share one unit system); none given: ``specs``."""
-    if not batch_sizes and not max_response_lens:
+    if not batch_sizes and not max_response_lens and not steps:
         return list(specs)
     out = []
     for s in specs:
-        for b in batch_sizes or [s.batch_size]:
-            for cap in max_response_lens or [s.max_response_len]:
-                name = f"{s.name}/b{b}" + ("" if cap is None else f"/L{cap}")
-                out.append(dataclasses.replace(s, name=name, batch_size=b, max_response_len=cap))
+        for st in steps or [s.step]:
+            for b in batch_sizes or [s.batch_size]:
+                for cap in max_response_lens or [s.max_response_len]:
+                    name = (
+                        s.name
+                        + ("" if not steps else f"/s{st}")
+                        + f"/b{b}"
+                        + ("" if cap is None else f"/L{cap}")
+                    )
+                    out.append(
+                        dataclasses.replace(
+                            s, name=name, step=st, batch_size=b, max_response_len=cap
+                        )
+                    )
     return out
 
 
@@ -434,6 +445,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     rpl.add_argument("--no-reward", action="store_true", help="skip the sampled reward stage")
     rpl.add_argument(
         "--batch-sizes", type=int, nargs="+", default=None, help="sweep: prompt groups"
+    )
+    rpl.add_argument(
+        "--steps", type=int, nargs="+", default=None, help="sweep: trace steps (stage shares)"
     )
     rpl.add_argument(
         "--max-response-lens",

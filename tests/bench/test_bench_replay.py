@@ -192,6 +192,9 @@ def test_sweep_specs_and_response_budget(multi_run):
         (2, 100),
     ]
     assert sweep_specs([base]) == [base]
+    by_step = sweep_specs([base], steps=[0, 1])
+    want = [("mt/s0/b2", 0, 2), ("mt/s1/b2", 1, 2)]
+    assert [(s.name, s.step, s.batch_size) for s in by_step] == want
     # A 6-token budget cuts every response (runs of MULTI_STEP0 reach 60 tokens).
     w = specs[2].build()
     assert int(w.info.response_lens.max()) <= 6
