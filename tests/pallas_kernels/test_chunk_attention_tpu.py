@@ -7,9 +7,12 @@ the pallas_kernels/chunk_attention_tpu.py docstring: fp32 1e-5; bf16 2 ** -6
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
+from jax._src.pallas.mosaic import tpu_info
 
 from pallas_kernels.chunk_attention import chunk_attention_reference
 from pallas_kernels.chunk_attention_tpu import chunk_attention_tpu
@@ -131,3 +134,39 @@ def test_tpu_kernel_bad_input_raises(kw, match):
         chunk_attention_tpu(q, k, k, 0, 8, **kw)
     with pytest.raises(ValueError, match=r"segment_ids.shape=\(7,\)"):
         chunk_attention_tpu(q, k, k, 0, 8, segment_ids=jnp.zeros(7, jnp.int32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tpu_kernel_lowers_to_mosaic(dtype, monkeypatch):
+    # Compiled (not interpreted) forward + backward exported for platform "tpu"
+    # on this CPU: the Pallas TPU lowering runs, which checks every BlockSpec
+    # against the (8, 128) tiling rule and lowers each kernel op to Mosaic. The
+    # lowering of a few ops asks for the TPU generation, which a CPU host
+    # cannot report: pin it to v5e (private jax API; the Mosaic compiler itself,
+    # which runs on the TPU, is not exercised).
+    info = tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
+    monkeypatch.setattr(tpu_info, "get_tpu_info", lambda *a, **k: info)
+    B, C, S, Hq, Hkv, D = 2, 20, 300, 4, 2, 64
+
+    def grads(q, k, v, start, kv_len, seg, do):
+        def loss(q, k, v):
+            out, lse = chunk_attention_tpu(
+                q, k, v, start, kv_len, segment_ids=seg, interpret=False, block_q=16,
+                return_lse=True,
+            )  # fmt: skip
+            return jnp.sum(out.astype(jnp.float32) * do) + jnp.sum(lse)
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    sds = jax.ShapeDtypeStruct
+    args = (
+        sds((B, C, Hq, D), dtype),
+        sds((B, S, Hkv, D), dtype),
+        sds((B, S, Hkv, D), dtype),
+        sds((B,), jnp.int32),
+        sds((B,), jnp.int32),
+        sds((B, C), jnp.int32),
+        sds((B, C, Hq, D), jnp.float32),
+    )
+    text = export.export(jax.jit(grads), platforms=["tpu"])(*args).mlir_module()
+    assert text.count("tpu_custom_call") == 3  # forward, dQ, dK/dV
