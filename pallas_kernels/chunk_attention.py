@@ -53,7 +53,10 @@ see the key block are skipped and key blocks at or past ``kv_len`` run an empty
 loop and write zeros.
 
 The kernels use the Pallas Triton backend (GPU). Off-GPU (CPU tests) they run
-with ``interpret=True``. Default block sizes are a guess for Hopper (H100),
+with ``interpret=True``; the tests also lower the compiled forward + backward for
+platform "cuda" on the CPU (Pallas Triton lowering only; Triton's compile needs
+a GPU). The TPU kernel for the same contract is ``chunk_attention_tpu``.
+Default block sizes are a guess for Hopper (H100),
 **not measured here** (no GPU was available when this was written); see
 ``pallas_kernels/bench.py``.
 """

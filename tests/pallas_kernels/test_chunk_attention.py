@@ -368,3 +368,35 @@ def test_bench_runs_in_interpret_mode():
     for impl in ("pallas", "xla"):
         assert "error" not in res[impl], res[impl]
         assert res[impl]["fwd_tflops"] > 0 and res[impl]["fwdbwd_tflops"] > 0
+
+
+def test_lowers_to_triton_for_cuda():
+    # Compiled (not interpreted) forward + backward with segments, lowered for
+    # platform "cuda" on this CPU: the Pallas Triton lowering runs for all three
+    # kernels in fp32 and bf16 (Triton's own compile, on a GPU, is not run).
+    B, C, S, Hq, Hkv, D = 2, 20, 300, 4, 2, 64
+
+    def grads(q, k, v, start, kv_len, seg, do):
+        def loss(q, k, v):
+            out, lse = chunk_attention(
+                q, k, v, start, kv_len, segment_ids=seg, interpret=False, block_q=16,
+                block_k=32, return_lse=True,
+            )  # fmt: skip
+            return jnp.sum(out.astype(jnp.float32) * do) + jnp.sum(lse)
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    sds = jax.ShapeDtypeStruct
+    for dtype in (jnp.float32, jnp.bfloat16):
+        args = (
+            sds((B, C, Hq, D), dtype),
+            sds((B, S, Hkv, D), dtype),
+            sds((B, S, Hkv, D), dtype),
+            sds((B,), jnp.int32),
+            sds((B,), jnp.int32),
+            sds((B, C), jnp.int32),
+            sds((B, C, Hq, D), jnp.float32),
+        )
+        text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        for name in ("chunk_attention_fwd", "chunk_attention_bwd_dq", "chunk_attention_bwd_dkv"):
+            assert f'name = "{name}"' in text, (dtype, name)
