@@ -51,11 +51,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from test_equivalence import LOSSES, REF_LEN, _reference_fn
+from test_equivalence import LOSSES, REF_LEN, _model, _reference_fn
 
 from dtarl.engines import AutoEngine, RolloutBatch, make_engine
 from dtarl.engines.prefix_reuse import deep_sequences
-from dtarl.model import ModelConfig, ModelFamily, init_model
+from dtarl.model import ModelFamily, init_model
 from dtarl.rl.config import OptimSection, Schedule
 from dtarl.rl.optim import make_optimizer
 from dtarl.testing import grpo_groups
@@ -69,18 +69,18 @@ GRAD_ROUNDINGS = 6  # C above
 LOSS = LOSSES["grpo_kl"]
 ENGINES = {
     "dense_remat": {},
-    "dfs": dict(chunk_len=8),
-    "prefix_reuse": dict(microbatch=2),
+    # One prefix level, no row/wide pops: the fewest switch branches to compile.
+    "dfs": dict(chunk_len=8, prefix_levels=1, leaf_rows=1, wide_chunks=1),
+    "prefix_reuse": dict(microbatch=4),
 }
 
 
 @functools.cache
 def _models():
     """(bf16-compute model, fp32 model, fp32 params already rounded to bf16)."""
-    cfg = ModelConfig.tiny(ModelFamily.QWEN3, num_layers=LAYERS)
-    m16 = init_model(cfg.replace(compute_dtype="bfloat16"), seed=1)
-    m32 = init_model(cfg, seed=1)
-    _, params = nnx.split(m32, nnx.Param)
+    m32, params = _model(ModelFamily.QWEN3)  # shares test_equivalence's reference program
+    assert m32.cfg.num_layers == LAYERS and m32.cfg.param_dtype == "float32"
+    m16 = init_model(m32.cfg.replace(compute_dtype="bfloat16"), seed=1)
     rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
     return m16, m32, rounded
 
