@@ -119,16 +119,22 @@ def _engine(kind: str):
 def logprob_bound() -> float:
     """2 R gamma A + 4 u max|h W| (module docstring), from the fp32 forward."""
     _, m32, params = _models()
-    model = nnx.merge(nnx.split(m32, nnx.Param)[0], params)
+    graphdef = nnx.split(m32, nnx.Param)[0]
     batch = _batch()
     toks = np.zeros((batch.num_sequences, REF_LEN), np.int32)
     for i, t in enumerate(batch.tokens):
         toks[i, : len(t)] = t
     valid = (np.arange(REF_LEN)[None] < batch.lengths[:, None])[:, :, None, None]
-    h, _ = model(toks, jnp.broadcast_to(jnp.arange(REF_LEN), toks.shape), return_hidden=True)
-    # [N, T, E, V]: |h_te W_ev| at the real (causal: unaffected by padding) positions
-    terms = jnp.where(valid, jnp.abs(h)[..., None] * jnp.abs(model.lm_head_weight()), 0.0)
-    a_sum, a_max = float(terms.sum(axis=2).max()), float(terms.max())
+
+    @jax.jit
+    def sums(params):
+        model = nnx.merge(graphdef, params)
+        h, _ = model(toks, jnp.broadcast_to(jnp.arange(REF_LEN), toks.shape), return_hidden=True)
+        # [N, T, E, V]: |h_te W_ev| at the real (causal: unaffected by padding) positions
+        terms = jnp.where(valid, jnp.abs(h)[..., None] * jnp.abs(model.lm_head_weight()), 0.0)
+        return terms.sum(axis=2).max(), terms.max()
+
+    a_sum, a_max = (float(x) for x in sums(params))
     return 2 * ROUNDINGS * GAMMA * a_sum + 4 * U * a_max
 
 
