@@ -25,6 +25,10 @@ old 5e-2); observed: under 1e-6 for every engine here (README, "Precision").
 A program that XLA partitions (``ShardedEngine`` at dp=2) fuses differently and
 keeps other bf16 intermediates in fp32 (excess precision): 4.2e-3 measured, 0.0 with
 ``--xla_allow_excess_precision=false``; not run here (its compile is not cheap).
+Limit: the tiny model's logits are small (near-uniform predictions), so one extra
+misplaced rounding moves logprobs by less than this bound (bf16 logits in DFS:
+9.5e-4); the check catches errors above rounding level (masks, positions, a lost
+prefix, fp16), 10x finer than the old 5e-2.
 
 Gradients (``grad_bounds``). The backward is bf16 too (cotangents take the
 primal's dtype), and here the programs genuinely round at different points:
