@@ -8,9 +8,12 @@ makespan = max_j C(T_j) under a cost model: ``TreeTokenCost`` (the paper's C,
 tree tokens) and ``FlopCost`` (tree tokens plus attention, a + b * depth).
 
 Methods and units. The balanced method cuts a DFS order into K contiguous runs
-of sequences (``BalancedOrder.BEST``); a GRPO group may span two ranks, which is
-how ``ShardedEngine`` runs it (advantages and loss weights come from the whole
-batch). Each baseline runs twice, with the unit AReaL / verl dispatch:
+of sequences and, with ``BalancedOrder.BEST`` (the default, what the bench runs),
+also computes the three baselines on the same units and keeps the lowest makespan
+under the cost model; every row records the ``winner`` (and all ``candidates``),
+and the tables count the winners over the steps. A GRPO group may span two ranks,
+which is how ``ShardedEngine`` runs it (advantages and loss weights come from the
+whole batch). Each baseline runs twice, with the unit AReaL / verl dispatch:
 
   sequences  every sequence is a unit: verl's ``balance_batch`` and AReaL's
              multi-turn dispatch (``redistribute(granularity=1)``, one unit per
@@ -161,6 +164,8 @@ def run(
                                 "k": k,
                                 "cost": cname,
                                 "variant": variant(method, units),
+                                "winner": p.winner,
+                                "candidates": p.candidates,
                                 "makespan": p.makespan,
                                 "mean_load": p.mean_load,
                                 "imbalance": p.imbalance,

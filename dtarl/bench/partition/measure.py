@@ -12,7 +12,14 @@ import numpy as np
 from flax import nnx
 
 from dtarl.batch import RolloutBatch
-from dtarl.bench.partition.report import REFERENCE, VARIANTS, pct_lower, variant
+from dtarl.bench.partition.report import (
+    REFERENCE,
+    VARIANTS,
+    format_wins,
+    pct_lower,
+    variant,
+    win_counts,
+)
 from dtarl.bench.partition.steps import build_sequences, scale_step, select_steps
 from dtarl.engines import DFSEngine
 from dtarl.losses import MaskedNLLLoss
@@ -126,6 +133,7 @@ def measure_rows(
                             "step": sb.step,
                             "k": k,
                             "variant": variant(method, units),
+                            "winner": p.winner,
                             "scale": cfg.scale,
                             "rank_seconds": times,
                             "measured_max_s": max(times),
@@ -153,6 +161,7 @@ def summarise_measured(rows: list[dict]) -> list[dict]:
             e = {
                 "measured_s": float(np.mean([r["measured_max_s"] for r in rs])),
                 "sim_makespan": float(np.mean([r["sim_makespan"] for r in rs])),
+                "wins": win_counts(rs),
             }
             for col, src in (("measured", "measured_max_s"), ("sim", "sim_makespan")):
                 e[f"{col}_pct_lower"] = float(
@@ -174,13 +183,13 @@ def format_measured(result: dict) -> str:
         f"measured: DFS engine, tiny model, CPU, lengths x{cfg['scale']:.4g}; step time = max "
         f"over ranks; % = {REFERENCE} lower than the row, measured (simulated tree tokens)",
         f"{'workload':<11} {'K':>2} {'variant':<24} {'measured ms':>11} {'sim makespan':>12} "
-        f"{'measured %':>10} {'sim %':>7}",
+        f"{'measured %':>10} {'sim %':>7}  won",
     ]
     for s in summary:
         for v, e in s["variants"].items():
             lines.append(
                 f"{s['workload']:<11} {s['k']:>2} {v:<24} {1e3 * e['measured_s']:>11.1f} "
                 f"{e['sim_makespan']:>12.1f} {e['measured_pct_lower']:>9.1f}% "
-                f"{e['sim_pct_lower']:>6.1f}%"
+                f"{e['sim_pct_lower']:>6.1f}%  {format_wins(e['wins'])}"
             )
     return "\n".join(lines)
