@@ -79,9 +79,11 @@ from dtarl.bench.partition.report import (
     UNITS,
     VARIANTS,
     format_table,
+    format_wins,
     headline,
     summarise,
     variant,
+    win_counts,
 )
 from dtarl.bench.partition.steps import (
     DEFAULT_WORKLOADS,
@@ -220,6 +222,7 @@ __all__ = [
     "default_root",
     "format_measured",
     "format_table",
+    "format_wins",
     "headline",
     "iter_batches",
     "load_steps",
@@ -231,4 +234,5 @@ __all__ = [
     "summarise_measured",
     "synthetic_steps",
     "variant",
+    "win_counts",
 ]
