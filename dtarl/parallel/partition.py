@@ -59,9 +59,9 @@ under the same cost model, ties to the cut. Winners over those 450 batches:
 (K = 2-8, tree tokens: 266 / 121 / 56 / 7 / 0.) ``Partition.winner`` names it,
 ``Partition.method`` is its method and ``Partition.candidates`` holds every
 candidate's makespan. The baselines cost host time: at K = 8 on one PolyTrace
-step (CPU seconds, min of 5) math (N = 768) 2.5 ms for the cuts, 26 ms with the
-baselines; search per turn (N = 5424) 12 ms and 211 ms (greedy by tree cost is
-most of it). ``BalancedOrder.CUTS`` is the cut alone.
+step (CPU time, tree tokens, min of 5) math (N = 768) 2.1 ms for the cuts, 17 ms
+with the baselines; search per turn (N = 5424) 11 ms and 145 ms (greedy by tree
+cost is most of it). ``BalancedOrder.CUTS`` is the cut alone.
 
 Invariants by winner. Every winner assigns every sequence exactly once, leaves
 no rank empty (an empty rank of a baseline candidate is given the smallest unit
@@ -77,6 +77,7 @@ Host-side numpy only; no JAX.
 
 from __future__ import annotations
 
+import array
 import bisect
 import dataclasses
 import enum
@@ -557,18 +558,21 @@ class _SparseMin:
     """Range-min over lcps: lcp(order[a], order[b]) = min(lcps[a+1..b]) for a < b."""
 
     def __init__(self, x: np.ndarray):
-        self.levels = [x]
+        levels = [np.asarray(x, np.int64)]
         w = 1
         while 2 * w <= x.shape[0]:
-            prev = self.levels[-1]
-            self.levels.append(np.minimum(prev[:-w], prev[w:]))
+            prev = levels[-1]
+            levels.append(np.minimum(prev[:-w], prev[w:]))
             w *= 2
+        # Python int arrays: indexing them is several times cheaper than numpy scalars.
+        self.levels = [array.array("q", lvl.tobytes()) for lvl in levels]
 
     def min(self, lo: int, hi: int) -> int:
         """min x[lo:hi], hi > lo."""
         j = (hi - lo).bit_length() - 1
         lvl = self.levels[j]
-        return int(min(lvl[lo], lvl[hi - (1 << j)]))
+        a, b = lvl[lo], lvl[hi - (1 << j)]
+        return a if a < b else b
 
 
 class _RankTree:
@@ -597,13 +601,14 @@ class _RankTree:
 
 def _greedy_least_loaded(weights: np.ndarray, k: int) -> list[list[int]]:
     """Heaviest first to the least-loaded rank (ties: lowest rank). Unit lists per rank."""
-    order = sorted(range(weights.shape[0]), key=lambda u: (-weights[u], u))
+    w = np.asarray(weights).tolist()
+    order = sorted(range(len(w)), key=lambda u: (-w[u], u))
     heap = [(0, j) for j in range(k)]
     out: list[list[int]] = [[] for _ in range(k)]
     for u in order:
         load, j = heapq.heappop(heap)
         out[j].append(u)
-        heapq.heappush(heap, (load + weights[u].item(), j))
+        heapq.heappush(heap, (load + w[u], j))
     return out
 
 
@@ -614,25 +619,40 @@ def _karmarkar_karp(weights: np.ndarray, k: int) -> list[list[int]]:
     with the largest spread (max - min): pair the largest subset of one with the
     smallest of the other, then normalise by the minimum.
     """
-    heap = []
-    for u in range(weights.shape[0]):
-        sums = [int(weights[u])] + [0] * (k - 1)
-        sets = [[u]] + [[] for _ in range(k - 1)]
-        heap.append((-sums[0], u, sums, sets))
+    # A subset is a merge tree: None (empty), a unit id, or a pair of subsets; merging
+    # is O(1) and the subsets are flattened once at the end.
+    w = [int(x) for x in weights.tolist()]
+    zeros, empty = [0] * (k - 1), [None] * (k - 1)
+    heap = [(-w[u], u, [w[u], *zeros], [u, *empty]) for u in range(len(w))]
     heapq.heapify(heap)
-    tie = weights.shape[0]
+    tie = len(w)
     while len(heap) > 1:
         _, _, s1, t1 = heapq.heappop(heap)
         _, _, s2, t2 = heapq.heappop(heap)
         a = sorted(range(k), key=s1.__getitem__, reverse=True)  # stable, like key=-s1[j]
         b = sorted(range(k), key=s2.__getitem__)
-        sums = [s1[a[j]] + s2[b[j]] for j in range(k)]
-        sets = [t1[a[j]] + t2[b[j]] for j in range(k)]
+        sums = [s1[i] + s2[j] for i, j in zip(a, b, strict=True)]
+        sets = [
+            y if x is None else x if y is None else (x, y)
+            for x, y in ((t1[i], t2[j]) for i, j in zip(a, b, strict=True))
+        ]
         m = min(sums)
         sums = [s - m for s in sums]
         heapq.heappush(heap, (-(max(sums) - min(sums)), tie, sums, sets))
         tie += 1
-    return heap[0][3]
+    return [_merge_leaves(t) for t in heap[0][3]]
+
+
+def _merge_leaves(node) -> list[int]:
+    """The unit ids of a merge tree of ``_karmarkar_karp``, ascending."""
+    out, stack = [], [node]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, tuple):
+            stack.extend(x)
+        elif x is not None:
+            out.append(x)
+    return sorted(out)
 
 
 # ----------------------------------------------------------------------------- partition
@@ -850,7 +870,8 @@ def _baseline(method: PartitionMethod, units, lengths, ctx: _Ctx, k: int) -> lis
     """Unit ids per rank of a baseline method."""
     if method is PartitionMethod.GREEDY_TREE:
         return _greedy_tree(units, lengths, ctx.order, ctx.lcps, ctx.rank_in_order, ctx.cost, k)
-    unit_tokens = np.array([int(lengths[u].sum()) for u in units], np.int64)
+    starts = np.cumsum([0] + [u.shape[0] for u in units[:-1]])
+    unit_tokens = np.add.reduceat(lengths[np.concatenate(units)], starts).astype(np.int64)
     if method is PartitionMethod.GREEDY_TOKENS:
         return _greedy_least_loaded(unit_tokens, k)
     return _karmarkar_karp(unit_tokens, k)
@@ -879,35 +900,35 @@ def _greedy_tree(units, lengths, order, lcps, rank_in_order, cost: CostModel, k:
 
     The marginal cost of a unit on a rank counts the prefixes it shares with the
     sequences already there and among its own members (exact, via sorted neighbours).
-    Ties: the less loaded rank, then the lowest rank.
+    Ties: the less loaded rank, then the lowest rank. The cost is additive over
+    positions, so c(len, lcp) = F[len] - F[lcp] with F[n] = c(n, 0), tabulated once.
     """
     rmq = _SparseMin(lcps)
-    len_sorted = lengths[order]
+    max_len = int(lengths.max())
+    f = cost.append_cost(np.arange(max_len + 1), np.zeros(max_len + 1, np.int64)).tolist()
+    len_sorted = lengths[order].tolist()
     unit_pos = [sorted(int(q) for q in rank_in_order[u]) for u in units]
 
     # A member's longest shared prefix with the earlier (smaller) members of its unit
     # is its lcp with the previous one.
     intra = [
-        np.array(
-            [0] + [rmq.min(a + 1, b + 1) for a, b in zip(pos[:-1], pos[1:], strict=True)], np.int64
-        )
+        [0] + [rmq.min(a + 1, b + 1) for a, b in zip(pos[:-1], pos[1:], strict=True)]
         for pos in unit_pos
     ]
     standalone = [
-        float(cost.append_cost(len_sorted[pos], sh).sum())
+        sum(f[len_sorted[q]] - f[m] for q, m in zip(pos, sh, strict=True))
         for pos, sh in zip(unit_pos, intra, strict=True)
     ]
     trees = [_RankTree(rmq) for _ in range(k)]
-    loads = [0.0] * k
+    loads = [0] * k
     out: list[list[int]] = [[] for _ in range(k)]
     for u in sorted(range(len(units)), key=lambda u: (-standalone[u], u)):
-        pos = unit_pos[u]
-        # [K, members]: shared with rank j's tree and the unit's earlier members.
-        sh = np.maximum(np.array([[t.shared(q) for q in pos] for t in trees], np.int64), intra[u])
-        extra = cost.append_cost(np.broadcast_to(len_sorted[pos], sh.shape), sh).sum(axis=1)
-        extra = extra.astype(np.float64).tolist()
+        members = [(q, f[len_sorted[q]], m) for q, m in zip(unit_pos[u], intra[u], strict=True)]
+        # Cost on rank j: each member shares the longer of its prefix with rank j's tree
+        # and with the unit's earlier members.
+        extra = [sum(fl - f[max(t.shared(q), m)] for q, fl, m in members) for t in trees]
         j = min(range(k), key=lambda j: (loads[j] + extra[j], loads[j], j))
-        for q in pos:
+        for q, _, _ in members:
             trees[j].insert(q)
         loads[j] += extra[j]
         out[j].append(u)
