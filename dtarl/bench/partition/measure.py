@@ -73,6 +73,12 @@ class Measurer:
         self._programs: dict = {}  # static -> jitted device program, shared by ranks
         self._warm: set = set()
 
+    def release(self) -> None:
+        """Drops the compiled programs (and JAX's caches of them)."""
+        self._programs.clear()
+        self._warm.clear()
+        jax.clear_caches()
+
     def rank_seconds(self, seqs: list[np.ndarray], ranks: Sequence[np.ndarray]) -> list[float]:
         """min over ``repeats`` (round-robin over ranks) of each rank's engine seconds."""
         runs = []
@@ -117,6 +123,10 @@ def measure_rows(
             n_groups = len(small.prompt_lens)
             dfs = dfs_order(seqs)
             cache: dict[tuple, list[float]] = {}
+            # Programs are shared within one batch only: every rank compiles its own
+            # tight buckets, and a run keeping all of them crashed (LLVM ran out of
+            # section memory after ~30 min of the default workloads).
+            m.release()
             for k in ks:
                 for method, units in VARIANTS:
                     kg = units == "groups"
