@@ -22,10 +22,19 @@ def test_bench_synthetic_smoke_and_cli(tmp_path):
     assert {r["variant"] for r in res["rows"]} == {
         f"{m.value}/{u}" for m in PartitionMethod for u in ("sequences", "groups")
     }
-    for r in res["rows"]:
-        if r["variant"].startswith("balanced/"):
-            assert r["duplicated_tokens"] <= r["duplication_bound"]
+    by = {(r["workload"], r["step"], r["k"], r["cost"], r["variant"]): r for r in res["rows"]}
+    for (wl, step, k, cname, v), r in by.items():
         assert r["makespan"] >= r["ideal_makespan"] * (1 - 1e-12)  # C(T)/K is a lower bound
+        assert r["makespan"] == r["candidates"][r["winner"]]
+        if not v.startswith("balanced/"):
+            assert r["winner"] == v.split("/")[0]
+            continue
+        if r["winner"].startswith("balanced/"):  # a contiguous cut won
+            assert r["duplicated_tokens"] <= r["duplication_bound"]
+        for m in PartitionMethod:  # never worse than a baseline on the same units
+            assert (
+                r["makespan"] <= by[wl, step, k, cname, m.value + v[len("balanced") :]]["makespan"]
+            )
     # No HEADLINE_SETS entry is complete: the average is over the workloads run.
     head = res["headline"]["tree_tokens"]["coding+search"]
     assert set(head) == {"sequences", "groups", "areal"}
@@ -38,6 +47,7 @@ def test_bench_synthetic_smoke_and_cli(tmp_path):
     assert head["areal"]["meets_target"] == (head["areal"]["mean"] >= bp.TARGET_PCT)
     text = bp.format_table(res)
     assert "average over coding+search" in text and "balanced/sequences" in text
+    assert "won (steps)" in text
 
     parser = argparse.ArgumentParser(prog="dtarl")
     register(parser.add_subparsers(dest="cmd"))
@@ -54,7 +64,7 @@ def test_bench_synthetic_smoke_and_cli(tmp_path):
 
 
 def test_bench_summary_pairs_steps_by_hand():
-    def row(variant, step, makespan, dup=0):
+    def row(variant, step, makespan, dup=0, winner=None):
         return dict(workload="math", k=2, cost="tree_tokens", variant=variant, step=step) | dict(
             makespan=makespan,
             mean_load=makespan / 2,
@@ -64,15 +74,24 @@ def test_bench_summary_pairs_steps_by_hand():
             global_tree_tokens=100,
             ideal_makespan=40.0,
             seconds=0.0,
+            winner=winner or variant.split("/")[0],
         )
 
-    rows = [row("balanced/sequences", 0, 50, dup=5), row("balanced/sequences", 1, 60)]
+    def row_b(step, makespan, winner, dup=0):
+        return row("balanced/sequences", step, makespan, dup=dup, winner=winner)
+
+    rows = [row_b(0, 50, "greedy_tree", dup=5), row_b(1, 60, "balanced/blocks")]
+    rows += [row_b(2, 50, "balanced/blocks")]
     rows += [row("greedy_tokens/sequences", 0, 100, dup=30), row("greedy_tokens/sequences", 1, 80)]
+    rows += [row("greedy_tokens/sequences", 2, 50)]
     (s,) = bp.summarise(rows)
+    assert s["variants"]["balanced/sequences"]["wins"] == {"balanced/blocks": 2, "greedy_tree": 1}
+    assert bp.format_wins({"balanced/blocks": 2, "greedy_tree": 1}) == "blocks 2, g_tree 1"
     g = s["variants"]["greedy_tokens/sequences"]
-    assert g["pct_lower"] == pytest.approx((50.0 + 25.0) / 2)  # (100-50)/100, (80-60)/80
-    assert g["ideal_pct_lower"] == pytest.approx((60.0 + 50.0) / 2)
-    assert g["dup_over_bound_max"] == 3.0 and g["dup_pct"] == pytest.approx(15.0)
+    # (100-50)/100, (80-60)/80, (50-50)/50
+    assert g["pct_lower"] == pytest.approx((50.0 + 25.0 + 0.0) / 3)
+    assert g["ideal_pct_lower"] == pytest.approx((60.0 + 50.0 + 20.0) / 3)
+    assert g["dup_over_bound_max"] == 3.0 and g["dup_pct"] == pytest.approx(10.0)
     assert s["variants"]["balanced/sequences"]["pct_lower"] == 0.0
 
 
@@ -138,12 +157,16 @@ def test_bench_measured_helpers():
     with pytest.raises(ValueError, match="repeats=0"):
         bp.MeasureConfig(repeats=0)
     rows = []
-    for variant, t, sim in (("balanced/sequences", 1.0, 10), ("greedy_tokens/groups", 2.0, 20)):
-        rows.append(dict(workload="math", k=2, variant=variant, measured_max_s=t, sim_makespan=sim))
+    for variant, t, sim, won in (
+        ("balanced/sequences", 1.0, 10, "karmarkar_karp"),
+        ("greedy_tokens/groups", 2.0, 20, "greedy_tokens"),
+    ):
+        timing = dict(measured_max_s=t, sim_makespan=sim, winner=won)
+        rows.append(dict(workload="math", k=2, variant=variant) | timing)
     (s,) = bp.summarise_measured(rows)
+    assert s["variants"]["balanced/sequences"]["wins"] == {"karmarkar_karp": 1}
     g = s["variants"]["greedy_tokens/groups"]
     assert g["measured_pct_lower"] == pytest.approx(50.0)
     assert g["sim_pct_lower"] == pytest.approx(50.0)
-    assert "greedy_tokens/groups" in bp.format_measured(
-        {"measured_summary": [s], "config": {"measure": {"scale": 1 / 32}}}
-    )
+    text = bp.format_measured({"measured_summary": [s], "config": {"measure": {"scale": 1 / 32}}})
+    assert "greedy_tokens/groups" in text and "kk 1" in text

@@ -8,9 +8,12 @@ makespan = max_j C(T_j) under a cost model: ``TreeTokenCost`` (the paper's C,
 tree tokens) and ``FlopCost`` (tree tokens plus attention, a + b * depth).
 
 Methods and units. The balanced method cuts a DFS order into K contiguous runs
-of sequences (``BalancedOrder.BEST``); a GRPO group may span two ranks, which is
-how ``ShardedEngine`` runs it (advantages and loss weights come from the whole
-batch). Each baseline runs twice, with the unit AReaL / verl dispatch:
+of sequences and, with ``BalancedOrder.BEST`` (the default, what the bench runs),
+also computes the three baselines on the same units and keeps the lowest makespan
+under the cost model; every row records the ``winner`` (and all ``candidates``),
+and the tables count the winners over the steps. A GRPO group may span two ranks,
+which is how ``ShardedEngine`` runs it (advantages and loss weights come from the
+whole batch). Each baseline runs twice, with the unit AReaL / verl dispatch:
 
   sequences  every sequence is a unit: verl's ``balance_batch`` and AReaL's
              multi-turn dispatch (``redistribute(granularity=1)``, one unit per
@@ -50,7 +53,9 @@ Workloads (PolyTrace, see ``polytrace/README.md``):
 Without a PolyTrace directory, synthetic batches with the same shapes stand in.
 
 CLI: ``dtarl bench partition [--polytrace DIR] [--json OUT] [--max-steps N] [--measure]``.
-Every step of the default workloads takes about 20 s on one CPU core.
+Every step of the default workloads with ``--costs tree_tokens`` took 87 s in all
+(16 s of CPU) on a busy 2-core machine; ``--measure`` took 20-22 min per workload
+(one step, 3 K, 8 variants; run one workload per process on such a machine).
 """
 
 from __future__ import annotations
@@ -76,9 +81,11 @@ from dtarl.bench.partition.report import (
     UNITS,
     VARIANTS,
     format_table,
+    format_wins,
     headline,
     summarise,
     variant,
+    win_counts,
 )
 from dtarl.bench.partition.steps import (
     DEFAULT_WORKLOADS,
@@ -161,6 +168,8 @@ def run(
                                 "k": k,
                                 "cost": cname,
                                 "variant": variant(method, units),
+                                "winner": p.winner,
+                                "candidates": p.candidates,
                                 "makespan": p.makespan,
                                 "mean_load": p.mean_load,
                                 "imbalance": p.imbalance,
@@ -215,6 +224,7 @@ __all__ = [
     "default_root",
     "format_measured",
     "format_table",
+    "format_wins",
     "headline",
     "iter_batches",
     "load_steps",
@@ -226,4 +236,5 @@ __all__ = [
     "summarise_measured",
     "synthetic_steps",
     "variant",
+    "win_counts",
 ]

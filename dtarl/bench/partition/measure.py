@@ -12,7 +12,14 @@ import numpy as np
 from flax import nnx
 
 from dtarl.batch import RolloutBatch
-from dtarl.bench.partition.report import REFERENCE, VARIANTS, pct_lower, variant
+from dtarl.bench.partition.report import (
+    REFERENCE,
+    VARIANTS,
+    format_wins,
+    pct_lower,
+    variant,
+    win_counts,
+)
 from dtarl.bench.partition.steps import build_sequences, scale_step, select_steps
 from dtarl.engines import DFSEngine
 from dtarl.losses import MaskedNLLLoss
@@ -66,6 +73,12 @@ class Measurer:
         self._programs: dict = {}  # static -> jitted device program, shared by ranks
         self._warm: set = set()
 
+    def release(self) -> None:
+        """Drops the compiled programs (and JAX's caches of them)."""
+        self._programs.clear()
+        self._warm.clear()
+        jax.clear_caches()
+
     def rank_seconds(self, seqs: list[np.ndarray], ranks: Sequence[np.ndarray]) -> list[float]:
         """min over ``repeats`` (round-robin over ranks) of each rank's engine seconds."""
         runs = []
@@ -110,6 +123,10 @@ def measure_rows(
             n_groups = len(small.prompt_lens)
             dfs = dfs_order(seqs)
             cache: dict[tuple, list[float]] = {}
+            # Programs are shared within one batch only: every rank compiles its own
+            # tight buckets, and a run keeping all of them crashed (LLVM ran out of
+            # section memory after ~30 min of the default workloads).
+            m.release()
             for k in ks:
                 for method, units in VARIANTS:
                     kg = units == "groups"
@@ -126,6 +143,7 @@ def measure_rows(
                             "step": sb.step,
                             "k": k,
                             "variant": variant(method, units),
+                            "winner": p.winner,
                             "scale": cfg.scale,
                             "rank_seconds": times,
                             "measured_max_s": max(times),
@@ -153,6 +171,7 @@ def summarise_measured(rows: list[dict]) -> list[dict]:
             e = {
                 "measured_s": float(np.mean([r["measured_max_s"] for r in rs])),
                 "sim_makespan": float(np.mean([r["sim_makespan"] for r in rs])),
+                "wins": win_counts(rs),
             }
             for col, src in (("measured", "measured_max_s"), ("sim", "sim_makespan")):
                 e[f"{col}_pct_lower"] = float(
@@ -174,13 +193,13 @@ def format_measured(result: dict) -> str:
         f"measured: DFS engine, tiny model, CPU, lengths x{cfg['scale']:.4g}; step time = max "
         f"over ranks; % = {REFERENCE} lower than the row, measured (simulated tree tokens)",
         f"{'workload':<11} {'K':>2} {'variant':<24} {'measured ms':>11} {'sim makespan':>12} "
-        f"{'measured %':>10} {'sim %':>7}",
+        f"{'measured %':>10} {'sim %':>7}  won",
     ]
     for s in summary:
         for v, e in s["variants"].items():
             lines.append(
                 f"{s['workload']:<11} {s['k']:>2} {v:<24} {1e3 * e['measured_s']:>11.1f} "
                 f"{e['sim_makespan']:>12.1f} {e['measured_pct_lower']:>9.1f}% "
-                f"{e['sim_pct_lower']:>6.1f}%"
+                f"{e['sim_pct_lower']:>6.1f}%  {format_wins(e['wins'])}"
             )
     return "\n".join(lines)

@@ -51,6 +51,28 @@ def pct_lower(base: float, ours: float) -> float:
     return 100.0 * (base - ours) / base
 
 
+SHORT_WINNER = {
+    "balanced/lexicographic": "lex",
+    "balanced/blocks": "blocks",
+    "greedy_tokens": "g_tok",
+    "greedy_tree": "g_tree",
+    "karmarkar_karp": "kk",
+}
+
+
+def win_counts(rows: list[dict]) -> dict[str, int]:
+    """How often each candidate won (``Partition.winner``), most frequent first."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["winner"]] = counts.get(r["winner"], 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def format_wins(wins: dict[str, int]) -> str:
+    """``{"balanced/blocks": 3, "greedy_tree": 1}`` -> ``"blocks 3, g_tree 1"``."""
+    return ", ".join(f"{SHORT_WINNER.get(w, w)} {c}" for w, c in wins.items())
+
+
 def summarise(rows: list[dict]) -> list[dict]:
     by: dict[tuple, dict[str, dict[int, dict]]] = {}
     for r in rows:
@@ -85,6 +107,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                     np.mean([pct_lower(r["makespan"], r["ideal_makespan"]) for r in rs])
                 ),
                 "seconds": float(np.mean([r["seconds"] for r in rs])),
+                "wins": win_counts(rs),
             }
         out.append(entry)
     return out
@@ -146,7 +169,8 @@ def format_table(result: dict) -> str:
             f"cost={cname}: makespan = max load over ranks, mean over steps; "
             f"bal% = {REFERENCE} lower than the row; ideal% = C(T)/K lower than the row",
             f"{'workload':<11} {'K':>2} {'variant':<24} {'max load':>12} {'mean load':>12} "
-            f"{'max/mean':>8} {'dup tokens':>10} {'dup/bound':>9} {'bal%':>6} {'ideal%':>6}",
+            f"{'max/mean':>8} {'dup tokens':>10} {'dup/bound':>9} {'bal%':>6} {'ideal%':>6}  "
+            "won (steps)",
         ]
         for s in sel:
             for v, e in s["variants"].items():
@@ -154,7 +178,8 @@ def format_table(result: dict) -> str:
                     f"{s['workload']:<11} {s['k']:>2} {v:<24} {e['makespan']:>12.1f} "
                     f"{e['mean_load']:>12.1f} {e['imbalance']:>8.3f} "
                     f"{e['duplicated_tokens']:>10.0f} {e['dup_over_bound_max']:>9.3f} "
-                    f"{e['pct_lower']:>5.1f}% {e['ideal_pct_lower']:>5.1f}%"
+                    f"{e['pct_lower']:>5.1f}% {e['ideal_pct_lower']:>5.1f}%  "
+                    f"{format_wins(e['wins'])}"
                 )
         for set_name, by_units in result["headline"].get(cname, {}).items():
             lines.append(f"average over {set_name}, {REFERENCE} lower than greedy_tokens with:")
@@ -166,6 +191,8 @@ def format_table(result: dict) -> str:
                 )
     lines.append(
         "dup tokens = sum_j |T_j| - |T| (mean over steps); dup/bound = max over steps of "
-        "dup tokens / ((K-1) max_len)"
+        "dup tokens / ((K-1) max_len); won = the assignment returned, per step (balanced: "
+        "lex / blocks = contiguous cut of that order, g_tok / g_tree / kk = a baseline had "
+        "the lower makespan)"
     )
     return "\n".join(lines)
