@@ -200,9 +200,9 @@ class Trainer:
         task: Task | None = None,
     ):
         self.cfg = cfg
+        self.mesh = train_mesh(cfg.mesh)  # before the model: a bad mesh fails at once
         self.model, self.tokenizer = build_model(cfg)
         self.graphdef, self.params = nnx.split(self.model, nnx.Param)
-        self.mesh = train_mesh(cfg.mesh)
         self.multiprocess = jax.process_count() > 1
         if self.mesh is not None:
             self._check_mesh()
