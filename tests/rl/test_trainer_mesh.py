@@ -88,7 +88,12 @@ def test_mesh_run_equals_single_device(single, tmp_path, dp, tp):
     # The updates, and so the final parameters, per tensor.
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(start)]
     for name, s0, s1, a, b in zip(
-        names, _leaves(start), _leaves(start_m), _leaves(ref.params), _leaves(res.params), strict=True
+        names,
+        _leaves(start),
+        _leaves(start_m),
+        _leaves(ref.params),
+        _leaves(res.params),
+        strict=True,
     ):
         np.testing.assert_array_equal(s0, s1)
         upd_a, upd_b = a - s0, b - s0
@@ -108,7 +113,9 @@ def test_mesh_run_equals_single_device(single, tmp_path, dp, tp):
     adam = tr.opt_state[1][0]
     for moments in (adam.mu, adam.nu):
         leaves = jax.tree.leaves(moments)
-        assert all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(leaves, want, strict=True))
+        assert all(
+            x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(leaves, want, strict=True)
+        )
     if tp > 1:  # something is split over tp (query heads at least)
         assert any("tp" in str(s.spec) for s in want if isinstance(s, NamedSharding))
 
