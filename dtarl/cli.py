@@ -13,6 +13,7 @@ import os
 import sys
 
 from dtarl.commands import bench as bench_cmd
+from dtarl.commands import export as export_cmd
 from dtarl.commands import launch as launch_cmd
 from dtarl.commands import trace as trace_cmd
 from dtarl.commands import train as train_cmd
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.register(sub)
     bench_cmd.register(sub)  # adds `bench` with train / memory / partition / rollout
     launch_cmd.register(sub)
+    export_cmd.register(sub)
     trace_cmd.register(sub)  # adds `trace` with report / sample / replay / simulate
     return parser
 

@@ -35,7 +35,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -56,7 +56,21 @@ _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "pytorch_model.bin.index
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}
 _SAVE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+SAVE_DTYPES = tuple(sorted(_SAVE_DTYPES))  # the dtypes ``save_hf`` writes
 _MAX_LISTED = 20
+# The files of a HF tokenizer directory that an export carries along (when present).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
 class CheckpointError(ValueError):
@@ -352,6 +366,7 @@ def save_hf(
     *,
     dtype: str | None = None,
     max_shard_bytes: int | None = None,
+    extra_files: Sequence[str | os.PathLike] = (),
 ) -> str:
     """Writes ``model`` as a HF checkpoint directory that ``transformers`` loads.
 
@@ -360,6 +375,8 @@ def save_hf(
     bfloat16, float16). With ``max_shard_bytes`` the weights are split into
     ``model-0000k-of-0000n.safetensors`` files of at most that many bytes (a
     single larger tensor gets its own file) plus ``model.safetensors.index.json``.
+    ``extra_files`` (e.g. ``tokenizer_files(dir)``) are copied in by base name; one
+    named like a file ``save_hf`` writes is an error.
 
     The write is atomic: everything goes to a temporary directory next to
     ``path`` which is then renamed; an existing ``path`` is replaced as a whole
@@ -372,6 +389,13 @@ def save_hf(
         raise ValueError(f"dtype={dtype!r} is not supported; accepted: {sorted(_SAVE_DTYPES)}")
     if max_shard_bytes is not None and max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be >= 1 (or None)")
+    extra = [os.fspath(fp) for fp in extra_files]
+    for fp in extra:
+        name = os.path.basename(fp)
+        if name in (CONFIG_FILE, INDEX_FILE) or name.endswith(".safetensors"):
+            raise ValueError(f"extra_files: {fp} would overwrite the checkpoint's own {name}")
+        if not os.path.isfile(fp):
+            raise ValueError(f"extra_files: {fp} is not a file")
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{path} exists and is not a directory; save_hf writes a directory")
@@ -430,6 +454,10 @@ def save_hf(
                 )
                 f.write("\n")
             _fsync(os.path.join(tmp, INDEX_FILE))
+        for fp in extra:
+            dst = os.path.join(tmp, os.path.basename(fp))
+            shutil.copyfile(fp, dst)
+            _fsync(dst)
         os.chmod(tmp, 0o755)  # mkdtemp creates 0700
         if os.path.exists(path):
             old = os.path.join(parent, f".{base}.old-{uuid.uuid4().hex[:8]}")
@@ -448,4 +476,66 @@ def save_hf(
     return path
 
 
-__all__ = ["CheckpointError", "load_hf", "save_hf"]
+def tokenizer_files(directory: str | os.PathLike | None) -> list[str]:
+    """The ``TOKENIZER_FILES`` in ``directory`` when it holds a ``tokenizer.json`` (a HF
+    tokenizer, as ``load_tokenizer`` reads it); [] otherwise (e.g. None)."""
+    if directory is None or not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        return []
+    paths = (os.path.join(os.fspath(directory), n) for n in TOKENIZER_FILES)
+    return [p for p in paths if os.path.isfile(p)]
+
+
+def _written_by_save_hf(name: str) -> bool:
+    return name in (CONFIG_FILE, INDEX_FILE) or name.endswith(".safetensors")
+
+
+def _inside(child: str, parent: str) -> bool:
+    child, parent = os.path.realpath(child), os.path.realpath(parent)
+    return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def check_export_dir(
+    path: str | os.PathLike,
+    *,
+    what: str = "export directory",
+    protect: Sequence[tuple[str, str | os.PathLike]] = (),
+) -> None:
+    """Refuses ``path`` as the target of a repeated export (``save_hf`` replaces it as a
+    whole) unless it is absent, an empty directory, or a previous export: nothing in it
+    but a HF checkpoint and tokenizer files. ``protect``: ``(name, dir)`` pairs that
+    must not be ``path`` or inside it (e.g. the run's out_dir). ``what`` names the
+    setting in the errors."""
+    path = os.fspath(path)
+    for name, keep in protect:
+        if _inside(os.fspath(keep), path):
+            raise ValueError(
+                f"{what}={path!r} contains {name}={os.fspath(keep)!r}, which the export "
+                f"would delete (it replaces {what} as a whole): choose another directory "
+                f"(one inside {name} is fine)"
+            )
+    if not os.path.exists(path):
+        return
+    if not os.path.isdir(path):
+        raise ValueError(f"{what}={path!r} exists and is not a directory")
+    foreign = [
+        n
+        for n in os.listdir(path)
+        if not (_written_by_save_hf(n) and os.path.isfile(os.path.join(path, n)))
+        and n not in TOKENIZER_FILES
+    ]
+    if foreign:
+        raise ValueError(
+            f"{what}={path!r} holds files that are not a HF export ({_listing(foreign)}); "
+            "the export replaces the directory as a whole: choose a new or empty one"
+        )
+
+
+__all__ = [
+    "SAVE_DTYPES",
+    "TOKENIZER_FILES",
+    "CheckpointError",
+    "check_export_dir",
+    "load_hf",
+    "save_hf",
+    "tokenizer_files",
+]

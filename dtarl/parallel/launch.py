@@ -23,6 +23,21 @@ peer fails at once (gloo; dtarl's sharded engine raises ``PeerLostError``), and
 a process whose peer stops heart-beating is aborted by JAX after the heartbeat
 timeout (sooner when the coordinator, process 0, is the one that died).
 
+A whole-run watchdog (``--watchdog SECONDS``, default ``DEFAULT_WATCHDOG`` = 1800;
+0 disables it) stops every rank and fails the run (exit ``EXIT_WATCHDOG``, 125)
+when no running rank has made progress for that long, naming each rank and how
+long ago it last progressed. Progress is a real signal, not "the process is
+alive": each rank gets its own file in ``DTARL_PROGRESS_FILE`` and
+``report_progress()`` (a no-op outside the launcher) touches it; the trainer
+calls it once per step and the worker once after joining. A line a rank
+writes to stdout or stderr counts as progress too (targets that know nothing of
+``report_progress``, e.g. ``dtarl bench``, would otherwise be killed while they
+work and log; a rank stuck in a collective or a loop writes nothing);
+``--no-output-progress`` makes only ``report_progress`` count. The default, 30
+minutes, outlasts the slowest first step we expect (loading and compiling a
+large model, auto's engine tuning, the evaluation before training) while
+freeing a hung job's machines long before a cluster's wall-clock limit.
+
 Each worker calls ``initialize()`` (below) before importing the target, so the
 target's ``jax.devices()`` already lists every process's devices and it just
 builds its mesh (``dtarl.parallel.make_mesh``) and runs.
@@ -40,6 +55,8 @@ JAX's own detection (Slurm, Open MPI, TPU pods, ``JAX_COORDINATOR_ADDRESS``):
                                declared dead and the others abort (30)
     DTARL_SHUTDOWN_TIMEOUT     seconds the exit barrier waits (30)
     DTARL_CPU_COLLECTIVES      CPU collectives implementation (gloo)
+    DTARL_PROGRESS_FILE        set by the launcher: the file ``report_progress``
+                               touches (unset elsewhere: a no-op)
 
 A run that fails after ``initialize`` leaves through ``os._exit`` so that it
 never waits in JAX's shutdown barrier for peers that will not arrive.
@@ -54,14 +71,16 @@ import importlib.util
 import os
 import re
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 ENV_COORDINATOR = "DTARL_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "DTARL_NUM_PROCESSES"
@@ -71,6 +90,12 @@ ENV_INIT_TIMEOUT = "DTARL_INIT_TIMEOUT"
 ENV_HEARTBEAT_TIMEOUT = "DTARL_HEARTBEAT_TIMEOUT"
 ENV_SHUTDOWN_TIMEOUT = "DTARL_SHUTDOWN_TIMEOUT"
 ENV_CPU_COLLECTIVES = "DTARL_CPU_COLLECTIVES"
+ENV_PROGRESS_FILE = "DTARL_PROGRESS_FILE"
+
+# The whole-run watchdog: seconds without progress from any rank before the launcher
+# stops the run (see the module docstring), and the exit code it then returns.
+DEFAULT_WATCHDOG = 1800.0
+EXIT_WATCHDOG = 125
 
 # A launched rank that fails because it lost a peer (a collective broke when another
 # process died) exits with this code, so the launcher can name the rank that died
@@ -90,6 +115,7 @@ __all__ = [
     "LaunchResult",
     "initialize",
     "launch",
+    "report_progress",
     "add_arguments",
     "main",
     "run",
@@ -187,11 +213,15 @@ def initialize(config: DistributedConfig | None = None, **overrides) -> Distribu
     others the same way. Errors JAX raises as exceptions (bad address, ...)
     become ``DistributedInitError`` naming this process and the coordinator.
     """
-    import jax
-
     cfg = DistributedConfig.from_env() if config is None else config
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
+    if "jax" not in sys.modules and (not cfg.configured or cfg.num_processes == 1):
+        # Nothing to join and JAX not loaded (so not initialized either): a launched
+        # single-process target does not pay for importing JAX here.
+        return cfg if cfg.configured else None
+    import jax
+
     if jax.distributed.is_initialized():
         return cfg
     if not cfg.configured:
@@ -226,6 +256,27 @@ def initialize(config: DistributedConfig | None = None, **overrides) -> Distribu
             f"unreachable; set {ENV_INIT_TIMEOUT} to wait longer): {type(e).__name__}: {e}"
         ) from e
     return cfg
+
+
+def report_progress() -> None:
+    """Tells ``dtarl launch``'s watchdog that this rank made progress (e.g. finished a
+    step): touches the rank's ``DTARL_PROGRESS_FILE``. One ``utime`` call; a no-op
+    when the variable is unset (not under the launcher). A failed touch (the
+    launcher's directory gone) is ignored: the watchdog then sees no progress and
+    fails the run loudly, which is where such a fault belongs."""
+    path = os.environ.get(ENV_PROGRESS_FILE)
+    if not path:
+        return
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        try:
+            with open(path, "a"):
+                pass
+        except OSError:
+            pass
+    except OSError:
+        pass
 
 
 # --------------------------------------------------------------------------- worker
@@ -302,6 +353,7 @@ def _worker(target: Sequence[str]) -> None:
     code = 0
     try:
         initialize()
+        report_progress()  # joined the others
         _run_target(target)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -356,6 +408,7 @@ def rank_env(
     platform: str = "cpu",
     init_timeout: int = 60,
     heartbeat_timeout: int = 30,
+    progress_file: str | None = None,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of launched rank ``rank`` (see the module docstring)."""
@@ -371,6 +424,9 @@ def rank_env(
         }
     )
     env.pop(ENV_LOCAL_DEVICE_IDS, None)
+    env.pop(ENV_PROGRESS_FILE, None)  # a launch inside a launched rank gets its own
+    if progress_file is not None:
+        env[ENV_PROGRESS_FILE] = progress_file
     if platform == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
         if devices_per_proc is not None:
@@ -381,11 +437,57 @@ def rank_env(
     return env
 
 
-def _pump(stream, rank: int, out) -> None:
+def _pump(stream, rank: int, out, on_line: Callable[[int], None] | None = None) -> None:
     for line in iter(stream.readline, b""):
         out.write(f"[rank {rank}] {line.decode(errors='replace')}")
         out.flush()
+        if on_line is not None:
+            on_line(rank)
     stream.close()
+
+
+class _Progress:
+    """When each rank last made progress (monotonic seconds): its progress file's
+    mtime changed (``report_progress``) or, with ``output``, it wrote a line."""
+
+    def __init__(self, directory: str, nproc: int, *, output: bool):
+        self.files = [os.path.join(directory, f"rank{r}.progress") for r in range(nproc)]
+        for fp in self.files:
+            open(fp, "w").close()
+        self.mtimes = [os.stat(fp).st_mtime_ns for fp in self.files]
+        now = time.monotonic()
+        self.start = now
+        self.last = [now] * nproc
+        self.progressed = [False] * nproc
+        self.output = output
+
+    def line(self, rank: int) -> None:
+        if self.output:
+            self.last[rank] = time.monotonic()
+            self.progressed[rank] = True
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        for r, fp in enumerate(self.files):
+            try:
+                m = os.stat(fp).st_mtime_ns
+            except OSError:  # the rank removed it: that is not progress
+                continue
+            if m != self.mtimes[r]:
+                self.mtimes[r], self.last[r], self.progressed[r] = m, now, True
+
+    def stalled(self, ranks: Sequence[int], limit: float) -> bool:
+        now = time.monotonic()
+        return bool(ranks) and all(now - self.last[r] > limit for r in ranks)
+
+    def describe(self, ranks: Sequence[int]) -> str:
+        now = time.monotonic()
+        return "; ".join(
+            f"rank {r} last progressed {now - self.last[r]:.1f} s ago"
+            if self.progressed[r]
+            else f"rank {r} made no progress since it started {now - self.start:.1f} s ago"
+            for r in ranks
+        )
 
 
 def _stop(procs: list[subprocess.Popen], grace: float) -> None:
@@ -418,6 +520,8 @@ def launch(
     init_timeout: int = 60,
     heartbeat_timeout: int = 30,
     timeout: float | None = None,
+    watchdog: float | None = DEFAULT_WATCHDOG,
+    output_progress: bool = True,
     grace: float = 5.0,
     cause_wait: float = 2.0,
     stdout=None,
@@ -429,7 +533,10 @@ def launch(
     stopped (after ``grace`` seconds SIGKILL). A rank that exits with
     ``EXIT_PEER_LOST`` only lost a peer; the launcher waits up to ``cause_wait``
     seconds for the rank that died to be reported instead. ``timeout`` (seconds,
-    None = none) bounds the whole run (exit 124).
+    None = none) bounds the whole run (exit 124). ``watchdog`` (seconds; 0 or None
+    disables it) stops the run (exit ``EXIT_WATCHDOG``) when none of the running
+    ranks made progress for that long: a ``report_progress()`` call or, with
+    ``output_progress``, a line of output.
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise LaunchError(f"nproc={nproc!r}: must be an int >= 1")
@@ -439,6 +546,8 @@ def launch(
         raise LaunchError(f"platform={platform!r}: expected cpu, gpu or tpu")
     if not target:
         raise LaunchError("no target: give `-- -m module ...`, `-- script.py ...` or dtarl args")
+    if watchdog is not None and not watchdog >= 0:
+        raise LaunchError(f"watchdog={watchdog!r}: must be >= 0 seconds (0 disables it)")
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
     coordinator = f"{host}:{port or free_port(host)}"
@@ -448,6 +557,9 @@ def launch(
     pumps: list[threading.Thread] = []
     exits: list[tuple[float, int, int]] = []  # (when, rank, code), in the order they exit
     lock = threading.Lock()
+    progress_dir = tempfile.mkdtemp(prefix="dtarl-launch-")
+    progress = _Progress(progress_dir, nproc, output=output_progress)
+    last_poll = 0.0
 
     def waiter(p: subprocess.Popen, rank: int) -> None:
         code = p.wait()
@@ -464,6 +576,7 @@ def launch(
                 platform=platform,
                 init_timeout=init_timeout,
                 heartbeat_timeout=heartbeat_timeout,
+                progress_file=progress.files[r],
             )
             p = subprocess.Popen(
                 cmd,
@@ -474,7 +587,9 @@ def launch(
             )
             procs.append(p)
             for stream, out in ((p.stdout, stdout), (p.stderr, stderr)):
-                th = threading.Thread(target=_pump, args=(stream, r, out), daemon=True)
+                th = threading.Thread(
+                    target=_pump, args=(stream, r, out, progress.line), daemon=True
+                )
                 th.start()
                 pumps.append(th)
             threading.Thread(target=waiter, args=(p, r), daemon=True).start()
@@ -509,6 +624,20 @@ def launch(
             if len(done) == nproc and not bad:
                 msg = f"dtarl launch: all {nproc} ranks finished"
                 break
+            if watchdog and time.monotonic() - last_poll > min(0.25, watchdog / 4):
+                last_poll = time.monotonic()
+                progress.poll()
+                ended = {r for _, r, _ in done}
+                running = [r for r in range(nproc) if r not in ended]
+                if progress.stalled(running, watchdog):
+                    failed, code = running[0], EXIT_WATCHDOG
+                    msg = (
+                        f"dtarl launch: watchdog: no rank made progress for {watchdog:g} s "
+                        f"(--watchdog {watchdog:g}; progress = report_progress()"
+                        + (" or a line of output" if output_progress else "")
+                        + f"): {progress.describe(running)}; stopping ranks {running}"
+                    )
+                    break
             if timeout is not None and time.monotonic() - t0 > timeout:
                 ended = {r for _, r, _ in done}
                 running = [r for r in range(nproc) if r not in ended]
@@ -518,8 +647,10 @@ def launch(
             time.sleep(0.05)
     except BaseException:
         _stop(procs, grace)
+        shutil.rmtree(progress_dir, ignore_errors=True)
         raise
     _stop(procs, grace)
+    shutil.rmtree(progress_dir, ignore_errors=True)
     for th in pumps:
         th.join(timeout=2.0)
     if code:
@@ -553,6 +684,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--heartbeat-timeout", type=int, default=30, help="seconds before a silent rank is dead"
     )
     p.add_argument("--timeout", type=float, default=None, help="bound on the whole run (s)")
+    p.add_argument(
+        "--watchdog",
+        type=float,
+        default=DEFAULT_WATCHDOG,
+        metavar="SECONDS",
+        help="fail the run when no rank makes progress for this long "
+        f"(default {DEFAULT_WATCHDOG:g}; 0 disables it)",
+    )
+    p.add_argument(
+        "--output-progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="count a rank's output lines as progress for the watchdog (default: yes; "
+        "with --no-output-progress only report_progress() counts)",
+    )
     p.add_argument("target", nargs=argparse.REMAINDER, help="-- TARGET [ARGS...]")
 
 
@@ -576,6 +722,8 @@ def run(args: argparse.Namespace) -> int:
             init_timeout=args.init_timeout,
             heartbeat_timeout=args.heartbeat_timeout,
             timeout=args.timeout,
+            watchdog=args.watchdog,
+            output_progress=args.output_progress,
         )
     except LaunchError as e:
         print(f"dtarl launch: {e}", file=sys.stderr)

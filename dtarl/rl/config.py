@@ -463,11 +463,22 @@ class ResumeSection:
     allow_changes: bool = False
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExportSection:
+    """``hf_dir``: at the end of the run the trained policy is written there as a HF
+    checkpoint (``config.json`` + safetensors, plus the tokenizer files when the
+    run's tokenizer came from a HF directory), atomically. None/empty = no export."""
+
+    SECTION: typing.ClassVar[str] = "export"
+    hf_dir: str | None = None
+
+
 # Keys that change how a run is observed or laid out, not what it computes: a resume
 # may change them freely (dotted; a section name covers the whole section).
 RESUME_FREE_KEYS = (
     "out_dir",
     "resume",
+    "export",
     "console",
     "tensorboard",
     "checkpoint_every",
@@ -525,6 +536,7 @@ class TrainerConfig:
     checkpoint_every: int = 0  # 0 = only at the end
     keep_checkpoints: int = 2
     resume: ResumeSection = dataclasses.field(default_factory=ResumeSection)
+    export: ExportSection = dataclasses.field(default_factory=ExportSection)
     eval_problems: int = 64  # greedy success rate on a fixed set, before and after
     eval_every: int = 0  # also every N RL steps (0 = only before and after)
     tensorboard: bool = True  # when tensorboardX / torch.utils.tensorboard is importable
@@ -765,6 +777,7 @@ __all__ = [
     "Algorithm",
     "ConfigError",
     "DartsSection",
+    "ExportSection",
     "LossAggMode",
     "MeshSection",
     "ModelSection",

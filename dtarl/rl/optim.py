@@ -84,14 +84,14 @@ def _on_mesh(params) -> bool:
     )
 
 
-def _put(x, sharding: NamedSharding):
+def put(x, sharding: NamedSharding):
     """``x`` on ``sharding`` (a no-op when it is there already); works on global arrays
     of a multi-process run and on host values every process holds alike."""
     if isinstance(x, jax.Array):
         if x.sharding.is_equivalent_to(sharding, np.ndim(x)):
             return x
         if not x.is_fully_addressable:
-            return jax.device_put(x, sharding)
+            return jax.deviceput(x, sharding)
     return global_array(x, sharding)
 
 
@@ -108,9 +108,9 @@ def place_like(state, params):
 
     def one(sub):
         if is_params_like(sub):
-            leaves = [_put(v, s) for v, s in zip(jax.tree.leaves(sub), p_shard, strict=True)]
+            leaves = [put(v, s) for v, s in zip(jax.tree.leaves(sub), p_shard, strict=True)]
             return jax.tree.unflatten(p_def, leaves)
-        return _put(sub, repl)
+        return put(sub, repl)
 
     return jax.tree.map(one, state, is_leaf=lambda x: x is not state and is_params_like(x))
 
@@ -313,6 +313,7 @@ __all__ = [
     "old_logprob_diff",
     "on_policy",
     "place_like",
+    "put",
     "update",
     "with_old_logprobs",
 ]

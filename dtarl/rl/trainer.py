@@ -32,10 +32,9 @@ model's ``FlopCost``; auto picks one engine for all ranks) and the optimiser kee
 the params' shardings. One process: the rollout and evaluation samplers decode on
 the same mesh (slots over dp, heads over tp). Several processes: every process
 decodes the whole rollout on its first local device from a host copy of the params
-(identical on every process; the training step is the sharded part), and process
-0 writes ``final_params.npz`` (the final params by path) instead of a checkpoint;
-``checkpoint_every`` is refused there until the checkpoint manager writes sharded
-multi-process arrays. Metric logs of process i > 0 go to ``out_dir/process_i``.
+(identical on every process; the training step is the sharded part). Checkpoints
+hold the sharded arrays (every process writes its own shards) and restore onto
+the run's mesh. Metric logs of process i > 0 go to ``out_dir/process_i``.
 """
 
 from __future__ import annotations
@@ -51,13 +50,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from dtarl.batch import RolloutBatch
 from dtarl.engines import Capacity, EngineConfig, make_engine, training_temperature
 from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model, load_hf
+from dtarl.model.hf import check_export_dir, save_hf, tokenizer_files
 from dtarl.model.tokenizer import ByteTokenizer, load_tokenizer
 from dtarl.parallel import mesh as mesh_lib
+from dtarl.parallel.launch import report_progress
 from dtarl.parallel.partition import FlopCost
 from dtarl.parallel.sharded import ShardedEngine, to_host
 from dtarl.rl import darts
@@ -92,6 +94,7 @@ from dtarl.rl.optim import (
     old_logprob_diff,
     on_policy,
     place_like,
+    put,
     update,
     with_old_logprobs,
 )
@@ -279,6 +282,10 @@ class Trainer:
         self.ckpt = CheckpointManager(
             os.path.join(cfg.out_dir, "checkpoints"), keep=cfg.keep_checkpoints
         )
+        if cfg.export.hf_dir:  # refused now, not after training
+            check_export_dir(
+                cfg.export.hf_dir, what="export.hf_dir", protect=[("out_dir", cfg.out_dir)]
+            )
         d = cfg.algo.darts
         self.darts = darts.DartsState(ema=d.ema) if d.enabled else None  # checkpointed
         self.step = 0  # completed global steps (SFT + RL)
@@ -325,13 +332,6 @@ class Trainer:
                 f"sft.batch_size={cfg.sft.batch_size} is smaller than the {dp} dp ranks "
                 f"({where}); every rank needs at least one sequence"
             )
-        if self.multiprocess and cfg.checkpoint_every:
-            raise ConfigError(
-                f"checkpoint_every={cfg.checkpoint_every}: periodic checkpoints of a "
-                f"{jax.process_count()}-process run are not supported yet (the checkpoint "
-                "manager writes one process's arrays); set checkpoint_every=0 (the run "
-                "then writes final_params.npz from process 0)"
-            )
 
     def _rollout_params(self):
         """The params the samplers decode with: the mesh's own in one process; a
@@ -352,7 +352,7 @@ class Trainer:
         """A restored params-shaped tree on the mesh (as is without one)."""
         if self.mesh is None or tree is None:
             return tree
-        return mesh_lib.shard_params(tree, self.mesh)
+        return jax.tree.map(put, tree, mesh_lib.param_shardings(tree, self.mesh))
 
     def _prompt_len(self) -> int:
         """The longest prompt of 64 probe problems (the engines' and sampler's sizing)."""
@@ -564,6 +564,7 @@ class Trainer:
         m["skipped_total"] = self.skipped
         self._time_totals(m, compile_s0)
         done_in_phase = self.step if phase is Phase.SFT else self.step - sft
+        report_progress()  # dtarl launch's watchdog: this rank finished a step
         return StepInfo(step=self.step, phase=phase, phase_step=done_in_phase, metrics=m)
 
     def _time_totals(self, m: dict[str, Any], compile_s0: float) -> None:
@@ -658,24 +659,23 @@ class Trainer:
         )
         return self.ckpt.save(self.step, self.state_tree(), meta)
 
-    def save_final_params(self) -> str:
-        """Writes ``out_dir/final_params.npz`` (every param by its '/'-joined path) from
-        process 0; every process takes part in the gather. Returns the path."""
-        host = to_host(self.params)
-        path = os.path.join(self.cfg.out_dir, "final_params.npz")
-        if jax.process_index() == 0:
-            flat = {
-                "/".join(str(getattr(k, "key", k)) for k in kp): np.asarray(v)
-                for kp, v in jax.tree_util.tree_flatten_with_path(host)[0]
-            }
-            os.makedirs(self.cfg.out_dir, exist_ok=True)
-            tmp = path + ".tmp.npz"
-            np.savez(tmp, **flat)
-            os.replace(tmp, path)
-        return path
+    def export_hf(self, path: str) -> str:
+        """Writes the current policy to ``path`` as a HF checkpoint (``save_hf``: atomic,
+        in ``param_dtype``) with the run's tokenizer files when its tokenizer came from a
+        HF directory (``model.tokenizer_path`` / ``model.hf_path``); the byte tokenizer
+        has none. Process 0 writes (after gathering the parameters)."""
+        params = self.params
+        if jax.process_count() > 1:
+            params = multihost_utils.process_allgather(params, tiled=True)
+            if jax.process_index() != 0:
+                return path
+        tok_dir = self.cfg.model.tokenizer_path or self.cfg.model.hf_path
+        model = nnx.merge(self.graphdef, params)
+        return save_hf(model, path, extra_files=tokenizer_files(tok_dir))
 
     def try_resume(self) -> bool:
         """Restores the latest checkpoint in out_dir (False when there is none)."""
+        self.ckpt.wait()  # a save of this trainer still in flight is committed first
         step = self.ckpt.latest_step()
         if step is None:
             return False
@@ -752,12 +752,13 @@ class Trainer:
             while self.step < end:
                 run_hooks(self.hooks, self.train_step())
             if self.step >= cfg.total_steps:
-                if self.multiprocess:
-                    self.save_final_params()
-                elif not (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
+                if not (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
                     self.save_checkpoint()
+                if cfg.export.hf_dir:
+                    self.logger.print(f"exported the policy to {self.export_hf(cfg.export.hf_dir)}")
                 if cfg.eval_problems:
                     eval_end = self._eval_record(self.step)
+            self.ckpt.wait()  # checkpoints are written asynchronously
         finally:
             self.logger.close()
             self.logger = None

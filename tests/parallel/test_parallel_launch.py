@@ -5,7 +5,9 @@ The two-process test launches a worker script through ``dtarl.parallel.launch``
 a file in ``tmp_path`` and the test compares them with the single-process run.
 """
 
+import io
 import os
+import re
 import subprocess
 import sys
 import time
@@ -179,6 +181,35 @@ except PeerLostError as e:
     print("PeerLostError:", e, file=sys.stderr, flush=True)
     os._exit(5)
 print("unreachable: prepare returned")
+"""
+
+# The watchdog's targets: plain Python, no JAX.
+HANGS = """
+import time
+
+from dtarl.parallel.launch import report_progress
+
+report_progress()
+print("rank started", flush=True)
+time.sleep(120)  # hangs: no progress, no output
+print("unreachable: slept through the watchdog")
+"""
+
+# Makes progress (report_progress calls, or output lines) every 0.2 s for 5 s.
+WORKS = """
+import sys
+import time
+
+from dtarl.parallel.launch import report_progress
+
+t0 = time.monotonic()
+while time.monotonic() - t0 < 5.0:
+    if sys.argv[1] == "report":
+        report_progress()
+    else:
+        print("working", flush=True)
+    time.sleep(0.2)
+print("done after 5 s")
 """
 
 
@@ -403,3 +434,82 @@ def test_register_adds_launch_subcommand():
     args = parser.parse_args(["launch", "--nproc", "2", "--", "-m", "pkg.mod", "--flag"])
     assert args.nproc == 2 and args.target[-3:] == ["-m", "pkg.mod", "--flag"]
     assert callable(args.func)
+    assert args.watchdog == launch_lib.DEFAULT_WATCHDOG and args.output_progress
+    args = parser.parse_args(["launch", "--nproc", "2", "--watchdog", "0", "--no-output-progress"])
+    assert args.watchdog == 0 and not args.output_progress
+
+
+# ------------------------------------------------------------------------ watchdog
+
+
+def test_watchdog_stops_a_run_without_progress(tmp_path):
+    """Both ranks start, report once and hang: the launcher stops them after the
+    watchdog's 8 s (not the targets' 120 s), exits EXIT_WATCHDOG and names every rank
+    with how long ago it last made progress."""
+    (tmp_path / "hangs.py").write_text(HANGS)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dtarl.parallel.launch", "--nproc", "2", "--devices-per-proc", "1"]
+        + ["--init-timeout", "30", "--watchdog", "8", "--timeout", "100"]
+        + ["--", str(tmp_path / "hangs.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == launch_lib.EXIT_WATCHDOG, proc.stderr[-3000:]
+    assert "[rank 0] rank started" in proc.stdout and "[rank 1] rank started" in proc.stdout
+    assert "unreachable" not in proc.stdout
+    assert "dtarl launch: watchdog: no rank made progress for 8 s" in proc.stderr
+    ages = dict(re.findall(r"rank (\d) last progressed ([\d.]+) s ago", proc.stderr))
+    assert sorted(ages) == ["0", "1"], proc.stderr[-3000:]
+    assert all(float(a) >= 8 for a in ages.values()), ages
+    assert "stopping ranks [0, 1]" in proc.stderr
+    assert elapsed < 100  # the targets sleep 120 s; --timeout would exit 124
+
+
+@pytest.mark.parametrize(
+    "how,output_progress,code",
+    [("report", False, 0), ("print", True, 0), ("print", False, launch_lib.EXIT_WATCHDOG)],
+    ids=["report_progress", "output-lines", "output-not-counted"],
+)
+def test_watchdog_spares_a_run_that_progresses(tmp_path, how, output_progress, code):
+    """A rank making progress every 0.2 s for 5 s outlives a 3 s watchdog (margin for a slow start). Output lines
+    count unless output_progress=False; then a rank that only prints is stopped."""
+    (tmp_path / "works.py").write_text(WORKS)
+    out, err = io.StringIO(), io.StringIO()
+    res = launch_lib.launch(
+        [str(tmp_path / "works.py"), how],
+        1,
+        watchdog=3.0,
+        output_progress=output_progress,
+        timeout=60,
+        stdout=out,
+        stderr=err,
+    )
+    assert res.returncode == code, err.getvalue()[-3000:]
+    if code == 0:
+        assert "[rank 0] done after 5 s" in out.getvalue()
+    else:
+        assert "done after 5 s" not in out.getvalue()
+        assert "no rank made progress for 3 s" in res.message
+        assert "or a line of output" not in res.message
+        assert re.search(r"rank 0 last progressed [\d.]+ s ago", res.message), res.message
+
+
+def test_report_progress_touches_the_rank_file(tmp_path, monkeypatch):
+    monkeypatch.delenv(launch_lib.ENV_PROGRESS_FILE, raising=False)
+    launch_lib.report_progress()  # not under the launcher: a no-op
+    fp = tmp_path / "rank0.progress"
+    monkeypatch.setenv(launch_lib.ENV_PROGRESS_FILE, str(fp))
+    launch_lib.report_progress()
+    assert fp.exists()
+    os.utime(fp, (0, 0))
+    launch_lib.report_progress()
+    assert fp.stat().st_mtime > 0
+    env = launch_lib.rank_env(0, 2, "h:5", progress_file="/x/p", base={"DTARL_PROGRESS_FILE": "y"})
+    assert env["DTARL_PROGRESS_FILE"] == "/x/p"
+    assert "DTARL_PROGRESS_FILE" not in launch_lib.rank_env(0, 2, "h:5", base={"a": "b"})
+    with pytest.raises(LaunchError, match="watchdog=-1"):
+        launch_lib.launch(["x.py"], 1, watchdog=-1)

@@ -8,6 +8,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from orbax.checkpoint._src.checkpointers import async_checkpointer
 
 from dtarl.engines import EngineConfig, EngineKind
 from dtarl.rl.checkpoint import CheckpointError, CheckpointManager
@@ -109,41 +110,41 @@ def test_checkpoint_roundtrip_and_keep(tmp_path):
     mgr = CheckpointManager(tmp_path, keep=2)
     for s in (1, 2, 3):
         mgr.save(s, _tree(s), {"data_cursor": s * 10})
+    mgr.wait()  # saves are async: step 3 is listed once committed
     assert mgr.steps() == [2, 3]
     tree, meta = mgr.restore(3, _tree(0))
     np.testing.assert_array_equal(tree["w"], [3, 3, 3])
     assert int(tree["count"]) == 3 and meta["data_cursor"] == 30 and meta["step"] == 3
-    with pytest.raises(CheckpointError, match="does not match"):
-        mgr.restore(3, {"w": jnp.zeros((4,))})
+    with pytest.raises(CheckpointError, match=r"does not match.*w: saved \(3,\) float32, exp"):
+        mgr.restore(3, {"w": jnp.zeros((4,)), "count": jnp.asarray(0, jnp.int32)})
+    with pytest.raises(CheckpointError, match=r"missing \['v'\]"):
+        mgr.restore(3, {"v": jnp.zeros((3,))})
 
 
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """The disk fills up while step 2 is written in the background: ``wait`` raises,
+    step 1 stays the latest and valid, and the next save of step 2 succeeds."""
     mgr = CheckpointManager(tmp_path, keep=3)
     mgr.save(1, _tree(1), {"data_cursor": 1})
-    real_write = mgr._write
+    mgr.wait()
 
-    def full_disk(tmp, tree, meta):
-        real_write(tmp, tree, meta)  # the payload lands ...
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            f.write('{"trunc')  # ... then the metadata write dies half way
+    def full_disk(tmpdir, checkpoint_start_time):  # Orbax's commit (the rename), dies
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(mgr, "_write", full_disk)
-    with pytest.raises(CheckpointError, match="still valid"):
-        mgr.save(2, _tree(2), {"data_cursor": 2})
+    monkeypatch.setattr(async_checkpointer, "_on_commit_callback", full_disk)
+    mgr.save(2, _tree(2), {"data_cursor": 2})  # returns: the write is in the background
+    with pytest.raises(CheckpointError, match=r"step_00000002.*still valid"):
+        mgr.wait()
     assert mgr.latest_step() == 1
-    assert sorted(os.listdir(tmp_path)) == ["step_00000001"]  # no partial leftovers
+    assert "step_00000002.orbax-checkpoint-tmp" in os.listdir(tmp_path)  # written, uncommitted
+    monkeypatch.undo()
     tree, meta = CheckpointManager(tmp_path).restore(1, _tree(0))
     np.testing.assert_array_equal(tree["w"], [1, 1, 1])
-
-    def interrupted(tmp, tree, meta):
-        os.makedirs(os.path.join(tmp, "state"))
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(mgr, "_write", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        mgr.save(2, _tree(2), {})
-    assert mgr.latest_step() == 1
+    again = CheckpointManager(tmp_path, keep=3)
+    again.save(2, _tree(2), {"data_cursor": 2})
+    again.wait()
+    assert again.steps() == [1, 2] and again.restore(2, _tree(0))[1]["data_cursor"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000002"]  # tmp removed
 
 
 def test_entropy_coef_reaches_the_loss():

@@ -1,0 +1,197 @@
+"""``dtarl export CHECKPOINT --hf OUT [--step N] [--force] [--dtype D]``: a saved
+training step as a Hugging Face checkpoint (``config.json`` + safetensors).
+
+CHECKPOINT is a run's ``out_dir``, its ``checkpoints/`` directory, or one step's
+directory; without ``--step`` the latest step is exported (a step directory names
+its own). The model, optimizers and checkpoint structure are rebuilt from the
+config saved in the step's metadata (a ``Trainer`` built from it, as a resume
+does; a run from ``model.hf_path`` needs that directory to still exist), the
+step is restored through ``CheckpointManager.restore`` and the policy is written
+with ``save_hf`` (atomic: a temporary directory renamed into place), plus the
+run's tokenizer files when its tokenizer came from a HF directory. An existing
+non-empty OUT is refused unless ``--force`` (then it is replaced as a whole).
+
+``dtarl.cli`` adds it with ``register(subparsers)``. Standalone:
+``python -m dtarl.commands.export CHECKPOINT --hf OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from flax import nnx
+
+from dtarl.model.hf import SAVE_DTYPES, save_hf, tokenizer_files
+from dtarl.rl.checkpoint import CheckpointError, CheckpointManager
+from dtarl.rl.config import ExportSection, TrainerConfig, from_dict
+from dtarl.rl.trainer import Trainer
+
+
+class ExportError(ValueError):
+    """``dtarl export`` cannot run; the message names the path or step at fault."""
+
+
+def locate(path: str | os.PathLike) -> tuple[CheckpointManager, int | None]:
+    """(manager of the checkpoints directory, the step a step directory names or None)."""
+    given = os.fspath(path)
+    p = os.path.abspath(given)
+    if not os.path.isdir(p):
+        raise ExportError(
+            f"{given}: no such directory (expected a run's out_dir, its "
+            "checkpoints/ directory or a step directory)"
+        )
+    run_ckpts = os.path.join(p, "checkpoints")
+    if os.path.isdir(run_ckpts):  # a run's out_dir
+        mgr = CheckpointManager(run_ckpts)
+        if mgr.steps():
+            return mgr, None
+    parent = os.path.dirname(p)
+    if parent != p:  # a step directory: its parent's manager knows it by path
+        up = CheckpointManager(parent)
+        for s in up.steps():
+            if os.path.abspath(up.path(s)) == p:
+                return up, s
+    mgr = CheckpointManager(p)  # a checkpoints/ directory
+    if mgr.steps():
+        return mgr, None
+    raise ExportError(
+        f"{given}: no checkpoint found; looked for complete saved steps (a step directory "
+        f"with its meta.json) in {run_ckpts}, in {p} itself, and for {p} being one of them"
+    )
+
+
+def _check_out(out: str, ckpt_dir: str, force: bool) -> None:
+    o = os.path.realpath(out)
+    c = os.path.realpath(ckpt_dir)
+    if c == o or c.startswith(o.rstrip(os.sep) + os.sep):
+        raise ExportError(
+            f"--hf {out}: it contains the checkpoints being exported ({ckpt_dir}); the "
+            "export replaces its directory as a whole: choose another one"
+        )
+    if not os.path.exists(out):
+        return
+    if not os.path.isdir(out):
+        raise ExportError(f"--hf {out}: exists and is not a directory")
+    entries = sorted(os.listdir(out))
+    if entries and not force:
+        shown = ", ".join(entries[:5]) + (
+            f", ... ({len(entries) - 5} more)" if len(entries) > 5 else ""
+        )
+        raise ExportError(
+            f"--hf {out}: exists and is not empty ({shown}); pass --force to replace it as a whole"
+        )
+
+
+def export_checkpoint(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    step: int | None = None,
+    force: bool = False,
+    dtype: str | None = None,
+) -> tuple[str, int]:
+    """Writes step ``step`` (default: the latest) of ``checkpoint`` to ``out`` as a HF
+    checkpoint; returns (out, step). Raises ``ExportError`` naming what is wrong."""
+    mgr, named = locate(checkpoint)
+    steps = mgr.steps()
+    if step is not None and named is not None and step != named:
+        raise ExportError(
+            f"{checkpoint} is the directory of step {named} but --step {step} was given; "
+            "drop --step or pass the run's out_dir"
+        )
+    if step is None:
+        step = named if named is not None else steps[-1]
+    if step not in steps:
+        raise ExportError(f"step {step} not found in {mgr.directory}; available steps: {steps}")
+    out = os.fspath(out)
+    _check_out(out, mgr.directory, force)
+    if dtype is not None and dtype not in SAVE_DTYPES:
+        raise ExportError(f"--dtype {dtype}: accepted: {list(SAVE_DTYPES)}")
+
+    try:
+        meta = mgr.read_meta(step)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
+    if not isinstance(meta.get("config"), dict):
+        raise ExportError(
+            f"{mgr.path(step)}: the checkpoint's metadata has no run config to rebuild the "
+            "model from (it was not written by dtarl train)"
+        )
+    where = f"{mgr.path(step)}: the run's config"
+    try:
+        cfg = from_dict(TrainerConfig, meta["config"])
+    except ValueError as e:
+        raise ExportError(f"{where} does not load ({e})") from None
+    # The run's own state structure (as a resume builds it); nothing is written into
+    # its out_dir, no export is chained, nothing is printed.
+    cfg = dataclasses.replace(
+        cfg,
+        out_dir=os.path.dirname(mgr.directory),
+        export=ExportSection(),
+        console=False,
+        tensorboard=False,
+    )
+    try:
+        trainer = Trainer(cfg)
+    except ValueError as e:
+        raise ExportError(f"{where} cannot rebuild the model ({e})") from None
+    # The optimizer state saved after global step s belongs to the phase of step s - 1.
+    trainer.opt_state = trainer._phase_opt(step - 1).init(trainer.params)
+    trainer.ref_params = trainer.params if meta.get("has_ref") else None
+    try:
+        tree, _ = mgr.restore(step, trainer.state_tree())
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
+    model = nnx.merge(trainer.graphdef, tree["params"])
+    tok_dir = cfg.model.tokenizer_path or cfg.model.hf_path
+    save_hf(model, out, dtype=dtype, extra_files=tokenizer_files(tok_dir))
+    return out, step
+
+
+def _export(args: argparse.Namespace) -> int:
+    out, step = export_checkpoint(
+        args.checkpoint, args.hf, step=args.step, force=args.force, dtype=args.dtype
+    )
+    print(f"dtarl export: step {step} of {args.checkpoint} -> {out}: {sorted(os.listdir(out))}")
+    return 0
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Adds ``export`` to the ``dtarl`` command's subparsers (handler in ``func``)."""
+    p = subparsers.add_parser(
+        "export",
+        help="write a saved training step as a Hugging Face checkpoint",
+        description="Write a saved training step (default: the latest) as a Hugging Face "
+        "checkpoint: config.json + safetensors (+ the run's tokenizer files).",
+    )
+    p.add_argument("checkpoint", help="a run's out_dir, its checkpoints/ dir, or a step dir")
+    p.add_argument("--hf", required=True, metavar="OUT", help="output directory")
+    p.add_argument("--step", type=int, default=None, help="the step to export (latest)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    p.add_argument(
+        "--dtype",
+        choices=list(SAVE_DTYPES),
+        default=None,
+        help="weights dtype (default: the model's param_dtype)",
+    )
+    p.set_defaults(func=_export)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dtarl.commands.export")
+    sub = p.add_subparsers(dest="command")
+    register(sub)
+    args = p.parse_args(["export", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"dtarl export: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
