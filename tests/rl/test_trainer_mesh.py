@@ -19,14 +19,22 @@ params, the resolution of an update read as a difference of fp32 params), and th
 final parameters to 1e-5 relative. The per-step loss and gradient norm are compared at 1e-5 too.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
 from dtarl.parallel.mesh import param_shardings
+from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import ConfigError, MeshSection, load_config
 from dtarl.rl.trainer import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RUN = [
     "model.overrides={num_layers: 1}",
@@ -155,3 +163,43 @@ def test_mesh_section_resolves_and_names_the_field():
 def test_unsupported_mesh_combinations_are_refused(tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
         Trainer(load_config(None, [*RUN, f"out_dir={tmp_path}", "mesh.dp=8", *extra]))
+
+
+def test_two_process_run_equals_one_process(tmp_path):
+    """``dtarl launch --nproc 2 --devices-per-proc 2 -- train ...`` (gloo on localhost,
+    dp = 4 over both processes' devices) ends with the parameters of the same run in
+    one process on 4 devices: its final (sharded, multi-process) checkpoint restored
+    here compares to 1e-5 per tensor, updates included. (One process on a mesh equals
+    one device: ``test_mesh_run_equals_single_device``.) The reward is the task's,
+    all zero for the untrained model; the entropy and KL terms give the gradient."""
+    sets = [*RUN, f"out_dir={tmp_path / 'two'}"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "dtarl.parallel.launch", "--nproc", "2"]
+    cmd += ["--devices-per-proc", "2", "--init-timeout", "60", "--", "train"]
+    proc = subprocess.run(
+        cmd + [a for s in sets for a in ("--set", s)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[rank 1] done: 2 steps" in proc.stdout, proc.stdout[-3000:]
+
+    one = Trainer(load_config(None, [*RUN, f"out_dir={tmp_path / 'one'}", "mesh.dp=4"]))
+    start = _leaves(one.params)
+    ref = one.run()
+    ckpt = CheckpointManager(str(tmp_path / "two" / "checkpoints"))
+    assert ckpt.latest_step() == 2
+    tree, _ = ckpt.restore(2, one.state_tree())
+    two = [json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl")]
+    two = [r for r in two if r.get("phase") == "rl"]
+    for a, b in zip(ref.history, two, strict=True):
+        assert (b["dp"], b["tp"]) == (4, 1) and a["response_len_mean"] == b["response_len_mean"]
+        np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-5)
+    for s0, a, b in zip(start, _leaves(ref.params), _leaves(tree["params"]), strict=True):
+        ulp = np.spacing(np.abs(a).max())
+        assert np.abs(a - s0).max() > 0
+        assert np.abs((b - s0) - (a - s0)).max() <= 1e-5 * np.abs(a - s0).max() + 2 * ulp
+        assert np.abs(b - a).max() <= 1e-5 * np.abs(a).max()
