@@ -318,6 +318,12 @@ class Trainer:
                 "mesh.dp=1, mesh.tp=1"
             )
         a, r = cfg.algo, cfg.rollout
+        if self.multiprocess and a.algorithm is Algorithm.PPO:
+            raise ConfigError(
+                f"algo.algorithm=ppo is not supported in a {jax.process_count()}-process run "
+                f"({where}): the value model is a single-device model outside the mesh and "
+                "its checkpoint would be written by every process; run PPO in one process"
+            )
         parts = a.minibatches * a.grad_accum
         per_call = (r.prompts_per_step // parts) * r.group_size
         if per_call < dp:
