@@ -34,7 +34,9 @@ max / mean rank load under the cost model, and ``measured_balance``, max / mean
 of each rank's program timed ALONE on one device (min of a few calls, with the
 ranks' common padded shapes, tp collapsed to one device): simulated CPU
 devices share the host's cores, so the ranks' concurrent times would not say
-which rank the step waits for.
+which rank the step waits for. The ranks run one program at one padded shape, so
+for an engine whose work does not depend on the data (dense) the measured spread
+is timing noise; a DFS plan's push/pop steps do depend on it.
 
 The ideal ratio counts forward+backward FLOPs of every token at its context
 length: dense = sum over sequences and positions, tree = sum over distinct
