@@ -5,5 +5,13 @@ from pallas_kernels.chunk_attention import (
     chunk_attention_reference,
     chunk_attention_sharded,
 )
+from pallas_kernels.chunk_attention_tpu import chunk_attention_tpu
+from pallas_kernels.dispatch import chunk_attention_for_platform
 
-__all__ = ["chunk_attention", "chunk_attention_reference", "chunk_attention_sharded"]
+__all__ = [
+    "chunk_attention",
+    "chunk_attention_for_platform",
+    "chunk_attention_reference",
+    "chunk_attention_sharded",
+    "chunk_attention_tpu",
+]

@@ -11,10 +11,17 @@ Letter legend (STYLE #5):
   (GQA group size), D = head dim. ``Cp``/``Sp`` are C/S padded up to a
   multiple of the block size.
 
-Mask (bottom-right aligned causal, optional sliding window)::
+Mask (bottom-right aligned causal, optional sliding window, optional segments)::
 
     visible(i, j) = (j <= start + i) and (j < kv_len) and (0 <= j < S)
                     and (window is None or j > start + i - window)
+                    and (segment_ids is None or j < start
+                         or segment_ids[i] == segment_ids[j - start])
+
+Segments pack several continuations of one prefix into a chunk (the DFS
+engine's packed sibling leaves): every row sees the whole prefix, and chunk
+tokens only of its own segment -- the contract of ``dtarl.model.decoder.
+attend_xla`` with ``segment_ids``.
 
 so with ``window=w`` a query sees at most ``w`` keys (itself included).
 
@@ -46,7 +53,10 @@ see the key block are skipped and key blocks at or past ``kv_len`` run an empty
 loop and write zeros.
 
 The kernels use the Pallas Triton backend (GPU). Off-GPU (CPU tests) they run
-with ``interpret=True``. Default block sizes are a guess for Hopper (H100),
+with ``interpret=True``; the tests also lower the compiled forward + backward for
+platform "cuda" on the CPU (Pallas Triton lowering only; Triton's compile needs
+a GPU). The TPU kernel for the same contract is ``chunk_attention_tpu``.
+Default block sizes are a guess for Hopper (H100),
 **not measured here** (no GPU was available when this was written); see
 ``pallas_kernels/bench.py``.
 """
@@ -69,6 +79,7 @@ __all__ = [
     "chunk_attention",
     "chunk_attention_reference",
     "chunk_attention_sharded",
+    "key_segments",
 ]
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -93,6 +104,7 @@ class _Config:
     seq_q: int  # real C (before padding)
     seq_k: int  # real S (before padding)
     interpret: bool
+    segmented: bool = False  # segment ids given (else the segment refs are unread)
 
 
 # --------------------------------------------------------------------------
@@ -178,6 +190,24 @@ def _validate(q, k, v, start, kv_len, sm_scale, window, block_q, block_k):
     return batched, B, C, S, Hq, Hkv, D
 
 
+def _segments_B(segment_ids, batched: bool, B: int, C: int, q_shape):
+    """Validated segment ids as int32 [B, C] (zeros when None)."""
+    if segment_ids is None:
+        return jnp.zeros((B, C), jnp.int32)
+    want = (B, C) if batched else (C,)
+    shape = tuple(np.shape(segment_ids))
+    if shape != want:
+        raise ValueError(
+            f"segment_ids must have shape {want} (one id per chunk token for "
+            f"q.shape={q_shape}); got segment_ids.shape={shape}."
+        )
+    if not jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer):
+        raise ValueError(
+            f"segment_ids must be an integer array; got dtype {jnp.result_type(segment_ids)}."
+        )
+    return jnp.asarray(segment_ids, jnp.int32).reshape(B, C)
+
+
 def _resolve_interpret(interpret):
     if interpret is not None:
         return bool(interpret)
@@ -197,12 +227,16 @@ def _resolve_interpret(interpret):
 # --------------------------------------------------------------------------
 
 
-def _visible(q_idx, k_idx, start, kv_len, window):
-    """[bq, bk] bool mask; q_idx: [bq] chunk rows, k_idx: [bk] key positions."""
+def _visible(q_idx, k_idx, start, kv_len, window, qseg=None, kseg=None):
+    """[bq, bk] bool mask; q_idx: [bq] chunk rows, k_idx: [bk] key positions;
+    with ``qseg`` [bq] / ``kseg`` [bk] (segment of each row / key), chunk keys
+    (``k >= start``) are visible only within the row's segment."""
     pos = start + q_idx[:, None]
     mask = (k_idx[None, :] <= pos) & (k_idx[None, :] < kv_len)
     if window is not None:
         mask = mask & (k_idx[None, :] > pos - window)
+    if qseg is not None:
+        mask = mask & ((k_idx[None, :] < start) | (qseg[:, None] == kseg[None, :]))
     return mask
 
 
@@ -232,14 +266,18 @@ def _key_block_range(q_first, q_rows: int, start, kv_len, cfg: _Config):
     return jnp.minimum(lo, hi), hi
 
 
-def _fwd_kernel(start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config):
+def _fwd_kernel(
+    start_ref, kv_len_ref, qseg_ref, kseg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config
+):
     # q_ref: [bq, D]; k_ref, v_ref: [Sp, D]; o_ref: [bq, D]; lse_ref: [bq] (base 2)
+    # qseg_ref: [bq], kseg_ref: [Sp] segment ids (read only when cfg.segmented)
     bq, bk = cfg.block_q, cfg.block_k
     start = start_ref[()]
     kv_len = jnp.minimum(kv_len_ref[()], cfg.seq_k)
     q_first = pl.program_id(2) * bq
     q_idx = q_first + jnp.arange(bq)
     q_bxD = q_ref[...]
+    qseg_b = qseg_ref[...] if cfg.segmented else None
     scale2 = cfg.sm_scale * _LOG2E
 
     def body(kb, carry):
@@ -248,7 +286,8 @@ def _fwd_kernel(start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, c
         k_bkxD = k_ref[pl.ds(k_first, bk), :]
         v_bkxD = v_ref[pl.ds(k_first, bk), :]
         s_bxbk = _dot(q_bxD, k_bkxD, trans_b=True) * scale2  # fp32
-        mask = _visible(q_idx, k_first + jnp.arange(bk), start, kv_len, cfg.window)
+        kseg_bk = kseg_ref[pl.ds(k_first, bk)] if cfg.segmented else None
+        mask = _visible(q_idx, k_first + jnp.arange(bk), start, kv_len, cfg.window, qseg_b, kseg_bk)
         s_bxbk = jnp.where(mask, s_bxbk, -jnp.inf)
         m_new = jnp.maximum(m_b, jnp.max(s_bxbk, axis=1))
         # Rows with nothing visible yet keep m = -inf; shift by 0 there so that
@@ -271,7 +310,19 @@ def _fwd_kernel(start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, c
 
 
 def _dq_kernel(
-    start_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: _Config
+    start_ref,
+    kv_len_ref,
+    qseg_ref,
+    kseg_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    *,
+    cfg: _Config,
 ):
     # q_ref, do_ref, dq_ref: [bq, D]; k_ref, v_ref: [Sp, D]; lse_ref, delta_ref: [bq]
     bq, bk = cfg.block_q, cfg.block_k
@@ -283,6 +334,7 @@ def _dq_kernel(
     do_bxD = do_ref[...]
     lse_b = lse_ref[...]
     delta_b = delta_ref[...]
+    qseg_b = qseg_ref[...] if cfg.segmented else None
     scale2 = cfg.sm_scale * _LOG2E
 
     def body(kb, dq_bxD):
@@ -290,7 +342,8 @@ def _dq_kernel(
         k_bkxD = k_ref[pl.ds(k_first, bk), :]
         v_bkxD = v_ref[pl.ds(k_first, bk), :]
         s_bxbk = _dot(q_bxD, k_bkxD, trans_b=True) * scale2
-        mask = _visible(q_idx, k_first + jnp.arange(bk), start, kv_len, cfg.window)
+        kseg_bk = kseg_ref[pl.ds(k_first, bk)] if cfg.segmented else None
+        mask = _visible(q_idx, k_first + jnp.arange(bk), start, kv_len, cfg.window, qseg_b, kseg_bk)
         p_bxbk = jnp.where(mask, jnp.exp2(s_bxbk - lse_b[:, None]), 0.0)
         dp_bxbk = _dot(do_bxD, v_bkxD, trans_b=True)
         ds_bxbk = p_bxbk * (dp_bxbk - delta_b[:, None])
@@ -305,6 +358,8 @@ def _dq_kernel(
 def _dkv_kernel(
     start_ref,
     kv_len_ref,
+    qseg_ref,
+    kseg_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -318,7 +373,7 @@ def _dkv_kernel(
     group: int,
 ):
     # q_ref, do_ref: [Cp, G, D]; k_ref, v_ref, dk_ref, dv_ref: [bk, D];
-    # lse_ref, delta_ref: [G, Cp]
+    # lse_ref, delta_ref: [G, Cp]; qseg_ref: [Cp]; kseg_ref: [bk]
     bq, bk = cfg.block_q, cfg.block_k
     start = start_ref[()]
     kv_len = jnp.minimum(kv_len_ref[()], cfg.seq_k)
@@ -326,6 +381,7 @@ def _dkv_kernel(
     k_idx = k_first + jnp.arange(bk)
     k_bkxD = k_ref[...]
     v_bkxD = v_ref[...]
+    kseg_bk = kseg_ref[...] if cfg.segmented else None
     scale2 = cfg.sm_scale * _LOG2E
     num_q_blocks = pl.cdiv(q_ref.shape[0], bq)
 
@@ -345,7 +401,8 @@ def _dkv_kernel(
         dk_bkxD, dv_bkxD = carry
         q_first = qb * bq
         q_idx = q_first + jnp.arange(bq)
-        mask = _visible(q_idx, k_idx, start, kv_len, cfg.window)
+        qseg_b = qseg_ref[pl.ds(q_first, bq)] if cfg.segmented else None
+        mask = _visible(q_idx, k_idx, start, kv_len, cfg.window, qseg_b, kseg_bk)
         for g in range(group):  # static: the G query heads sharing this KV head
             q_bxD = q_ref[pl.ds(q_first, bq), g, :]
             do_bxD = do_ref[pl.ds(q_first, bq), g, :]
@@ -378,7 +435,23 @@ def _scalar_spec():
     return pl.BlockSpec((None,), lambda b, h, i: (b,))
 
 
-def _fwd_call(q_BxCpxHqxD, k_BxSpxHkvxD, v_BxSpxHkvxD, start_B, kv_len_B, cfg: _Config):
+def _seg_specs(bq_or_cp: int, sp_or_bk: int, q_tiled: bool):
+    """BlockSpecs of the [B, Cp] query and [B, Sp] key segment ids."""
+    if q_tiled:  # grid (b, h, query block): a row tile and every key
+        return (
+            pl.BlockSpec((None, bq_or_cp), lambda b, h, i: (b, i)),
+            pl.BlockSpec((None, sp_or_bk), lambda b, h, i: (b, 0)),
+        )
+    # grid (b, kv head, key block): every row and a key tile
+    return (
+        pl.BlockSpec((None, bq_or_cp), lambda b, h, j: (b, 0)),
+        pl.BlockSpec((None, sp_or_bk), lambda b, h, j: (b, j)),
+    )
+
+
+def _fwd_call(
+    q_BxCpxHqxD, k_BxSpxHkvxD, v_BxSpxHkvxD, start_B, kv_len_B, qseg_BxCp, kseg_BxSp, cfg: _Config
+):
     B, Cp, Hq, D = q_BxCpxHqxD.shape
     Sp, Hkv = k_BxSpxHkvxD.shape[1:3]
     G = Hq // Hkv
@@ -388,7 +461,14 @@ def _fwd_call(q_BxCpxHqxD, k_BxSpxHkvxD, v_BxSpxHkvxD, start_B, kv_len_B, cfg: _
     o_BxCpxHqxD, lse2_BxHqxCp = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg),
         grid=(B, Hq, Cp // bq),
-        in_specs=[_scalar_spec(), _scalar_spec(), q_spec, kv_spec, kv_spec],
+        in_specs=[
+            _scalar_spec(),
+            _scalar_spec(),
+            *_seg_specs(bq, Sp, True),
+            q_spec,
+            kv_spec,
+            kv_spec,
+        ],
         out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))],
         out_shape=[
             jax.ShapeDtypeStruct(q_BxCpxHqxD.shape, q_BxCpxHqxD.dtype),
@@ -397,7 +477,7 @@ def _fwd_call(q_BxCpxHqxD, k_BxSpxHkvxD, v_BxSpxHkvxD, start_B, kv_len_B, cfg: _
         compiler_params=_compiler_params(D),
         interpret=cfg.interpret,
         name="chunk_attention_fwd",
-    )(start_B, kv_len_B, q_BxCpxHqxD, k_BxSpxHkvxD, v_BxSpxHkvxD)
+    )(start_B, kv_len_B, qseg_BxCp, kseg_BxSp, q_BxCpxHqxD, k_BxSpxHkvxD, v_BxSpxHkvxD)
     return o_BxCpxHqxD, lse2_BxHqxCp
 
 
@@ -407,6 +487,8 @@ def _bwd_call(
     v_BxSpxHkvxD,
     start_B,
     kv_len_B,
+    qseg_BxCp,
+    kseg_BxSp,
     do_BxCpxHqxD,
     lse2_BxHqxCp,
     delta2_BxHqxCp,
@@ -426,6 +508,7 @@ def _bwd_call(
         in_specs=[
             _scalar_spec(),
             _scalar_spec(),
+            *_seg_specs(bq, Sp, True),
             q_spec,
             kv_spec,
             kv_spec,
@@ -441,6 +524,8 @@ def _bwd_call(
     )(
         start_B,
         kv_len_B,
+        qseg_BxCp,
+        kseg_BxSp,
         q_BxCpxHqxD,
         k_BxSpxHkvxD,
         v_BxSpxHkvxD,
@@ -460,6 +545,7 @@ def _bwd_call(
         in_specs=[
             _scalar_spec(),
             _scalar_spec(),
+            *_seg_specs(Cp, bk, False),
             qg_spec,
             kb_spec,
             kb_spec,
@@ -478,6 +564,8 @@ def _bwd_call(
     )(
         start_B,
         kv_len_B,
+        qseg_BxCp,
+        kseg_BxSp,
         q_BxCpxHqxD,
         k_BxSpxHkvxD,
         v_BxSpxHkvxD,
@@ -503,32 +591,52 @@ def _pad_axis1(x, multiple: int):
     return jnp.pad(x, widths)
 
 
-def _fwd_padded(q, k, v, start_B, kv_len_B, cfg):
+def key_segments(seg_BxC, start_B, num_keys: int):
+    """Segment id of every key position: chunk key ``j`` (``start <= j``) is chunk
+    token ``j - start``; positions outside the chunk get the nearest chunk
+    token's id, which never matters (prefix keys ``j < start`` are visible to
+    every row, keys past the chunk are causally masked). [B, num_keys] int32."""
+    C = seg_BxC.shape[1]
+    idx_BxS = jnp.clip(jnp.arange(num_keys)[None, :] - start_B[:, None], 0, C - 1)
+    return jnp.take_along_axis(seg_BxC, idx_BxS, axis=1)
+
+
+def _segments_padded(seg_BxC, start_B, cfg):
+    """Row and key segment ids padded to the kernel's Cp / Sp."""
+    qseg_p = _pad_axis1(seg_BxC, cfg.block_q)
+    kseg_p = key_segments(seg_BxC, start_B, cfg.seq_k)
+    return qseg_p, _pad_axis1(kseg_p, cfg.block_k)
+
+
+def _fwd_padded(q, k, v, start_B, kv_len_B, seg_BxC, cfg):
     q_p = _pad_axis1(q, cfg.block_q)
     k_p = _pad_axis1(k, cfg.block_k)
     v_p = _pad_axis1(v, cfg.block_k)
-    o_p, lse2_p = _fwd_call(q_p, k_p, v_p, start_B, kv_len_B, cfg)
-    return o_p, lse2_p, (q_p, k_p, v_p)
+    qseg_p, kseg_p = _segments_padded(seg_BxC, start_B, cfg)
+    o_p, lse2_p = _fwd_call(q_p, k_p, v_p, start_B, kv_len_B, qseg_p, kseg_p, cfg)
+    return o_p, lse2_p, (q_p, k_p, v_p, qseg_p, kseg_p)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _chunk_attention_core(q, k, v, start_B, kv_len_B, cfg: _Config):
-    o_p, lse2_p, _ = _fwd_padded(q, k, v, start_B, kv_len_B, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _chunk_attention_core(q, k, v, start_B, kv_len_B, seg_BxC, cfg: _Config):
+    o_p, lse2_p, _ = _fwd_padded(q, k, v, start_B, kv_len_B, seg_BxC, cfg)
     C = cfg.seq_q
     lse_BxCxHq = jnp.swapaxes(lse2_p[:, :, :C], 1, 2) * _LN2
     return o_p[:, :C], lse_BxCxHq
 
 
-def _core_fwd(q, k, v, start_B, kv_len_B, cfg: _Config):
-    o_p, lse2_p, (q_p, k_p, v_p) = _fwd_padded(q, k, v, start_B, kv_len_B, cfg)
+def _core_fwd(q, k, v, start_B, kv_len_B, seg_BxC, cfg: _Config):
+    o_p, lse2_p, (q_p, k_p, v_p, qseg_p, kseg_p) = _fwd_padded(
+        q, k, v, start_B, kv_len_B, seg_BxC, cfg
+    )
     C = cfg.seq_q
     lse_BxCxHq = jnp.swapaxes(lse2_p[:, :, :C], 1, 2) * _LN2
-    res = (q_p, k_p, v_p, start_B, kv_len_B, o_p, lse2_p)
+    res = (q_p, k_p, v_p, start_B, kv_len_B, qseg_p, kseg_p, o_p, lse2_p)
     return (o_p[:, :C], lse_BxCxHq), res
 
 
 def _core_bwd(cfg: _Config, res, cts):
-    q_p, k_p, v_p, start_B, kv_len_B, o_p, lse2_p = res
+    q_p, k_p, v_p, start_B, kv_len_B, qseg_p, kseg_p, o_p, lse2_p = res
     do_BxCxHqxD, dlse_BxCxHq = cts
     C, S = cfg.seq_q, cfg.seq_k
     do_p = _pad_axis1(do_BxCxHqxD.astype(q_p.dtype), cfg.block_q)
@@ -536,8 +644,10 @@ def _core_bwd(cfg: _Config, res, cts):
     delta_BxCpxHq = jnp.einsum("bchd,bchd->bch", do_p.astype(jnp.float32), o_p.astype(jnp.float32))
     delta_BxCpxHq = delta_BxCpxHq - _pad_axis1(dlse_BxCxHq.astype(jnp.float32), cfg.block_q)
     delta_BxHqxCp = jnp.swapaxes(delta_BxCpxHq, 1, 2)
-    dq_p, dk_p, dv_p = _bwd_call(q_p, k_p, v_p, start_B, kv_len_B, do_p, lse2_p, delta_BxHqxCp, cfg)
-    return dq_p[:, :C], dk_p[:, :S], dv_p[:, :S], None, None
+    dq_p, dk_p, dv_p = _bwd_call(
+        q_p, k_p, v_p, start_B, kv_len_B, qseg_p, kseg_p, do_p, lse2_p, delta_BxHqxCp, cfg
+    )
+    return dq_p[:, :C], dk_p[:, :S], dv_p[:, :S], None, None, None
 
 
 _chunk_attention_core.defvjp(_core_fwd, _core_bwd)
@@ -561,6 +671,7 @@ def chunk_attention(
     block_k=DEFAULT_BLOCK_K,
     interpret=None,
     return_lse=False,
+    segment_ids=None,
 ):
     """Chunk-over-prefix attention (Pallas kernel, differentiable in q, k, v).
 
@@ -583,6 +694,11 @@ def chunk_attention(
       interpret: run Pallas in interpret mode; None = True on CPU, False on GPU.
       return_lse: also return the natural-log LSE, fp32 ``[C, Hq]``
         (``[B, C, Hq]``); ``-inf`` for rows with no visible key.
+      segment_ids: optional int ``[C]`` (``[B, C]``), runtime: packed chunks.
+        Chunk key ``j >= start`` is chunk token ``j - start`` and is visible to
+        row ``i`` only if ``segment_ids[i] == segment_ids[j - start]``; prefix
+        keys ``j < start`` stay visible to every row (packed continuations of
+        one shared prefix).
 
     Returns:
       ``out`` in q's dtype and q's shape, or ``(out, lse)``. Rows with no
@@ -600,12 +716,14 @@ def chunk_attention(
         seq_q=C,
         seq_k=S,
         interpret=_resolve_interpret(interpret),
+        segmented=segment_ids is not None,
     )
+    seg_BxC = _segments_B(segment_ids, batched, B, C, q.shape)
     start_B = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (B,))
     kv_len_B = jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B,))
     if not batched:
         q, k, v = q[None], k[None], v[None]
-    out_BxCxHqxD, lse_BxCxHq = _chunk_attention_core(q, k, v, start_B, kv_len_B, cfg)
+    out_BxCxHqxD, lse_BxCxHq = _chunk_attention_core(q, k, v, start_B, kv_len_B, seg_BxC, cfg)
     if not batched:
         out_BxCxHqxD, lse_BxCxHq = out_BxCxHqxD[0], lse_BxCxHq[0]
     return (out_BxCxHqxD, lse_BxCxHq) if return_lse else out_BxCxHqxD
@@ -624,6 +742,7 @@ def chunk_attention_reference(
     block_k=None,
     interpret=None,
     return_lse=False,
+    segment_ids=None,
 ):
     """Reference twin of :func:`chunk_attention`: plain jnp, explicit [C, S] mask.
 
@@ -638,6 +757,7 @@ def chunk_attention_reference(
     )
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     G = Hq // Hkv
+    seg_BxC = _segments_B(segment_ids, batched, B, C, q.shape)
     start_B = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (B,))
     kv_len_B = jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B,))
     if not batched:
@@ -655,6 +775,11 @@ def chunk_attention_reference(
     )
     if window is not None:
         mask_BxCxS = mask_BxCxS & (j_S[None, None, :] > pos_BxC[:, :, None] - window)
+    if segment_ids is not None:
+        kseg_BxS = key_segments(seg_BxC, start_B, S)
+        same_BxCxS = seg_BxC[:, :, None] == kseg_BxS[:, None, :]
+        prefix_S = j_S[None, None, :] < start_B[:, None, None]
+        mask_BxCxS = mask_BxCxS & (prefix_S | same_BxCxS)
     mask = mask_BxCxS[:, None, None]  # [B, 1, 1, C, S]
 
     s_masked = jnp.where(mask, s_BxKxGxCxS, -jnp.inf)

@@ -6,11 +6,16 @@ The lead wires ``register(subparsers)`` into ``dtarl``'s argparse parser:
     dtarl trace sample SOURCE --batch-size B [--n-sampling G] [--step K] [--seed S]
                        [--length-scale X] [--mode trajectory|per_turn]
     dtarl trace replay [SOURCE ...] [--engines dense dfs] [--repeats 7] [--max-len 256]
-                       [--tool-clock simulated|sleep] [--out DIR]
+                       [--tool-clock simulated|sleep] [--tool-time-scale X]
+                       [--inference-passes 0|1|2] [--no-reward]
+                       [--batch-sizes 2 4 8] [--max-response-lens 1000 3000]
+                       [--steps 0 1 2] [--out DIR]
     dtarl trace simulate [SOURCE ...] --profile PROFILE.json --joint [--out DIR]
     dtarl trace simulate [SOURCE ...] --profile PROFILE.json [--calibrate [--no-rollout]]
                        [--engines dense dfs prefix_reuse auto] [--validate REPLAY.json]
                        [--devices N --dp D --tp T] [--out DIR]
+    dtarl trace validate [--rollout RUN] [--reward RUN] [--fit-steps 0 1 2] [--test-steps 3 4]
+                       [--no-reward] [--out DIR]
 
 Without SOURCEs, replay / simulate use the real-trace suite (``DEFAULT_SUITE``).
 """
@@ -18,6 +23,7 @@ Without SOURCEs, replay / simulate use the real-trace suite (``DEFAULT_SUITE``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -29,6 +35,7 @@ from dtarl.bench.replay import (
     auto_length_scale,
     default_suite,
     load_replay_json,
+    plot_stages,
     replay,
 )
 from dtarl.bench.simulate import (
@@ -39,6 +46,7 @@ from dtarl.bench.simulate import (
     profile_engines,
     validate,
 )
+from dtarl.bench.simulate.production import validate_production
 from dtarl.model import ModelConfig
 from dtarl.timing import QuietGate
 from dtarl.traces.report import write_report
@@ -138,12 +146,15 @@ def _replay(args: argparse.Namespace) -> int:
         rollout_repeats=args.rollout_repeats,
         quiet_cores=args.quiet_cores or None,
         quiet_budget_s=args.quiet_budget,
+        inference_passes=args.inference_passes,
+        reward=not args.no_reward,
     )
-    specs = _workload_specs(args)
+    specs = sweep_specs(_workload_specs(args), args.batch_sizes, args.max_response_lens, args.steps)
     res = replay(specs, cfg, log=print)
     out = Path(args.out)
     js = res.save(out / "replay.json")
     png = res.plot(out / "replay.png")
+    stages_png = plot_stages(res, out / "stages.png", kind=cfg.engines[0])
     print(res.table())
     for w in res.workloads:
         r = w.rollout
@@ -155,12 +166,39 @@ def _replay(args: argparse.Namespace) -> int:
                 f"(compile {r.compile_s:.1f}s, {r.status})"
             )
         )
+        step = w.rollout_step_s()
+        timeline = "" if step is None else f"; rollout with tools (slowest trajectory) {step:.2f}s"
         print(
             f"{w.spec.name}: rollout {roll}; tool ({w.tool.clock} clock) "
-            f"{w.tool.seconds:.2f}s over {w.tool.calls} calls ({w.tool.status})"
+            f"{w.tool.seconds:.2f} {w.tool.units} over {w.tool.calls} calls ({w.tool.status})"
+            f"{timeline}"
         )
-    print(f"wrote {js} and {png}")
+    print(f"wrote {js}, {png} and {stages_png}")
     return 0
+
+
+def sweep_specs(specs, batch_sizes=None, max_response_lens=None, steps=None) -> list:
+    """Every spec at every (step, batch size, max response length) of the sweep (same length
+    scale as the spec, so the sweep's points share one unit system); none given: ``specs``."""
+    if not batch_sizes and not max_response_lens and not steps:
+        return list(specs)
+    out = []
+    for s in specs:
+        for st in steps or [s.step]:
+            for b in batch_sizes or [s.batch_size]:
+                for cap in max_response_lens or [s.max_response_len]:
+                    name = (
+                        s.name
+                        + ("" if not steps else f"/s{st}")
+                        + f"/b{b}"
+                        + ("" if cap is None else f"/L{cap}")
+                    )
+                    out.append(
+                        dataclasses.replace(
+                            s, name=name, step=st, batch_size=b, max_response_len=cap
+                        )
+                    )
+    return out
 
 
 def _cluster(args: argparse.Namespace):
@@ -279,18 +317,45 @@ def _simulate(args: argparse.Namespace) -> int:
             )
             rows.append(dict(spec=spec.to_dict(), prediction=p.to_dict()))
             parts = ", ".join(
-                f"{k} {p.step_s(k):.3f}s (train {e.train_s:.3f}s"
+                f"{k} {'-' if p.step_s(k) is None else f'{p.step_s(k):.3f}s'} "
+                f"(train {e.train_s:.3f}s"
                 + (f" as {e.program}" if e.program != k else "")
                 + f", all-reduce {e.allreduce_s * 1e3:.2f}ms)"
                 for k, e in p.engines.items()
             )
             roll = "not modelled" if p.rollout_s is None else f"{p.rollout_s:.3f}s"
-            print(f"{spec.name}: rollout {roll}; tool {p.tool_s:.2f}s (simulated); {parts}")
+            units = "replay s" if p.tool_in_step_units else "production s, not in the step"
+            inf = "-" if p.inference_s is None else f"{p.inference_s:.3f}s"
+            print(
+                f"{spec.name}: rollout {roll}; tool {p.tool_s:.2f}s, reward {p.reward_s:.2f}s "
+                f"({units}); inference {inf}; {parts}"
+            )
         out.mkdir(parents=True, exist_ok=True)
         (out / "simulate.json").write_text(
             json.dumps(dict(kind="dtarl.trace.simulate", workloads=rows), indent=1)
         )
         print(f"wrote {out / 'simulate.json'}")
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+
+    rep = validate_production(
+        args.rollout,
+        fit_steps=args.fit_steps,
+        test_steps=args.test_steps,
+        reward_trace=args.reward,
+        reward_fit_steps=args.reward_fit_steps,
+        reward_test_steps=args.reward_test_steps,
+        reward=not args.no_reward,
+    )
+    print(rep.table())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    js = out / "production.json"
+    js.write_text(json.dumps(rep.to_dict(), indent=1))
+    png = rep.plot(out / "production.png")
+    print(f"wrote {js} and {png}")
     return 0
 
 
@@ -325,7 +390,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    """Adds ``trace`` with ``report``, ``sample``, ``replay`` and ``simulate`` to a subparsers.
+    """Adds ``trace`` (report, sample, replay, simulate, validate) to a subparsers.
 
     Each leaf parser sets ``func`` (call it as ``args.func(args)``; returns an exit code).
     """
@@ -360,10 +425,37 @@ def register(subparsers) -> argparse.ArgumentParser:
     )
     rpl.add_argument("--warmup", type=int, default=1, help="untimed calls (compile)")
     rpl.add_argument("--tool-clock", choices=("simulated", "sleep"), default="simulated")
-    rpl.add_argument("--tool-time-scale", type=float, default=1.0, help="scales slept latency")
+    rpl.add_argument(
+        "--tool-time-scale",
+        type=float,
+        default=None,
+        help="production -> replay seconds for tool latencies (default: none; tools are "
+        "reported apart, no end-to-end total)",
+    )
     rpl.add_argument("--tool-latencies", default=None, help="multi-turn trace for latencies")
     rpl.add_argument("--rollout-repeats", type=int, default=3, help="timed rollouts (min, median)")
     rpl.add_argument("--no-rollout", action="store_true", help="skip the rollout stage")
+    rpl.add_argument(
+        "--inference-passes",
+        type=int,
+        default=1,
+        choices=(0, 1, 2),
+        help="forward-only logprob passes per step (old / reference policy)",
+    )
+    rpl.add_argument("--no-reward", action="store_true", help="skip the sampled reward stage")
+    rpl.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=None, help="sweep: prompt groups"
+    )
+    rpl.add_argument(
+        "--steps", type=int, nargs="+", default=None, help="sweep: trace steps (stage shares)"
+    )
+    rpl.add_argument(
+        "--max-response-lens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="sweep: response budget in trace tokens (responses cut, before the length scale)",
+    )
     rpl.add_argument("--out", default="trace_replay", help="output directory")
     rpl.set_defaults(func=_replay)
 
@@ -392,7 +484,10 @@ def register(subparsers) -> argparse.ArgumentParser:
         "--target", type=float, default=0.10, help="relative error target of --validate"
     )
     sim.add_argument(
-        "--tool-time-scale", type=float, default=1.0, help="scales the simulated tool latencies"
+        "--tool-time-scale",
+        type=float,
+        default=None,
+        help="production -> simulated seconds for tool latencies (default: none; no step total)",
     )
     sim.add_argument("--devices", type=int, default=None, help="default dp x tp")
     sim.add_argument("--dp", type=int, default=1)
@@ -408,4 +503,18 @@ def register(subparsers) -> argparse.ArgumentParser:
     sim.add_argument("--model", default=None, help="model preset for FLOPs (default: profile's)")
     sim.add_argument("--out", default="trace_simulate", help="output directory")
     sim.set_defaults(func=_simulate)
+
+    val = sub.add_parser(
+        "validate",
+        help="fit the traces' production latencies on some steps, predict the held-out ones",
+    )
+    val.add_argument("--rollout", default=None, help="multi-turn run (default: shared search_r1)")
+    val.add_argument("--reward", default=None, help="run with reward timings (default: rllm)")
+    val.add_argument("--fit-steps", type=int, nargs="+", default=None, help="default: 1st half")
+    val.add_argument("--test-steps", type=int, nargs="+", default=None, help="default: the rest")
+    val.add_argument("--reward-fit-steps", type=int, nargs="+", default=None)
+    val.add_argument("--reward-test-steps", type=int, nargs="+", default=None)
+    val.add_argument("--no-reward", action="store_true", help="rollout only")
+    val.add_argument("--out", default="trace_validate", help="output directory (JSON + PNG)")
+    val.set_defaults(func=_validate)
     return trace

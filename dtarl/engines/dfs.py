@@ -49,7 +49,6 @@ from dtarl.batch import RolloutBatch
 from dtarl.engines import base
 from dtarl.engines.config import Capacity, DFSConfig, configured
 from dtarl.engines.cost import token_flops
-from dtarl.model.config import AttentionBackend
 from dtarl.model.decoder import Decoder, KVCache, token_logprobs
 from dtarl.tree.plan import Op, SegmentPlan, bucket, compile_plan
 from dtarl.tree.trie import PrefixTree
@@ -138,10 +137,7 @@ class DFSEngine(base.BucketState):
         self.graphdef, _ = base.split_model(self.model)
         self.cfg = self.model.cfg
         self.jit = base.JitCache(self)
-        # The pallas kernel has no segment mask: no leaf packing with it.
-        self._single_segment = (
-            not self.config.pack_leaves or self.cfg.attention_backend is AttentionBackend.PALLAS
-        )
+        self._single_segment = not self.config.pack_leaves
         # Buckets only grow, so a smaller batch reuses the last program.
         # Loss slots are cheap (O(path) each); 8 covers most packed steps.
         self._min = dict(steps=1, path=1, slots=8, seqs=1, flat=1, tree=1, wide=0)

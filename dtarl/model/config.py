@@ -21,7 +21,7 @@ class ModelFamily(enum.Enum):
 
 class AttentionBackend(enum.Enum):
     XLA = "xla"  # einsum + explicit mask: the reference
-    PALLAS = "pallas"  # pallas_kernels.chunk_attention
+    PALLAS = "pallas"  # pallas_kernels: GPU or TPU kernel by platform (dispatch.py)
 
 
 _DTYPES = ("float32", "bfloat16", "float16")

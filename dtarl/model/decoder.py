@@ -146,16 +146,16 @@ def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segmen
 
 
 def attend_pallas(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segment_ids_BxT=None):
-    """The same attention through ``pallas_kernels.chunk_attention``.
+    """The same attention through the platform's Pallas chunk-attention kernel
+    (``pallas_kernels.dispatch``: GPU or TPU; interpret mode on CPU).
 
     The chunk's K/V are written right after the valid prefix so the kernel sees
-    one contiguous [prefix, chunk] K/V with ``start = prefix_len``. The kernel has
-    no segment mask: packed chunks need the ``xla`` backend.
+    one contiguous [prefix, chunk] K/V with ``start = prefix_len``; packed
+    chunks pass their ``segment_ids`` (the prefix stays visible to every segment).
     """
-    from pallas_kernels.chunk_attention import chunk_attention
+    from pallas_kernels.dispatch import chunk_attention_for_platform
 
-    if segment_ids_BxT is not None:
-        raise ValueError("segment_ids (packed chunks) are not supported by the pallas backend")
+    chunk_attention = chunk_attention_for_platform()
 
     b, t = q_BxTxHxD.shape[:2]
     p = k_prefix.shape[1]
@@ -169,7 +169,9 @@ def attend_pallas(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, seg
     put = jax.vmap(lambda buf, x, s: jax.lax.dynamic_update_slice_in_dim(buf, x, s, axis=0))
     k_all = put(k_all, k_new, start_B)
     v_all = put(v_all, v_new, start_B)
-    return chunk_attention(q_BxTxHxD, k_all, v_all, start_B, start_B + t)
+    return chunk_attention(
+        q_BxTxHxD, k_all, v_all, start_B, start_B + t, segment_ids=segment_ids_BxT
+    )
 
 
 class Attention(nnx.Module):

@@ -32,13 +32,16 @@ from dtarl.traces.records import (
     Turn,
 )
 from dtarl.traces.workload import (
+    GroupCorrelation,
     GroupSpec,
+    RewardTimeSampler,
     ToolLatencySampler,
     Workload,
     WorkloadInfo,
     WorkloadMode,
     build_workload,
     generate_workload,
+    measure_group_correlation,
     sample_workload,
 )
 
@@ -46,8 +49,10 @@ __all__ = [
     "DapoFilterBatch",
     "FileKind",
     "FittedWorkload",
+    "GroupCorrelation",
     "GroupSpec",
     "PromptGroup",
+    "RewardTimeSampler",
     "RewardTiming",
     "RunKind",
     "RunTrace",
@@ -67,5 +72,6 @@ __all__ = [
     "iter_jsonl",
     "load_fitted",
     "load_trace",
+    "measure_group_correlation",
     "sample_workload",
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -214,18 +215,78 @@ def sample_math_lengths(
     return np.clip(x, 1, MATH_MAX_LEN).astype(np.int64) if clip else x
 
 
-def sample_tool_session(fit: ToolFit, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _std_normal_cdf(z: float) -> float:
+    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+
+def sample_tool_session(
+    fit: ToolFit,
+    rng: np.random.Generator,
+    *,
+    z_count: float | None = None,
+    z_features: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """One session: (inputs [k], outputs [k]) with k ~ call-count distribution.
 
     inputs[0] is the prompt, inputs[j] the tool return appended before turn j;
     outputs[j] the model tokens of turn j. Rounded and clipped to [1, 65536].
+
+    ``z_count`` / ``z_features``: standard-normal latents to use instead of fresh
+    draws (a Gaussian copula: k is the call-count quantile at Phi(z_count), the
+    (output_1..k, input_1..k) are mean + L z with L the Cholesky factor of their
+    covariance (``_turn_factor``); ``z_features`` needs >= 2k entries, the first
+    ones are used).
+    The marginals are unchanged; sharing part of the latents across the samples
+    of a group correlates them (``dtarl.traces.workload.GroupCorrelation``).
     """
-    k = int(rng.choice(fit.call_counts, p=fit.call_probs))
+    if z_count is None:
+        k = int(rng.choice(fit.call_counts, p=fit.call_probs))
+    else:
+        cdf = np.cumsum(fit.call_probs)
+        j = int(np.searchsorted(cdf, _std_normal_cdf(float(z_count)) * cdf[-1], side="right"))
+        k = int(fit.call_counts[min(j, len(cdf) - 1)])
     m = fit.models[k]
-    x = _mvn(rng, m.mean, m.covariance, 1)[0]
-    idx = {f: i for i, f in enumerate(m.feature_names)}
-    ins = np.array([x[idx[f"input_{j}"]] for j in range(1, k + 1)])
-    outs = np.array([x[idx[f"output_{j}"]] for j in range(1, k + 1)])
+    if z_features is None:
+        x = _mvn(rng, m.mean, m.covariance, 1)[0]
+        idx = {f: i for i, f in enumerate(m.feature_names)}
+        ins = np.array([x[idx[f"input_{j}"]] for j in range(1, k + 1)])
+        outs = np.array([x[idx[f"output_{j}"]] for j in range(1, k + 1)])
+    else:
+        mean, chol = _turn_factor(m)
+        if len(z_features) < mean.shape[0]:
+            raise ValueError(
+                f"z_features has {len(z_features)} entries; the {k}-call model needs "
+                f"{mean.shape[0]}"
+            )
+        x = mean + chol @ np.asarray(z_features[: mean.shape[0]], np.float64)
+        outs, ins = x[:k], x[k:]
     ins = np.clip(np.rint(ins), 1, TOOL_MAX_LEN).astype(np.int64)
     outs = np.clip(np.rint(outs), 1, TOOL_MAX_LEN).astype(np.int64)
     return ins, outs
+
+
+def _turn_factor(m: ToolSequenceModel) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and lower Cholesky factor of (output_1..k, input_1..k), the marginal of the model's
+    Gaussian the sessions use, in that canonical order: latent j drives output j+1 first, so
+    the latents mean the same thing for every k (what lets a group share them)."""
+    idx = {f: i for i, f in enumerate(m.feature_names)}
+    k = m.call_count
+    sel = [idx[f"output_{j}"] for j in range(1, k + 1)] + [
+        idx[f"input_{j}"] for j in range(1, k + 1)
+    ]
+    mean = m.mean[sel]
+    cov = m.covariance[np.ix_(sel, sel)]
+    cov = (cov + cov.T) / 2
+    jitter = 1e-9 * max(float(np.trace(cov)) / len(sel), 1e-12)
+    for _ in range(8):
+        try:
+            return mean, np.linalg.cholesky(cov + jitter * np.eye(len(sel)))
+        except np.linalg.LinAlgError:
+            jitter *= 100
+    w, v = np.linalg.eigh(cov)  # not positive definite even with jitter: symmetric root
+    return mean, v * np.sqrt(np.clip(w, 0, None))
+
+
+def tool_feature_dim(fit: ToolFit) -> int:
+    """Size of a full latent draw: 2 k_max (outputs and inputs of the longest session)."""
+    return 2 * int(max(fit.models))

@@ -34,6 +34,7 @@ from dtarl.traces.fitted import (
     FittedWorkload,
     load_fitted,
     sample_tool_session,
+    tool_feature_dim,
 )
 from dtarl.traces.loaders import (
     FITTED_RELPATH,
@@ -211,13 +212,95 @@ def _specs_fitted_math(fw: FittedWorkload, batch_size: int, n_sampling: int, rng
     return out
 
 
-def _specs_fitted_tool(fw: FittedWorkload, batch_size: int, n_sampling: int, rng) -> list:
-    """Per sample an independent session; the group's prompt is input_1 of its first sample."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupCorrelation:
+    """Within-group (same prompt) correlation of sampled tool-use trajectories.
+
+    turns / lengths: the copula correlations of the latent normals behind the
+    call count and the length features (``sample_tool_session``): each sample's
+    latent is sqrt(rho) z_group + sqrt(1 - rho) z_own, so the marginals stay the
+    fitted ones and same-prompt samples are alike. ``search_r1()`` holds the
+    values that reproduce the intra-class correlation (ICC) of the search_r1
+    trace (``measure_group_correlation``: turn counts 0.21 on step 0, 0.20 over
+    steps 0-2; log model tokens per trajectory 0.32 / 0.30); the sampled ICCs are
+    0.20 / 0.31 (800 groups of 8). ``independent()`` is the old behaviour.
+    """
+
+    turns: float
+    lengths: float
+
+    def __post_init__(self):
+        for f in ("turns", "lengths"):
+            v = getattr(self, f)
+            if not 0.0 <= v < 1.0:
+                raise ValueError(f"GroupCorrelation.{f} = {v}: must be in [0, 1)")
+
+    @classmethod
+    def independent(cls) -> GroupCorrelation:
+        return cls(turns=0.0, lengths=0.0)
+
+    @classmethod
+    def search_r1(cls) -> GroupCorrelation:
+        return cls(turns=SEARCH_R1_LATENT_TURNS, lengths=SEARCH_R1_LATENT_LENGTHS)
+
+
+# Latent correlations whose sampled ICCs match search_r1's (see GroupCorrelation.search_r1;
+# checked by tests/traces/test_traces_fidelity.py).
+SEARCH_R1_LATENT_TURNS = 0.22
+SEARCH_R1_LATENT_LENGTHS = 0.65
+
+
+def intraclass_correlation(groups_GxK: np.ndarray) -> float:
+    """One-way ANOVA ICC(1) of G groups of K values: (MSB - MSW) / (MSB + (K - 1) MSW)."""
+    g = np.asarray(groups_GxK, np.float64)
+    if g.ndim != 2 or g.shape[0] < 2 or g.shape[1] < 2:
+        raise ValueError(f"intraclass_correlation: shape {g.shape}; need [G >= 2, K >= 2]")
+    k = g.shape[1]
+    msb = k * g.mean(1).var(ddof=1)
+    msw = g.var(1, ddof=1).mean()
+    den = msb + (k - 1) * msw
+    return float((msb - msw) / den) if den > 0 else 0.0
+
+
+def group_icc(turn_counts_GxK, model_tokens_GxK) -> tuple[float, float]:
+    """(ICC of turn counts, ICC of log model tokens) of equal-size groups."""
+    return (
+        intraclass_correlation(turn_counts_GxK),
+        intraclass_correlation(np.log(np.maximum(np.asarray(model_tokens_GxK, float), 1.0))),
+    )
+
+
+def measure_group_correlation(run: RunTrace, steps: Sequence[int] | None = None):
+    """ICC of turn counts and of log model tokens per trajectory within prompt groups of a
+    multi-turn run (groups of the most common size), pooled over ``steps``."""
+    if run.kind is not RunKind.MULTI_TURN:
+        raise ValueError(f"{run.path}: not a multi-turn run (need trajectories in groups)")
+    turns, toks = [], []
+    for st in run.steps if steps is None else steps:
+        for grp in group_trajectories(list(run.iter_step(st))):
+            turns.append([t.turn_count for t in grp])
+            toks.append([sum(t.model_runs) for t in grp])
+    sizes = [len(g) for g in turns]
+    k = max(set(sizes), key=sizes.count)
+    turns = [g for g in turns if len(g) == k]
+    toks = [g for g in toks if len(g) == k]
+    return group_icc(turns, toks)
+
+
+def _specs_fitted_tool(
+    fw: FittedWorkload, batch_size: int, n_sampling: int, rng, corr: GroupCorrelation
+) -> list:
+    """Sessions of one group share part of their latents (``GroupCorrelation``); the group's
+    prompt is input_1 of its first sample."""
+    d = tool_feature_dim(fw.tool)
     out = []
     for _ in range(batch_size):
+        zc_g, zf_g = rng.standard_normal(), rng.standard_normal(d)
         responses, prompt = [], None
         for _ in range(n_sampling):
-            ins, outs = sample_tool_session(fw.tool, rng)
+            zc = np.sqrt(corr.turns) * zc_g + np.sqrt(1 - corr.turns) * rng.standard_normal()
+            zf = np.sqrt(corr.lengths) * zf_g + np.sqrt(1 - corr.lengths) * rng.standard_normal(d)
+            ins, outs = sample_tool_session(fw.tool, rng, z_count=zc, z_features=zf)
             prompt = int(ins[0]) if prompt is None else prompt
             runs = []
             for j, o in enumerate(outs):
@@ -239,6 +322,24 @@ def _specs_fitted_tool(fw: FittedWorkload, batch_size: int, n_sampling: int, rng
 def scale_len(length: int, length_scale: float, min_len: int) -> int:
     """max(min_len, round(length * length_scale))."""
     return max(min_len, int(round(length * length_scale)))
+
+
+def truncate_spec(spec: GroupSpec, max_response_len: int) -> GroupSpec:
+    """Responses cut at ``max_response_len`` tokens (model and tool runs alike), as a run
+    with that response budget would have cut them; a cut response is marked truncated."""
+    if max_response_len < 1:
+        raise ValueError(f"max_response_len={max_response_len}: must be >= 1")
+    responses, truncated = [], []
+    for resp, was in zip(spec.responses, spec.truncated, strict=True):
+        out, left = [], max_response_len
+        for m, n in resp:
+            if left <= 0:
+                break
+            out.append((m, min(n, left)))
+            left -= n
+        responses.append(tuple(out) if out else ((1, max_response_len),))
+        truncated.append(was or left < 0)
+    return dataclasses.replace(spec, responses=tuple(responses), truncated=tuple(truncated))
 
 
 def _scale_spec(spec: GroupSpec, length_scale: float, min_len: int) -> GroupSpec:
@@ -276,20 +377,61 @@ def _resolve_source(source):
     return "run", tr, tr.name
 
 
+def _dapo_kept(run: RunTrace, step: int, n_records: int) -> set[int]:
+    kept: set[int] | None = None
+    for b in run.iter_dapo_filter():
+        if b.workload_step == step:
+            if b.prompt_count != n_records:
+                raise TraceFormatError(
+                    f"{run.dapo_filter}: workload_step {step} has prompt_count {b.prompt_count} "
+                    f"but the step has {n_records} groups"
+                )
+            kept = (kept or set()) | set(b.kept_prompt_indices)
+    if kept is None:
+        raise ValueError(
+            f"dapo_filter=True: {run.name} has no DAPO filter record for step {step}"
+            + ("" if run.dapo_filter else " (no dapo_filter_indices.jsonl in the run)")
+        )
+    return kept
+
+
+def _step_records(run: RunTrace, steps: Sequence[int], dapo_filter: bool) -> list:
+    """The records of ``steps`` pooled (DAPO: only the prompts dynamic sampling kept)."""
+    recs = []
+    for st in steps:
+        if st not in run.step_files:
+            raise TraceFormatError(f"{run.path}: no step {st}; available steps {run.steps}")
+        step_recs = list(run.iter_step(st))
+        if dapo_filter:
+            if run.kind is not RunKind.SINGLE_TURN:
+                raise ValueError("dapo_filter=True: only single-turn (packed-length) runs")
+            kept = _dapo_kept(run, st, len(step_recs))
+            step_recs = [r for i, r in enumerate(step_recs) if i in kept]
+        recs += step_recs
+    return recs
+
+
 def sample_group_specs(
     source,
     *,
     batch_size: int,
     n_sampling: int | None = None,
-    step: int | None = None,
+    step: int | Sequence[int] | None = None,
     seed: int = 0,
-) -> tuple[list[GroupSpec], str, int | None]:
+    group_correlation: GroupCorrelation | None = None,
+    dapo_filter: bool = False,
+) -> tuple[list[GroupSpec], str, int | tuple[int, ...] | None]:
     """Unscaled length structure of ``batch_size`` groups: (specs, source label, step used).
 
-    Trace sources: groups of ``step`` (default: the first step) drawn without
-    replacement (with replacement when ``batch_size`` exceeds the step's groups);
-    ``n_sampling`` None keeps each group's own size, otherwise responses are
-    subsampled (or resampled). Fitted sources need ``n_sampling`` (default 8).
+    Trace sources: groups of ``step`` (default: the first step; a sequence of
+    steps pools their groups, e.g. ``range(0, 5)``) drawn without replacement
+    (with replacement when ``batch_size`` exceeds the groups); ``n_sampling``
+    None keeps each group's own size, otherwise responses are subsampled (or
+    resampled). ``dapo_filter``: only the prompts DAPO's dynamic sampling kept
+    (runs with ``dapo_filter_indices.jsonl``). With several steps or the filter,
+    ``GroupSpec.record_index`` indexes the pooled, filtered groups. Fitted
+    sources need ``n_sampling`` (default 8); tool sessions of a group are
+    correlated by ``group_correlation`` (default ``GroupCorrelation.search_r1()``).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: must be >= 1")
@@ -300,15 +442,20 @@ def sample_group_specs(
     if kind == "math":
         return _specs_fitted_math(obj, batch_size, n_sampling or 8, rng), label, None
     if kind == "tool":
-        return _specs_fitted_tool(obj, batch_size, n_sampling or 8, rng), label, None
+        corr = GroupCorrelation.search_r1() if group_correlation is None else group_correlation
+        return _specs_fitted_tool(obj, batch_size, n_sampling or 8, rng, corr), label, None
     run: RunTrace = obj
-    step = run.steps[0] if step is None else step
-    recs = list(run.iter_step(step))
+    if step is None:
+        step = run.steps[0]
+    steps = (int(step),) if isinstance(step, int | np.integer) else tuple(int(s) for s in step)
+    if not steps:
+        raise ValueError("step: an empty sequence of steps; give at least one")
+    recs = _step_records(run, steps, dapo_filter)
     if run.kind is RunKind.SINGLE_TURN:
         specs = _specs_single_turn(recs, run_max_output(run), batch_size, n_sampling, rng)
     else:
         specs = _specs_multi_turn(recs, batch_size, n_sampling, rng)
-    return specs, label, step
+    return specs, label, steps[0] if len(steps) == 1 else steps
 
 
 # ----------------------------------------------------------------------------- tokens
@@ -414,12 +561,15 @@ def generate_workload(
     *,
     batch_size: int,
     n_sampling: int | None = None,
-    step: int | None = None,
+    step: int | Sequence[int] | None = None,
     seed: int = 0,
     length_scale: float = 1.0,
     mode: WorkloadMode | str = "trajectory",
     vocab_size: int = 256,
     min_len: int = 1,
+    group_correlation: GroupCorrelation | None = None,
+    dapo_filter: bool = False,
+    max_response_len: int | None = None,
 ) -> Workload:
     """``sample_workload`` plus the side structure (``WorkloadInfo``)."""
     if not length_scale > 0:
@@ -427,8 +577,16 @@ def generate_workload(
     if min_len < 1:
         raise ValueError(f"min_len={min_len}: must be >= 1 (a sequence needs a prompt token)")
     specs, label, used_step = sample_group_specs(
-        source, batch_size=batch_size, n_sampling=n_sampling, step=step, seed=seed
+        source,
+        batch_size=batch_size,
+        n_sampling=n_sampling,
+        step=step,
+        seed=seed,
+        group_correlation=group_correlation,
+        dapo_filter=dapo_filter,
     )
+    if max_response_len is not None:
+        specs = [truncate_spec(s, max_response_len) for s in specs]
     specs = [_scale_spec(s, length_scale, min_len) for s in specs]
     return build_workload(
         specs, mode=mode, seed=seed, vocab_size=vocab_size, source=label, step=used_step
@@ -440,12 +598,14 @@ def sample_workload(
     *,
     batch_size: int,
     n_sampling: int | None = None,
-    step: int | None = None,
+    step: int | Sequence[int] | None = None,
     seed: int = 0,
     length_scale: float = 1.0,
     mode: WorkloadMode | str = "trajectory",
     vocab_size: int = 256,
     min_len: int = 1,
+    group_correlation: GroupCorrelation | None = None,
+    dapo_filter: bool = False,
 ) -> RolloutBatch:
     """A training batch with a real trace's (or the fitted distributions') length structure.
 
@@ -454,12 +614,16 @@ def sample_workload(
         ``"fitted:math"`` / ``"fitted:tool"`` (production fits; any batch size).
       batch_size: number of prompt groups.
       n_sampling: sequences (trajectories) per group; None = the trace's own G (8 for fitted).
-      step: trace step to sample (default: the run's first step); ignored for fitted.
+      step: trace step to sample (default: the run's first step), or a sequence of
+        steps whose groups are pooled; ignored for fitted.
       seed: makes the batch deterministic (lengths, tokens, rewards).
       length_scale: every length L -> max(min_len, round(L * length_scale)).
       mode: "trajectory" (one sequence per trajectory) or "per_turn" (one per model turn).
       vocab_size: token ids are uniform in [1, vocab_size).
       min_len: smallest length after scaling (>= 1).
+      group_correlation: same-prompt correlation of fitted tool sessions
+        (``GroupCorrelation``; default: the search_r1 trace's).
+      dapo_filter: sample only the prompts DAPO's dynamic sampling kept.
 
     Returns a ``RolloutBatch`` with group ids = prompt groups and GRPO advantages
     from seeded Bernoulli rewards. Use ``generate_workload`` for the side info.
@@ -474,6 +638,8 @@ def sample_workload(
         mode=mode,
         vocab_size=vocab_size,
         min_len=min_len,
+        group_correlation=group_correlation,
+        dapo_filter=dapo_filter,
     ).batch
 
 
@@ -525,3 +691,47 @@ class ToolLatencySampler:
     @property
     def mean_s(self) -> float:
         return float(self.latencies_s.mean())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardTimeSampler:
+    """Draws per-rank reward-stage times from a run's reward timings (bootstrap, seeded).
+
+    The rllm trace's reward time (sandboxed test execution) barely follows the
+    response lengths (``dtarl trace validate``: a length model scores ~55%), so
+    the stage is replayed from the observed per-rank times themselves.
+
+    Attributes:
+      times_s: observed per-rank reward times in seconds (> 0), sorted.
+      batch_size: responses per rank in the source run (the largest seen).
+    """
+
+    times_s: np.ndarray
+    batch_size: int
+
+    def __post_init__(self):
+        a = np.sort(np.asarray(self.times_s, np.float64).reshape(-1))
+        if a.size == 0:
+            raise ValueError("times_s: empty; need at least one reward timing")
+        if not np.all(np.isfinite(a)) or a[0] <= 0:
+            raise ValueError("times_s: entries must be finite and > 0")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size}: must be >= 1")
+        object.__setattr__(self, "times_s", a)
+
+    @classmethod
+    def from_trace(cls, source, *, steps: Sequence[int] | None = None) -> RewardTimeSampler:
+        run = source if isinstance(source, RunTrace) else load_trace(Path(source))
+        if not isinstance(run, RunTrace) or not run.reward_files:
+            raise TraceFormatError(f"{source}: no reward_timings_step_<k>.jsonl files")
+        recs = [r for r in run.iter_reward_timings(steps) if not r.validate and r.reward_time_s > 0]
+        if not recs:
+            raise TraceFormatError(f"{source}: no positive training reward timings")
+        return cls(
+            times_s=np.array([r.reward_time_s for r in recs]),
+            batch_size=max(r.batch_size for r in recs),
+        )
+
+    def sample(self, n: int, *, seed: int | np.random.Generator = 0) -> np.ndarray:
+        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+        return self.times_s[rng.integers(0, self.times_s.size, size=n)]

@@ -10,9 +10,15 @@ import pytest
 
 from dtarl.bench.replay import (
     ROLLOUT_UNAVAILABLE,
+    EngineTiming,
+    InferencePhase,
     ReplayConfig,
+    ReplayResult,
+    RolloutPhase,
     TimingJob,
     ToolClock,
+    ToolPhase,
+    WorkloadReplay,
     WorkloadSpec,
     auto_length_scale,
     find_forced_length_sampler,
@@ -20,21 +26,24 @@ from dtarl.bench.replay import (
     model_config_from_dict,
     model_config_to_dict,
     model_turns,
+    plot_stages,
     replay,
     replay_rounds,
+    reward_phase,
     rollout_calls,
     rollout_phase,
     time_engines,
     tool_calls_per_trajectory,
     tool_phase,
 )
-from dtarl.commands.trace import register
+from dtarl.commands.trace import register, sweep_specs
 from dtarl.engines.base import split_model
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, ModelFamily, init_model
 from dtarl.testing import grpo_groups
 from dtarl.timing import QuietGate
-from dtarl.traces import ToolLatencySampler, generate_workload
+from dtarl.traces import GroupSpec, RewardTimeSampler, ToolLatencySampler, generate_workload
+from dtarl.traces.workload import truncate_spec
 
 # One layer keeps the compiles of the end-to-end replay short.
 SMALL_MODEL = ModelConfig.tiny(num_layers=1)
@@ -67,6 +76,144 @@ def test_tool_phase_simulated_clock_is_critical_path(multi_run):
     assert ph.critical_path_s == pytest.approx(1.0)
     assert ph.total_call_s == pytest.approx(3.0)
     assert ph.seconds == pytest.approx(1.0)
+    assert ph.units == "production s" and ph.time_scale is None
+    # Per trajectory (sorted ids): its calls x 0.5 s, production seconds.
+    per = tool_calls_per_trajectory(w)
+    assert ph.per_trajectory_s == pytest.approx([0.5 * per[t] for t in sorted(per)])
+    scaled = tool_phase(w, const, clock=ToolClock.SIMULATED, time_scale=0.1)
+    assert scaled.units == "replay s" and scaled.seconds == pytest.approx(0.1)
+
+
+def _replay_of(turn_seconds, tool_s, turns, train_s=0.25, time_scale=0.5, **stages):
+    t = EngineTiming(
+        kind="dense",
+        first_call_s=1.0,
+        compile_s=0.75,
+        step_s=train_s,
+        step_min_s=train_s,
+        device_s=train_s,
+        host_s=0.0,
+        runs_s=(train_s,),
+        device_runs_s=(train_s,),
+        host_runs_s=(0.0,),
+        background_cores=(None,),
+        num_tokens=10,
+        tree_tokens=None,
+        computed_tokens=None,
+        trace_count=1,
+        stats={},
+    )
+    tool = ToolPhase(
+        clock="simulated",
+        calls=3,
+        critical_path_s=max(tool_s),
+        total_call_s=sum(tool_s),
+        seconds=max(tool_s) * (1.0 if time_scale is None else time_scale),
+        time_scale=time_scale,
+        per_trajectory_s=tuple(tool_s),
+    )
+    roll = RolloutPhase(status="ok", seconds=sum(turn_seconds), turn_seconds=turn_seconds)
+    spec = WorkloadSpec(name="x", source="fitted:tool", batch_size=1)
+    return WorkloadReplay(
+        spec=spec,
+        num_sequences=3,
+        dense_tokens=10,
+        tree_tokens=8,
+        max_len=5,
+        rollout=roll,
+        tool=tool,
+        engines={"dense": t},
+        turns_per_trajectory=tuple(turns),
+        **stages,
+    )
+
+
+def test_end_to_end_puts_tools_on_each_trajectory_timeline():
+    # Turns take 1, 2, 4 s (replay); production tool seconds 10, 4, 0 scaled by 0.5.
+    # Timelines: 1 + 2 + 5 = 8; 1 + 2 + 4 + 2 = 9; 1 + 0 = 1 -> the rollout stage is 9 s
+    # (the serial sum rollout + tool critical path would be 7 + 5 = 12 s).
+    w = _replay_of((1.0, 2.0, 4.0), (10.0, 4.0, 0.0), (2, 3, 1))
+    assert w.trajectory_timelines_s() == pytest.approx((8.0, 9.0, 1.0))
+    assert w.rollout_step_s() == pytest.approx(9.0)
+    assert w.step_s("dense") == pytest.approx(9.25)
+    d = w.to_dict()
+    assert d["engines"]["dense"]["end_to_end_step_s"] == pytest.approx(9.25)
+    assert d["stages"]["tool"]["units"] == "replay s"
+    # Production tool seconds are never added to replay seconds: no total.
+    w = _replay_of((1.0, 2.0, 4.0), (10.0, 4.0, 0.0), (2, 3, 1), time_scale=None)
+    assert w.rollout_step_s() is None and w.step_s("dense") is None
+    assert w.to_dict()["engines"]["dense"]["end_to_end_step_s"] is None
+
+
+def test_reward_and_inference_stages_join_the_step(multi_run, tmp_path):
+    w = generate_workload(multi_run, batch_size=2, step=0, seed=0)  # 6 trajectories
+    sampler = RewardTimeSampler(times_s=np.array([5.0]), batch_size=4)
+    ph = reward_phase(w, sampler)  # ceil(6 / 4) = 2 ranks in parallel, 5 s each
+    assert ph.status == "ok" and ph.ranks == 2 and ph.seconds == 5.0
+    assert ph.units == "production s"
+    scaled = reward_phase(w, sampler, time_scale=0.1)
+    assert scaled.seconds == pytest.approx(0.5) and scaled.units == "replay s"
+    assert "no reward timings" in reward_phase(w, None).status
+    inf = InferencePhase(status="ok", passes=2, seconds=0.75, min_seconds=0.5)
+    r = _replay_of((1.0, 2.0, 4.0), (10.0, 4.0, 0.0), (2, 3, 1), inference=inf, reward=scaled)
+    # rollout timeline 9 + reward 0.5 + inference 0.75 + train 0.25
+    assert r.step_s("dense") == pytest.approx(10.5)
+    st = r.stage_seconds("dense")
+    assert set(st) == {"rollout+tool", "reward", "inference", "train"}
+    assert sum(v for v, _ in st.values()) == pytest.approx(r.step_s("dense"))
+    # Reward in production seconds: reported apart, no total.
+    r2 = _replay_of((1.0,), (0.0, 0.0, 0.0), (1, 1, 1), inference=inf, reward=ph)
+    assert r2.step_s("dense") is None
+    assert r2.stage_seconds("dense")["reward"] == (5.0, "production s")
+    assert set(r2.stage_seconds("dense")) == {"rollout+tool", "reward", "inference", "train"}
+    res = ReplayResult(config=ReplayConfig(), machine={}, workloads=(r, r2))
+    assert plot_stages(res, tmp_path / "stages.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="no replayed workload has engine 'dfs'"):
+        plot_stages(res, tmp_path / "x.png", kind="dfs")
+
+
+def test_reward_sampler_from_trace(single_run):
+    # conftest: reward_time_s = 1.5 + rank + step for ranks 0-2, steps 0-1; batch_size 4.
+    s = RewardTimeSampler.from_trace(str(single_run))
+    np.testing.assert_allclose(s.times_s, [1.5, 2.5, 2.5, 3.5, 3.5, 4.5])
+    assert s.batch_size == 4
+    with pytest.raises(ValueError, match="> 0"):
+        RewardTimeSampler(times_s=np.array([0.0]), batch_size=1)
+
+
+def test_sweep_specs_and_response_budget(multi_run):
+    base = WorkloadSpec(name="mt", source=str(multi_run), batch_size=2, step=0, seed=1)
+    specs = sweep_specs([base], [1, 2], [6, 100])
+    assert [s.name for s in specs] == ["mt/b1/L6", "mt/b1/L100", "mt/b2/L6", "mt/b2/L100"]
+    assert [(s.batch_size, s.max_response_len) for s in specs] == [
+        (1, 6),
+        (1, 100),
+        (2, 6),
+        (2, 100),
+    ]
+    assert sweep_specs([base]) == [base]
+    by_step = sweep_specs([base], steps=[0, 1])
+    want = [("mt/s0/b2", 0, 2), ("mt/s1/b2", 1, 2)]
+    assert [(s.name, s.step, s.batch_size) for s in by_step] == want
+    # A 6-token budget cuts every response (runs of MULTI_STEP0 reach 60 tokens).
+    w = specs[2].build()
+    assert int(w.info.response_lens.max()) <= 6
+    assert WorkloadSpec.from_dict(specs[2].to_dict()) == specs[2]
+    with pytest.raises(ValueError, match="max_response_len"):
+        WorkloadSpec(name="x", source="fitted:tool", batch_size=1, max_response_len=0)
+
+
+def test_truncate_spec_by_hand():
+    spec = GroupSpec(
+        prompt_len=3,
+        responses=(((1, 4), (0, 7), (1, 3)), ((1, 2),)),
+        truncated=(False, False),
+    )
+    cut = truncate_spec(spec, 6)
+    assert cut.responses == (((1, 4), (0, 2)), ((1, 2),))
+    assert cut.truncated == (True, False)
+    assert truncate_spec(spec, 14).responses == spec.responses
+    assert truncate_spec(spec, 14).truncated == (False, False)
 
 
 def test_tool_phase_sleep_clock_sleeps(multi_run):
@@ -113,6 +260,8 @@ def test_replay_config_validates():
     with pytest.raises(ValueError, match="warmup"):
         ReplayConfig(warmup=0)
     assert ReplayConfig(tool_clock="sleep").tool_clock is ToolClock.SLEEP
+    with pytest.raises(ValueError, match="tool_time_scale"):
+        ReplayConfig(tool_time_scale=-1.0)
 
 
 @pytest.mark.parametrize("cfg", [ModelConfig.tiny(), ModelConfig.tiny(ModelFamily.LLAMA3)])
@@ -133,6 +282,7 @@ def test_rollout_phase_forced_lengths(single_run):
     assert ph.status == "ok" and ph.detail["lengths_match"] and ph.detail["turns"] == 1
     assert ph.generated_tokens == int(w.info.response_lens.sum())
     assert ph.seconds > 0 and ph.compile_s >= 0 and 0 < ph.min_seconds <= ph.seconds
+    assert sum(ph.turn_seconds) == pytest.approx(ph.min_seconds)  # the fastest run's turns
     # The calls are the turns of the workload (one per turn, forced lengths per row).
     calls = rollout_calls(w)
     assert len(calls) == ph.detail["turns"]
@@ -173,8 +323,13 @@ def test_replay_end_to_end_tiny(multi_run, tmp_path):
         )
         assert t.trace_count == 1  # warm-up compiled once; timed repeats never retrace
         assert t.num_tokens == w.dense_tokens
-        roll = w.rollout.seconds or 0.0
-        assert w.step_s(kind) == pytest.approx(roll + w.tool.seconds + t.step_s)
+        # Tool seconds are production seconds (no tool_time_scale): no end-to-end total.
+        assert w.step_s(kind) is None
+    # Forward-only inference: one pass of the trainer's dense scorer over every sequence.
+    assert w.inference.status == "ok" and w.inference.passes == 1
+    assert 0 < w.inference.min_seconds <= w.inference.seconds
+    assert w.inference.tokens == w.dense_tokens
+    assert w.reward.units == "production s"  # sampled rllm timings, when the data is there
     assert w.speedup("dense") == 1.0
     assert w.speedup("dfs") == pytest.approx(w.engines["dense"].step_s / w.engines["dfs"].step_s)
     js = res.save(tmp_path / "r" / "replay.json")

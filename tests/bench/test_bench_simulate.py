@@ -16,8 +16,11 @@ from dtarl.bench.replay import (
     ReplayConfig,
     RolloutCall,
     WorkloadSpec,
+    default_tool_sampler,
     model_config_to_dict,
+    model_turns,
     rollout_calls,
+    tool_phase,
 )
 from dtarl.bench.simulate import (
     AutoCost,
@@ -34,11 +37,15 @@ from dtarl.bench.simulate import (
     calibration_rollouts,
     engine_features,
     fit_relative,
+    inference_features,
     multi_turn_batch,
     nnls,
+    predict_inference,
     predict_rollout,
     predict_step,
+    predict_workload,
     profile_engines,
+    rollout_call_features,
     rollout_features,
     validate,
 )
@@ -471,6 +478,51 @@ def test_validate_reports_relative_errors(single_run):
     assert "dfs" in rep.table()
     only = validate(prof, _fake_replay(spec, CFG, engines, rollout=rollout), engines=["dense"])
     assert {r.engine for r in only.rows if r.stage == "train"} == {"dense"}
+
+
+def test_inference_prediction_by_hand_and_validated(single_run):
+    prof = hand_profile()
+    spec = WorkloadSpec(name="st", source=str(single_run), batch_size=3, step=0)
+    w = spec.build(vocab_size=CFG.vocab_size)
+    # 12 sequences -> 16 rows; the longest (8 + 9 = 17 tokens) -> 32 positions; one forward.
+    f = inference_features(w.batch, CFG)
+    assert (f.lin_flops, f.attn_flops, f.steps) == (16 * 32 * F0, 16 * 32 * 32 * FA, 1.0)
+    one = 1e-10 * f.lin_flops + 2e-10 * f.attn_flops + 1e-3 + 5e-3
+    assert predict_inference(w, prof, passes=2) == pytest.approx(2 * one)
+    assert predict_inference(w, prof, passes=0) == 0.0
+    # dp = 2: each rank scores its own half; the slowest rank sets the stage.
+    assert predict_inference(w, prof, ClusterSpec(devices=2, dp=2, tp=1)) < one
+    rep = validate(prof, _fake_replay(spec, CFG, {"dense": dict(step_s=1.0, step_min_s=1.0)}))
+    assert not [r for r in rep.rows if r.stage == "inference"]
+    js = _fake_replay(spec, CFG, {"dense": dict(step_s=1.0, step_min_s=1.0)})
+    js["workloads"][0]["stages"]["inference"] = dict(
+        status="ok", passes=2, seconds=2.2 * one, min_seconds=2.5 * one
+    )
+    (row,) = [r for r in validate(prof, js).rows if r.stage == "inference"]
+    assert row.rel_error == pytest.approx(0.2)  # |2 - 2.5| / 2.5
+
+
+def test_predicted_rollout_puts_tools_on_trajectory_timelines(multi_run):
+    prof = hand_profile()
+    spec = WorkloadSpec(name="mt", source=str(multi_run), batch_size=2, step=0, seed=1)
+    w = spec.build(vocab_size=CFG.vocab_size)
+    per_call = [prof.rollout.predict(f) for f in rollout_call_features(rollout_calls(w), CFG)]
+    p = predict_workload(spec, prof, tool_time_scale=0.5)
+    assert sum(per_call) == pytest.approx(p.rollout_s)  # per-call prices add up
+    tool = tool_phase(w, default_tool_sampler(spec.source), time_scale=0.5, seed=spec.seed)
+    turns = model_turns(w)
+    want = max(
+        sum(per_call[: len(turns[t][1])]) + 0.5 * x
+        for t, x in zip(sorted(turns), tool.per_trajectory_s, strict=True)
+    )
+    assert p.rollout_step_s == pytest.approx(want)
+    # Never above the serial bound (here equal: the slowest trajectory has the most turns).
+    assert p.rollout_step_s <= p.rollout_s + p.tool_s + 1e-12
+    total = want + p.reward_s + p.inference_s + p.engines["dense"].train_s
+    assert p.step_s("dense") == pytest.approx(total)
+    # Production tool seconds: no timeline, no step total.
+    q = predict_workload(spec, prof)
+    assert q.rollout_step_s is None and q.tool_s > 0 and q.step_s("dense") is None
 
 
 def test_validate_rejects_mismatched_input(single_run):

@@ -475,7 +475,7 @@ def test_watchdog_stops_a_run_without_progress(tmp_path):
     ids=["report_progress", "output-lines", "output-not-counted"],
 )
 def test_watchdog_spares_a_run_that_progresses(tmp_path, how, output_progress, code):
-    """A rank making progress every 0.2 s for 5 s outlives a 3 s watchdog (margin for a slow start). Output lines
+    """A rank making progress every 0.2 s for 5 s outlives a 3 s watchdog. Output lines
     count unless output_progress=False; then a rank that only prints is stopped."""
     (tmp_path / "works.py").write_text(WORKS)
     out, err = io.StringIO(), io.StringIO()

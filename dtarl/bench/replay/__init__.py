@@ -9,12 +9,23 @@ size, ``length_scale``) has three stages:
            reported as "unavailable (sampler not built)" and nothing is faked.
   tool     tool-call latencies drawn from the real search_r1 latencies
            (``ToolLatencySampler``) for every tool output in the trajectories.
-           Trajectories run concurrently and their calls sequentially, so the
-           stage's wall time is the critical path  max_traj sum_calls latency.
-           ``ToolClock.SIMULATED`` adds that number to a simulated clock;
-           ``ToolClock.SLEEP`` really sleeps it (times ``tool_time_scale``).
+           Trajectories run concurrently and their calls sequentially. The
+           latencies are production seconds; ``tool_time_scale`` converts them
+           to the replay's seconds. Without it they are reported apart and no
+           end-to-end total is formed. With it, each trajectory's calls sit on
+           its own timeline between its turns (``WorkloadReplay.
+           trajectory_timelines_s``) and the rollout stage is the slowest
+           trajectory. ``ToolClock.SLEEP`` really sleeps the critical path.
+  reward   per-rank reward times sampled from the rllm trace (production
+           seconds, converted by ``tool_time_scale`` like the tools);
+  inference  ``inference_passes`` forward-only logprob passes (old / reference
+           policy) with the trainer's dense ``Scorer``, timed like the rollout;
   train    ``engine.value_and_grad`` of the batch, for every engine kind asked
            (anything ``make_engine`` accepts: dense, dense_remat, dfs, ...).
+
+``plot_stages`` draws the per-stage share of every workload (a sweep over
+batch sizes / lengths is a list of specs: ``dtarl trace replay --batch-sizes
+--max-lens``).
 
 Timing protocol (``time_engines``): every (workload, engine) pair gets a fresh
 engine (its shape buckets then follow this batch only) and ``warmup`` untimed
@@ -46,17 +57,23 @@ from dtarl.bench.replay.results import (
     ReplayResult,
     WorkloadReplay,
     load_replay_json,
+    plot_stages,
 )
 from dtarl.bench.replay.stages import (
     ROLLOUT_UNAVAILABLE,
+    InferencePhase,
+    InferenceRun,
+    RewardPhase,
     RolloutCall,
     RolloutPhase,
     RolloutRun,
     ToolClock,
     ToolPhase,
+    default_reward_sampler,
     default_tool_sampler,
     find_forced_length_sampler,
     model_turns,
+    reward_phase,
     rollout_calls,
     rollout_phase,
     rollout_sampler,
@@ -120,11 +137,31 @@ def _stages(
         time_scale=config.tool_time_scale,
         seed=spec.seed,
     )
-    return rollout, tool
+    reward = _reward(workload, config, spec)
+    inference = InferencePhase(status="skipped (ReplayConfig.inference_passes=0)")
+    if config.inference_passes:
+        run = InferenceRun.warm(model, params, workload)
+        (timed,) = replay_rounds([run.call], repeats=config.rollout_repeats, gate=gate)
+        inference = run.phase(timed, config.inference_passes)
+    return rollout, tool, reward, inference
 
 
-def _assemble(workload: Workload, spec: WorkloadSpec, rollout, tool, timings) -> WorkloadReplay:
+def _reward(workload: Workload, config: ReplayConfig, spec: WorkloadSpec) -> RewardPhase:
+    if not config.reward:
+        return RewardPhase(status="skipped (ReplayConfig.reward=False)")
+    return reward_phase(
+        workload, default_reward_sampler(), time_scale=config.tool_time_scale, seed=spec.seed
+    )
+
+
+def _assemble(
+    workload: Workload, spec: WorkloadSpec, rollout, tool, timings, reward, inference
+) -> WorkloadReplay:
+    turns = model_turns(workload)
     return WorkloadReplay(
+        reward=reward,
+        inference=inference,
+        turns_per_trajectory=tuple(len(turns[t][1]) for t in sorted(turns)),
         spec=spec,
         num_sequences=workload.batch.num_sequences,
         dense_tokens=workload.info.dense_tokens,
@@ -153,7 +190,7 @@ def replay_workload(
     info = workload.info
     spec = spec or WorkloadSpec(name=info.source, source=info.source, batch_size=1)
     gate = _gate(config)
-    rollout, tool = _stages(workload, config, spec, model, params, sampler, gate)
+    rollout, tool, reward, inference = _stages(workload, config, spec, model, params, sampler, gate)
     jobs = [
         TimingJob(
             kind=k, batch=workload.batch, engine_kwargs=dict((engine_kwargs or {}).get(k) or {})
@@ -163,7 +200,8 @@ def replay_workload(
     ts = time_engines(
         jobs, model, params, loss, repeats=config.repeats, warmup=config.warmup, gate=gate
     )
-    return _assemble(workload, spec, rollout, tool, dict(zip(config.engines, ts, strict=True)))
+    timings = dict(zip(config.engines, ts, strict=True))
+    return _assemble(workload, spec, rollout, tool, timings, reward, inference)
 
 
 def replay(
@@ -199,17 +237,18 @@ def replay(
         run = (
             RolloutRun.warm(model, params, rollout_calls(w), spec.seed) if config.rollout else None
         )
-        built.append((spec, w, run, tool))
+        inf = InferenceRun.warm(model, params, w) if config.inference_passes else None
+        built.append((spec, w, run, tool, inf))
         jobs += [TimingJob(kind=k, batch=w.batch, label=spec.name) for k in config.engines]
     extra_runs = [
         RolloutRun.warm(model, params, calls, config.model_seed) for calls in extra_rollouts
     ]
-    runs = [r for _, _, r, _ in built if r is not None] + [r for r in extra_runs if r is not None]
-    timed_rollouts = iter(
-        replay_rounds([r.call for r in runs], repeats=config.rollout_repeats, gate=gate)
-        if runs
-        else []
-    )
+    runs = [b[2] for b in built if b[2] is not None] + [r for r in extra_runs if r is not None]
+    infs = [b[4] for b in built if b[4] is not None]
+    calls = [r.call for r in runs] + [r.call for r in infs]
+    timed_all = replay_rounds(calls, repeats=config.rollout_repeats, gate=gate) if calls else []
+    timed_rollouts = iter(timed_all[: len(runs)])
+    timed_inference = iter(timed_all[len(runs) :])
     ts = time_engines(
         [*jobs, *extra_jobs],
         model,
@@ -222,7 +261,7 @@ def replay(
     )
     out = []
     k = len(config.engines)
-    for i, (spec, w, run, tool) in enumerate(built):
+    for i, (spec, w, run, tool, inf) in enumerate(built):
         if not config.rollout:
             rollout = RolloutPhase(status="skipped (ReplayConfig.rollout=False)")
         elif run is None:
@@ -230,7 +269,12 @@ def replay(
         else:
             rollout = run.phase(next(timed_rollouts))
         timings = dict(zip(config.engines, ts[i * k : (i + 1) * k], strict=True))
-        r = _assemble(w, spec, rollout, tool, timings)
+        inference = (
+            InferencePhase(status="skipped (ReplayConfig.inference_passes=0)")
+            if inf is None
+            else inf.phase(next(timed_inference), config.inference_passes)
+        )
+        r = _assemble(w, spec, rollout, tool, timings, _reward(w, config, spec), inference)
         out.append(r)
         if log is not None:
             roll = "-" if rollout.min_seconds is None else f"{rollout.min_seconds:.3f}s"
@@ -258,6 +302,9 @@ __all__ = [
     "DEFAULT_SUITE",
     "ROLLOUT_UNAVAILABLE",
     "EngineTiming",
+    "InferencePhase",
+    "InferenceRun",
+    "RewardPhase",
     "QuietGate",
     "TimedRuns",
     "TimingJob",
@@ -272,6 +319,7 @@ __all__ = [
     "WorkloadSpec",
     "auto_length_scale",
     "default_suite",
+    "default_reward_sampler",
     "default_tool_sampler",
     "find_forced_length_sampler",
     "load_replay_json",
@@ -280,6 +328,8 @@ __all__ = [
     "trajectory_masks",
     "model_config_from_dict",
     "model_config_to_dict",
+    "plot_stages",
+    "reward_phase",
     "replay",
     "replay_rounds",
     "replay_workload",

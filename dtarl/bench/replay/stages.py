@@ -1,8 +1,11 @@
-"""The rollout and tool stages of a replayed step.
+"""The rollout, tool, reward and inference stages of a replayed step.
 
 rollout: dtarl's sampler generating every response with its forced trace length
 (one ``Sampler.generate`` per turn), when ``dtarl.rollout`` offers one.
 tool: sampled tool-call latencies on a simulated clock (or slept).
+reward: sampled per-rank reward times of the rllm trace (production seconds).
+inference: the forward-only logprob passes (old / reference policy) over the
+batch, timed with the trainer's dense ``Scorer``.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from dtarl.bench.replay.suite import SEARCH_R1_RELPATH
+from dtarl.bench.replay.suite import RLLM_RELPATH, SEARCH_R1_RELPATH
 from dtarl.bench.replay.train_stage import replay_rounds
+from dtarl.rl.episodes import Scorer
 from dtarl.timing import QuietGate, TimedRuns
 from dtarl.traces.loaders import RunKind, RunTrace, default_polytrace_root, load_trace
-from dtarl.traces.workload import ToolLatencySampler, Workload
+from dtarl.traces.workload import RewardTimeSampler, ToolLatencySampler, Workload
 from dtarl.tree.plan import bucket
 
 ROLLOUT_UNAVAILABLE = "unavailable (sampler not built)"
@@ -73,10 +77,14 @@ class ToolPhase:
     """The tool stage of one step.
 
     clock: "simulated" (critical path added to a clock) or "sleep" (really slept).
-    calls: tool calls in the step; critical_path_s: max over trajectories of the
-    sum of their call latencies; total_call_s: sum over all calls; seconds: the
-    stage's wall time (critical path x time scale; measured when sleeping);
-    status: "ok", "no tool calls" or why latencies are missing.
+    calls: tool calls in the step; per_trajectory_s: each trajectory's summed
+    call latencies (trajectory order, *production* seconds: sampled from the
+    real trace); critical_path_s: their maximum; total_call_s: sum over all
+    calls. time_scale: the factor from production seconds to the replay's
+    seconds, or None when none was given; then ``seconds`` (the stage's wall
+    time: critical path x time_scale, measured when sleeping) stays in
+    production seconds and must not be added to the replay's tiny-model stages
+    (``units``). status: "ok", "no tool calls" or why latencies are missing.
     """
 
     clock: str
@@ -85,6 +93,13 @@ class ToolPhase:
     total_call_s: float
     seconds: float
     status: str = "ok"
+    time_scale: float | None = None
+    per_trajectory_s: tuple[float, ...] = ()
+
+    @property
+    def units(self) -> str:
+        """ "replay s" when scaled into the replay's unit system, else "production s"."""
+        return "production s" if self.time_scale is None else "replay s"
 
 
 def default_tool_sampler(workload_source: str | None = None) -> ToolLatencySampler | None:
@@ -112,10 +127,13 @@ def tool_phase(
     sampler: ToolLatencySampler | None,
     *,
     clock: ToolClock = ToolClock.SIMULATED,
-    time_scale: float = 1.0,
+    time_scale: float | None = None,
     seed: int = 0,
 ) -> ToolPhase:
-    """Samples every tool call's latency (seeded) and runs the tool stage's clock."""
+    """Samples every tool call's latency (seeded) and runs the tool stage's clock.
+
+    ``time_scale``: production seconds -> replay seconds (None: keep production seconds).
+    """
     clock = ToolClock(clock)
     per_traj = tool_calls_per_trajectory(workload)
     n = sum(per_traj.values())
@@ -127,6 +145,8 @@ def tool_phase(
             total_call_s=0.0,
             seconds=0.0,
             status="no tool calls",
+            time_scale=time_scale,
+            per_trajectory_s=tuple(0.0 for _ in per_traj),
         )
     if sampler is None:
         return ToolPhase(
@@ -136,6 +156,7 @@ def tool_phase(
             total_call_s=0.0,
             seconds=0.0,
             status="no tool-latency data (pass a multi-turn trace)",
+            time_scale=time_scale,
         )
     rng = np.random.default_rng([seed, 7])
     lat = sampler.sample(n, seed=rng)
@@ -145,7 +166,7 @@ def tool_phase(
         sums.append(float(lat[k : k + c].sum()))
         k += c
     crit = max(sums)
-    wall = crit * time_scale
+    wall = crit * (1.0 if time_scale is None else time_scale)
     if clock is ToolClock.SLEEP:
         t0 = time.perf_counter()
         time.sleep(wall)
@@ -156,7 +177,120 @@ def tool_phase(
         critical_path_s=crit,
         total_call_s=float(lat.sum()),
         seconds=wall,
+        time_scale=time_scale,
+        per_trajectory_s=tuple(sums),
     )
+
+
+# ----------------------------------------------------------------------------- reward stage
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardPhase:
+    """The reward stage: ``ranks`` = ceil(responses / the source's per-rank batch) ranks
+    score in parallel, each taking a sampled per-rank time of the trace (a partial rank
+    is charged a full one: an upper bound); the stage is the slowest rank.
+
+    seconds: that maximum x time_scale (production seconds when time_scale is None);
+    status: "ok" or why no timings are available (then seconds = 0).
+    """
+
+    status: str
+    seconds: float = 0.0
+    ranks: int = 0
+    production_s: float = 0.0
+    time_scale: float | None = None
+
+    @property
+    def units(self) -> str:
+        return "production s" if self.time_scale is None else "replay s"
+
+
+def default_reward_sampler() -> RewardTimeSampler | None:
+    """Reward timings of the shared rllm run (None when absent)."""
+    try:
+        return RewardTimeSampler.from_trace(default_polytrace_root() / RLLM_RELPATH)
+    except (FileNotFoundError, ValueError, OSError):
+        return None
+
+
+def reward_phase(
+    workload: Workload,
+    sampler: RewardTimeSampler | None,
+    *,
+    time_scale: float | None = None,
+    seed: int = 0,
+) -> RewardPhase:
+    """Samples the reward stage of the workload's responses (seeded)."""
+    if sampler is None:
+        return RewardPhase(
+            status="no reward timings (pass a run with reward_timings_step_<k>.jsonl)",
+            time_scale=time_scale,
+        )
+    n = len(np.unique(workload.info.trajectory_ids))
+    ranks = -(-n // sampler.batch_size)
+    prod = float(sampler.sample(ranks, seed=np.random.default_rng([seed, 11])).max())
+    return RewardPhase(
+        status="ok",
+        seconds=prod * (1.0 if time_scale is None else time_scale),
+        ranks=ranks,
+        production_s=prod,
+        time_scale=time_scale,
+    )
+
+
+# ----------------------------------------------------------------------------- inference stage
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InferencePhase:
+    """Forward-only logprob passes over the batch (old and/or reference policy).
+
+    passes: forward passes per step (1: old logprobs or reference; 2: both);
+    seconds / min_seconds: passes x median / minimum of one timed pass;
+    compile_s: first call - fastest pass; status: "ok" or "skipped (...)".
+    """
+
+    status: str
+    passes: int = 0
+    seconds: float | None = None
+    min_seconds: float | None = None
+    compile_s: float | None = None
+    tokens: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class InferenceRun:
+    """A warmed-up dense scorer (the trainer's ``Scorer``) over one workload's sequences."""
+
+    scorer: Any
+    params: Any
+    tokens: tuple[np.ndarray, ...]
+    first_s: float
+
+    @classmethod
+    def warm(cls, model, params, workload: Workload) -> InferenceRun:
+        scorer = Scorer(model)
+        tokens = tuple(np.asarray(t, np.int32) for t in workload.batch.tokens)
+        t0 = time.perf_counter()
+        scorer(params, list(tokens))  # compiles; returns host arrays (synchronised)
+        return cls(scorer=scorer, params=params, tokens=tokens, first_s=time.perf_counter() - t0)
+
+    def call(self) -> float:
+        t0 = time.perf_counter()
+        self.scorer(self.params, list(self.tokens))
+        return time.perf_counter() - t0
+
+    def phase(self, timed: TimedRuns, passes: int) -> InferencePhase:
+        runs = list(timed.seconds)
+        return InferencePhase(
+            status="ok",
+            passes=passes,
+            seconds=passes * statistics.median(runs),
+            min_seconds=passes * min(runs),
+            compile_s=max(self.first_s - min(runs), 0.0),
+            tokens=int(sum(t.shape[0] for t in self.tokens)),
+        )
 
 
 # ----------------------------------------------------------------------------- rollout stage
@@ -166,7 +300,8 @@ def tool_phase(
 class RolloutPhase:
     """The generation stage: ``status`` is "ok" or why it did not run (seconds None).
 
-    seconds / min_seconds: median / minimum over the timed rollouts.
+    seconds / min_seconds: median / minimum over the timed rollouts;
+    turn_seconds: the fastest rollout's seconds per turn (one generate call each).
     """
 
     status: str
@@ -175,6 +310,7 @@ class RolloutPhase:
     compile_s: float | None = None
     generated_tokens: int = 0
     tokens_per_s: float | None = None
+    turn_seconds: tuple[float, ...] = ()  # per generate call (turn) of the fastest rollout
     detail: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -280,7 +416,13 @@ def run_rollout_calls(sampler, params, calls: Sequence[RolloutCall], seed: int):
     Returns (seconds, generated tokens, lengths honoured); seconds sums the
     sampler's own per-call timing (prefill + decode, device synchronised).
     """
-    total_s, gen, ok = 0.0, 0, True
+    turn_s, gen, ok = run_rollout_turns(sampler, params, calls, seed)
+    return sum(turn_s), gen, ok
+
+
+def run_rollout_turns(sampler, params, calls: Sequence[RolloutCall], seed: int):
+    """``run_rollout_calls`` with the seconds of every call (turn): (list, tokens, ok)."""
+    turn_s, gen, ok = [], 0, True
     for k, call in enumerate(calls):
         res = sampler.generate(
             params,
@@ -289,10 +431,10 @@ def run_rollout_calls(sampler, params, calls: Sequence[RolloutCall], seed: int):
             seed=seed + k,
             forced_lengths=list(call.forced),
         )
-        total_s += float(res.stats["seconds"])
+        turn_s.append(float(res.stats["seconds"]))
         gen += int(res.lengths.sum())
         ok = ok and bool(np.array_equal(np.sort(res.lengths), np.sort(np.asarray(call.forced))))
-    return total_s, gen, ok
+    return turn_s, gen, ok
 
 
 def rollout_sampler(model, calls: Sequence[RolloutCall]):
@@ -320,6 +462,7 @@ class RolloutRun:
     first_s: float
     generated: int
     ok: bool
+    timed_turns: list = dataclasses.field(default_factory=list)  # per-turn seconds per call()
 
     @classmethod
     def warm(cls, model, params, calls: Sequence[RolloutCall], seed: int = 0) -> RolloutRun | None:
@@ -339,11 +482,15 @@ class RolloutRun:
         )
 
     def call(self) -> float:
-        return run_rollout_calls(self.sampler, self.params, self.calls, self.seed)[0]
+        turn_s = run_rollout_turns(self.sampler, self.params, self.calls, self.seed)[0]
+        self.timed_turns.append(tuple(turn_s))
+        return sum(turn_s)
 
     def phase(self, timed: TimedRuns) -> RolloutPhase:
         runs = list(timed.seconds)
         med = statistics.median(runs)
+        by_total = {sum(t): t for t in self.timed_turns}
+        fastest = by_total.get(min(runs), min(self.timed_turns, key=sum, default=()))
         return RolloutPhase(
             status=(
                 "ok" if self.ok else "ok (WARNING: sampler lengths differ from the forced lengths)"
@@ -353,6 +500,7 @@ class RolloutRun:
             compile_s=max(self.first_s - min(runs), 0.0),
             generated_tokens=self.generated,
             tokens_per_s=self.generated / med if med > 0 else None,
+            turn_seconds=tuple(fastest),
             detail=dict(
                 sampler=f"{type(self.sampler).__module__}.{type(self.sampler).__name__}",
                 turns=len(self.calls),

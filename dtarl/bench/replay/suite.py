@@ -16,6 +16,7 @@ from dtarl.traces.loaders import default_polytrace_root
 from dtarl.traces.workload import Workload, WorkloadMode, generate_workload, sample_group_specs
 
 SEARCH_R1_RELPATH = Path("search_r1/profile/multiturn_workload_log/0617_0223")
+RLLM_RELPATH = Path("rllm/profile/packed_length_log/20260616_024512")
 
 #: The default replay suite: (name, trace folder below the PolyTrace root, step, mode,
 #: batch size, n_sampling, max_len). Lengths are scaled by ``auto_length_scale`` so the
@@ -69,8 +70,13 @@ class WorkloadSpec:
     length_scale: float = 1.0
     mode: str = "trajectory"
     min_len: int = 1
+    max_response_len: int | None = None  # trace tokens, before length_scale (a sweep axis)
 
     def __post_init__(self):
+        if self.max_response_len is not None and self.max_response_len < 1:
+            raise ValueError(
+                f"WorkloadSpec.max_response_len={self.max_response_len}: must be >= 1 or None"
+            )
         if self.batch_size < 1:
             raise ValueError(f"WorkloadSpec.batch_size={self.batch_size}: must be >= 1")
         if not self.length_scale > 0:
@@ -93,6 +99,7 @@ class WorkloadSpec:
             mode=self.mode,
             vocab_size=vocab_size,
             min_len=self.min_len,
+            max_response_len=self.max_response_len,
         )
 
     def to_dict(self) -> dict[str, Any]:

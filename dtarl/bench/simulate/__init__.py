@@ -1,12 +1,17 @@
 """Step-time simulator: predict a workload's RL step on a described cluster, without running it.
 
-A replayed step (``dtarl.bench.replay``) has three stages; each has a model here:
+A replayed step (``dtarl.bench.replay``) has five stages; each has a model here:
 
   train    per engine, the linear cost model (1) over the features of the program
            the engine would compile for the batch;
   rollout  the linear cost model (2) over the sampler's generate calls (one per turn);
   tool     the critical path of the workload's sampled tool latencies on the
-           simulated clock (seeded like the replay; nothing is fitted).
+           simulated clock (seeded like the replay; nothing is fitted);
+  reward   the replay's sampled rllm per-rank reward times (nothing is fitted);
+  inference  forward-only logprob passes: the dense train coefficients applied
+           to the scorer's forward FLOPs (``predict_inference``).
+Tool and reward are production seconds unless ``tool_time_scale`` converts
+them; a step total is only formed in one unit system.
 
 Train cost model. For engine e the training step time of a batch is
 
@@ -77,6 +82,11 @@ one ring all-reduce of the fp32 gradient (2 (dp-1)/dp x bytes / bandwidth +
 rollout's samples are split evenly over the dp ranks (its FLOP terms divided
 by tp x throughput_scale; no tp traffic is modelled for generation).
 
+Production (``production``, ``dtarl trace validate``): a separate, trace-only
+model of the original deployment's rollout (SGLang per-turn latency under
+processor sharing, tool calls on each trajectory's timeline) and reward time,
+fitted on some steps of the traces' real timings and scored on held-out steps.
+
 Validation (``validate``) regenerates the workloads of a ``replay`` JSON,
 predicts every stage with a profile, and reports |pred - measured| / measured
 per (workload, stage, engine) against both the replay's minimum and median.
@@ -107,6 +117,7 @@ from dtarl.bench.simulate.features import (
     WorkFeatures,
     engine_features,
     feature_engine,
+    rollout_call_features,
     rollout_features,
 )
 from dtarl.bench.simulate.fit import (
@@ -125,9 +136,18 @@ from dtarl.bench.simulate.predict import (
     ClusterSpec,
     EnginePrediction,
     StepPrediction,
+    inference_features,
+    predict_inference,
     predict_rollout,
     predict_step,
     predict_workload,
+)
+from dtarl.bench.simulate.production import (
+    EngineLatencyModel,
+    ProductionReport,
+    RewardTimeModel,
+    TurnTable,
+    validate_production,
 )
 from dtarl.bench.simulate.validate import ValidationReport, ValidationRow, validate
 from dtarl.engines.cost import nnls
@@ -144,6 +164,11 @@ __all__ = [
     "ClusterSpec",
     "CostProfile",
     "EngineCost",
+    "EngineLatencyModel",
+    "ProductionReport",
+    "RewardTimeModel",
+    "TurnTable",
+    "validate_production",
     "EnginePrediction",
     "RolloutCost",
     "RolloutFeatures",
@@ -164,11 +189,14 @@ __all__ = [
     "fit_relative",
     "multi_turn_batch",
     "nnls",
+    "inference_features",
+    "predict_inference",
     "predict_rollout",
     "price",
     "predict_step",
     "predict_workload",
     "profile_engines",
+    "rollout_call_features",
     "rollout_features",
     "validate",
 ]

@@ -176,20 +176,43 @@ def rollout_features(calls: Sequence[RolloutCall], cfg: ModelConfig, *, dp: int 
             decode_steps=0.0,
             calls=0.0,
         )
+    parts = rollout_call_features(calls, cfg, dp=dp)
+    return RolloutFeatures(
+        prefill_flops=sum(f.prefill_flops for f in parts),
+        decode_lin_flops=sum(f.decode_lin_flops for f in parts),
+        decode_attn_flops=sum(f.decode_attn_flops for f in parts),
+        decode_steps=sum(f.decode_steps for f in parts),
+        calls=float(len(calls)),
+        generated=sum(f.generated for f in parts),
+    )
+
+
+def rollout_call_features(
+    calls: Sequence[RolloutCall], cfg: ModelConfig, *, dp: int = 1
+) -> list[RolloutFeatures]:
+    """``rollout_features`` of each call (turn) alone, at the buckets of the whole rollout;
+    they add up to ``rollout_features(calls)`` (the model is linear in them)."""
     if dp < 1:
         raise ValueError(f"dp={dp}: must be >= 1")
+    if not calls:
+        return []
     mins = _sampler_minimums()
     q = bucket(max(-(-len(c.prompts) // dp) for c in calls), mins["prompts"])
     rows = bucket(max(-(-len(c.forced) // dp) for c in calls), mins["rows"])
     p = bucket(max(len(x) for c in calls for x in c.prompts), mins["prompt_len"])
     r = bucket(max(max(c.forced) for c in calls), mins["response"])
     f0, fa = token_flops(cfg)
-    steps = np.array([max(c.forced) - 1 for c in calls], np.float64)
-    return RolloutFeatures(
-        prefill_flops=float(len(calls) * q * p * (f0 + fa * p)),
-        decode_lin_flops=float(rows * steps.sum() * f0),
-        decode_attn_flops=float(rows * steps.sum() * fa * (p + r)),
-        decode_steps=float(steps.sum()),
-        calls=float(len(calls)),
-        generated=float(sum(sum(c.forced) for c in calls)),
-    )
+    out = []
+    for c in calls:
+        steps = float(max(c.forced) - 1)
+        out.append(
+            RolloutFeatures(
+                prefill_flops=float(q * p * (f0 + fa * p)),
+                decode_lin_flops=float(rows * steps * f0),
+                decode_attn_flops=float(rows * steps * fa * (p + r)),
+                decode_steps=steps,
+                calls=1.0,
+                generated=float(sum(c.forced)),
+            )
+        )
+    return out

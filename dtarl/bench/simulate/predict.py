@@ -1,5 +1,5 @@
-"""Prediction: a workload's step (rollout + tool + train per engine) on a described
-cluster, from a ``CostProfile``; nothing runs on the device."""
+"""Prediction: a workload's step (rollout + tool + reward + inference + train per engine)
+on a described cluster, from a ``CostProfile``; nothing runs on the device."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ from dtarl.batch import RolloutBatch
 from dtarl.bench.replay import (
     ToolClock,
     WorkloadSpec,
+    default_reward_sampler,
     default_tool_sampler,
+    model_turns,
+    reward_phase,
     rollout_calls,
     tool_phase,
 )
@@ -23,12 +26,14 @@ from dtarl.bench.simulate.features import (
     WorkFeatures,
     check_kind,
     engine_features,
+    rollout_call_features,
     rollout_features,
 )
 from dtarl.bench.simulate.fit import CostProfile, price
 from dtarl.model.config import ModelConfig
 from dtarl.parallel.partition import PartitionMethod, partition_batch
 from dtarl.traces.workload import Workload
+from dtarl.tree.plan import bucket
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,21 +100,42 @@ class EnginePrediction:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepPrediction:
-    """Predicted step: rollout (when modelled) + tool stage (simulated clock) + training."""
+    """Predicted step: rollout (when modelled) + tool stage (simulated clock) + training.
+
+    tool_in_step_units: whether ``tool_s`` and ``reward_s`` are in the same seconds
+    as the other stages (False: the trace's production seconds, and ``step_s`` is None).
+    rollout_step_s: with them, the rollout on per-trajectory timelines (each
+    trajectory's turns, priced per call, plus its own tool calls; the slowest
+    trajectory), as the replay's ``WorkloadReplay.rollout_step_s``; the step is
+    then rollout_step_s + reward + inference + train.
+    """
 
     cluster: ClusterSpec
     tool_s: float
     engines: dict[str, EnginePrediction]
     rollout_s: float | None = None
     rollout_features: RolloutFeatures | None = None
+    tool_in_step_units: bool = True
+    reward_s: float = 0.0  # sampled like the replay; production seconds unless scaled
+    inference_s: float | None = None  # forward-only passes (predict_inference)
+    rollout_step_s: float | None = None
 
-    def step_s(self, kind: str) -> float:
-        return (self.rollout_s or 0.0) + self.tool_s + self.engines[kind].train_s
+    def step_s(self, kind: str) -> float | None:
+        if (self.tool_s > 0 or self.reward_s > 0) and not self.tool_in_step_units:
+            return None
+        roll = self.rollout_step_s
+        if roll is None:
+            roll = (self.rollout_s or 0.0) + self.tool_s
+        return roll + self.reward_s + (self.inference_s or 0.0) + self.engines[kind].train_s
 
     def to_dict(self) -> dict[str, Any]:
         return dict(
             cluster=self.cluster.to_dict(),
             tool_s=self.tool_s,
+            reward_s=self.reward_s,
+            inference_s=self.inference_s,
+            rollout_step_s=self.rollout_step_s,
+            production_stages_in_step=self.tool_in_step_units,
             rollout_s=(
                 self.rollout_s
                 if self.rollout_s is not None
@@ -221,6 +247,47 @@ def predict_rollout(
     return profile.rollout.predict(f, flop_divisor=div), f
 
 
+def inference_features(batch: RolloutBatch, cfg: ModelConfig) -> WorkFeatures:
+    """The forward-only scorer's program (the trainer's ``Scorer``): one dense forward over
+    [bucket(N), bucket(T, 8)] tokens, full T x T attention, no backward:
+    F_lin = N T f0, F_attn = N T^2 fa, one step."""
+    n = bucket(batch.num_sequences)
+    t = bucket(int(batch.lengths.max()), 8)
+    f0 = cfg.flops_per_token(0)
+    fa = cfg.flops_per_token(1) - f0
+    return WorkFeatures(
+        lin_flops=float(n * t * f0),
+        attn_flops=float(n * t * t * fa),
+        steps=1.0,
+        tokens=float(n * t),
+        program="dense",
+    )
+
+
+def predict_inference(
+    workload: Workload | RolloutBatch,
+    profile: CostProfile,
+    cluster: ClusterSpec | None = None,
+    *,
+    passes: int = 1,
+    model: ModelConfig | None = None,
+) -> float | None:
+    """Seconds of ``passes`` forward-only logprob passes: the dense training coefficients
+    (seconds per FLOP, per step, per call) applied to ``inference_features`` of each dp
+    rank's sequences (slowest rank). None without a dense cost model in the profile."""
+    if passes == 0 or "dense" not in profile.engines:
+        return None if passes else 0.0
+    cluster = ClusterSpec.single() if cluster is None else cluster
+    cfg = profile.model if model is None else model
+    batch = workload.batch if isinstance(workload, Workload) else workload
+    div = cluster.tp * cluster.throughput_scale
+    times = [
+        profile.engines["dense"].predict(inference_features(b, cfg), flop_divisor=div)
+        for b in _rank_batches(batch, cluster)
+    ]
+    return passes * float(max(times))
+
+
 def predict_workload(
     spec: WorkloadSpec,
     profile: CostProfile,
@@ -228,10 +295,14 @@ def predict_workload(
     *,
     engines: Sequence[str] | None = None,
     model: ModelConfig | None = None,
-    tool_time_scale: float = 1.0,
+    tool_time_scale: float | None = None,
+    inference_passes: int = 1,
+    reward: bool = True,
 ) -> StepPrediction:
-    """``predict_step`` of a spec's workload, with its rollout (2) and its tool stage on a
-    simulated clock (the replay's sampled latencies, times ``tool_time_scale``)."""
+    """``predict_step`` of a spec's workload, with its rollout (2), its tool and reward
+    stages sampled like the replay's (times ``tool_time_scale``; None keeps production
+    seconds and the prediction then has no step total) and ``inference_passes``
+    forward-only passes (``predict_inference``)."""
     cfg = profile.model if model is None else model
     w = spec.build(vocab_size=cfg.vocab_size)
     tool = tool_phase(
@@ -242,7 +313,37 @@ def predict_workload(
         seed=spec.seed,
     )
     pred = predict_step(w, profile, cluster, engines=engines, model=cfg, tool_s=tool.seconds)
+    rew = (
+        reward_phase(w, default_reward_sampler(), time_scale=tool_time_scale, seed=spec.seed)
+        if reward
+        else None
+    )
+    pred = dataclasses.replace(
+        pred,
+        tool_in_step_units=tool_time_scale is not None,
+        reward_s=rew.seconds if rew is not None else 0.0,
+        inference_s=predict_inference(w, profile, cluster, passes=inference_passes, model=cfg),
+    )
     roll = predict_rollout(w, profile, cluster, model=cfg)
     if roll is None:
         return pred
-    return dataclasses.replace(pred, rollout_s=roll[0], rollout_features=roll[1])
+    pred = dataclasses.replace(pred, rollout_s=roll[0], rollout_features=roll[1])
+    if tool_time_scale is None:
+        return pred
+    cl = ClusterSpec.single() if cluster is None else cluster
+    div = cl.tp * cl.throughput_scale
+    turn_s = np.cumsum(
+        [0.0]
+        + [
+            profile.rollout.predict(f, flop_divisor=div)
+            for f in rollout_call_features(rollout_calls(w), cfg, dp=cl.dp)
+        ]
+    )
+    turns = model_turns(w)
+    counts = [len(turns[t][1]) for t in sorted(turns)]
+    tools = tool.per_trajectory_s or (0.0,) * len(counts)
+    timeline = max(
+        float(turn_s[min(k, len(turn_s) - 1)] + tool_time_scale * t)
+        for k, t in zip(counts, tools, strict=True)
+    )
+    return dataclasses.replace(pred, rollout_step_s=timeline)

@@ -20,7 +20,7 @@ from dtarl.bench.replay import (
 )
 from dtarl.bench.simulate.features import AUTO
 from dtarl.bench.simulate.fit import CostProfile
-from dtarl.bench.simulate.predict import predict_rollout, predict_step
+from dtarl.bench.simulate.predict import predict_inference, predict_rollout, predict_step
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -244,7 +244,8 @@ def validate(
             "the replay ran a different model than the profile calibrated; re-run one of them "
             "with the same model config"
         )
-    scale = float(replay_json["config"].get("tool_time_scale", 1.0))
+    scale = replay_json["config"].get("tool_time_scale")  # None: production seconds
+    scale = None if scale is None else float(scale)
     rows = []
     for w in workloads:
         spec = WorkloadSpec.from_dict(w["spec"])
@@ -298,9 +299,23 @@ def validate(
                     note=f"{tool.get('clock')} clock; same sampled latencies",
                 )
             )
+        inf = stages.get("inference") or {}
+        if inf.get("seconds") is not None and "dense" in profile.kinds:
+            ip = predict_inference(wl, profile, passes=int(inf["passes"]), model=rcfg)
+            rows.append(
+                ValidationRow(
+                    workload=spec.name,
+                    stage="inference",
+                    engine="",
+                    measured_s=float(inf.get("min_seconds") or inf["seconds"]),
+                    measured_median_s=float(inf["seconds"]),
+                    predicted_s=ip,
+                    note=f"{inf['passes']} forward pass(es), dense coefficients",
+                )
+            )
         roll = stages.get("rollout", {})
         rp = predict_rollout(wl, profile, model=rcfg)
-        if roll.get("seconds") is not None and rp is not None:
+        if roll.get("seconds") is not None and rp is not None:  # rollout row; step rows below
             mn = float(roll.get("min_seconds") or roll["seconds"])
             detail = roll.get("detail") or {}
             bg = None
@@ -319,7 +334,9 @@ def validate(
                 )
             )
             t_meas = float(tool.get("seconds", 0.0)) if tool_pred is not None else 0.0
-            for k in kinds:
+            # A step total only in one unit system (tool seconds scaled into the replay's);
+            # both sides compose rollout + tool critical path + train (a serial bound).
+            for k in kinds if scale is not None or tool_pred is None else ():
                 e = w["engines"][k]
                 rows.append(
                     ValidationRow(
@@ -329,6 +346,7 @@ def validate(
                         measured_s=mn + t_meas + float(e.get("step_min_s", e["step_s"])),
                         measured_median_s=float(roll["seconds"]) + t_meas + float(e["step_s"]),
                         predicted_s=rp[0] + (tool_pred or 0.0) + pred.engines[k].train_s,
+                        note="rollout + tool critical path + train",
                     )
                 )
     if not any(r.stage == "train" for r in rows):

@@ -1,0 +1,260 @@
+"""bf16 compute with fp32 master weights: every engine against dense-bf16.
+
+Setting. ``compute_dtype=bfloat16``, ``param_dtype=float32``: the decoder casts each
+fp32 parameter to bf16 where it is used, so the parameters are rounded to bf16 once
+here (``_rounded``) and every engine reads *identical* bf16 weights; they also see
+the same batch (a multi-turn tree whose deep group prefix_reuse hands to its DFS
+program, and GRPO groups). Any difference between two engines is then rounding
+only: u = 2^-8 is bf16's unit roundoff, 2^-24 fp32's.
+
+Per-token logprobs (``logprob_bound``). The engines run the same decoder code, so
+their forward programs perform the same R = 14 L + 1 bf16 roundings per token
+(per layer: input norm, q/k/v projections, q and k norms, RoPE, attention
+probabilities, attention output, o_proj, residual add, post norm, gate and up,
+silu * up, down_proj, residual add; then the final norm); logits, log-softmax and
+the LSE are fp32 in all of them. What differs is only how fp32 reductions are
+blocked and ordered (a prefix K/V split against one softmax row, chunked against
+whole matmuls, padding), a relative change of at most gamma = k 2^-24 (k <= 256
+terms) before each bf16 rounding. To first order that moves a logit by at most
+R gamma A, A = max_{t,v} sum_e |h_te W_ev| (fp32 final hidden h, head W), and a
+logprob (logit minus the LSE) by twice that. A bf16 rounding can also flip by one
+ulp (2u relative) when a reassociated value straddles a rounding boundary; we
+allow one such flip per token in the final hidden state, 2 * 2u * max |h_te W_ev|
+on a logprob. Bound = 2 R gamma A + 4u max |h W| (5.2e-3 here, 10x below the
+old 5e-2); observed: under 1e-6 for every engine here (README, "Precision").
+A program that XLA partitions (``ShardedEngine`` at dp=2) fuses differently and
+keeps other bf16 intermediates in fp32 (excess precision): 4.2e-3 measured, 0.0 with
+``--xla_allow_excess_precision=false``; not run here (its compile is not cheap).
+Limit: the tiny model's logits are small (near-uniform predictions), so one extra
+misplaced rounding moves logprobs by less than this bound (bf16 logits in DFS:
+9.5e-4); the check catches errors above rounding level (masks, positions, a lost
+prefix, fp16), 10x finer than the old 5e-2.
+
+Gradients (``grad_bounds``). The backward is bf16 too (cotangents take the
+primal's dtype), and here the programs genuinely round at different points:
+(i) each program rounds its partial weight gradients to bf16 before the fp32
+accumulation (dense: one partial per microbatch; DFS: per chunk step;
+prefix_reuse: per suffix microbatch and per prefix), one rounding on each side;
+(ii) DFS and prefix_reuse carry the prefix K/V cotangent across steps (partials
+rounded to bf16, accumulated in fp32, cast back to bf16 for the prefix's VJP):
+two roundings with no counterpart in dense; (iii) XLA keeps some fused bf16
+intermediates in fp32 (excess precision) and which ones depends on the program
+(dense against dense_remat, the same engine, differs through this alone): about
+one per layer, L = 2. C = 2 + 2 + 2 = 6 roundings, each a relative error u of a
+term of the gradient's sum, so per tensor T
+
+    ||g_T^engine - g_T^dense|| / ||g_T^dense|| <= C u kappa_T,
+    kappa_T = sum_i ||g_T,i|| / ||sum_i g_T,i||     (fp32 per-sequence gradients),
+
+kappa_T measuring the cancellation between the sum's terms (2.3 to 4.8 here: the
+small norm-weight gradients cancel most), so C u kappa_T is 5.4e-2 to 1.1e-1:
+per-tensor bf16 gradients are not better than that. Observed: at most 2.9 u kappa_T
+(4.2e-2 on a norm weight, 1.1e-2 on the matrices).
+
+AdamW trajectory (``test_adamw_trajectories_track_dense_bf16``): see there.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from test_equivalence import LOSSES, REF_LEN, _model, _reference_fn
+
+from dtarl.engines import AutoEngine, RolloutBatch, make_engine
+from dtarl.engines.prefix_reuse import deep_sequences
+from dtarl.model import ModelFamily, init_model
+from dtarl.rl.config import OptimSection, Schedule
+from dtarl.rl.optim import make_optimizer
+from dtarl.testing import grpo_groups
+from dtarl.tree import build_tree
+
+U = 2.0**-8  # bf16 unit roundoff
+LAYERS = 2
+ROUNDINGS = 14 * LAYERS + 1  # bf16 roundings on a token's forward path (R above)
+GAMMA = 256 * 2.0**-24  # an fp32 reduction of at most 256 terms, reassociated
+GRAD_ROUNDINGS = 6  # C above
+LOSS = LOSSES["grpo_kl"]
+ENGINES = {
+    "dense_remat": {},
+    # One prefix level, no row/wide pops: the fewest switch branches to compile.
+    "dfs": dict(chunk_len=8, prefix_levels=1, leaf_rows=1, wide_chunks=1),
+    "prefix_reuse": dict(microbatch=4),
+}
+
+
+@functools.cache
+def _models():
+    """(bf16-compute model, fp32 model, fp32 params already rounded to bf16)."""
+    m32, params = _model(ModelFamily.QWEN3)  # shares test_equivalence's reference program
+    assert m32.cfg.num_layers == LAYERS and m32.cfg.param_dtype == "float32"
+    m16 = init_model(m32.cfg.replace(compute_dtype="bfloat16"), seed=1)
+    rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
+    return m16, m32, rounded
+
+
+@functools.cache
+def _batch() -> RolloutBatch:
+    """A two-turn tree (prompt, 2 x 2 forks: a deep group) and two GRPO groups."""
+    rs = np.random.RandomState(3)
+    seqs = [list(rs.randint(3, 256, 9))]
+    for _ in range(2):
+        seqs = [q + list(rs.randint(3, 256, 5)) for q in seqs for _ in range(2)]
+    grpo = grpo_groups(num_groups=2, group_size=3, prompt_len=12, response_len=(3, 9), seed=7)
+    toks = seqs + list(grpo.tokens)
+    return RolloutBatch.create(
+        tokens=toks,
+        advantages=rs.randn(len(toks)),
+        old_logprobs=[-(rs.rand(len(t)) * 3 + 3) for t in toks],
+        ref_logprobs=[-(rs.rand(len(t)) * 3 + 3) for t in toks],
+        group_ids=[0] * len(seqs) + [1 + g for g in grpo.group_ids],
+    )
+
+
+@functools.cache
+def _engine(kind: str):
+    m16, _, _ = _models()
+    if kind == "auto":  # shares the other engines' programs
+        return AutoEngine(m16, engines={k: _engine(k) for k in ("dense", "dfs", "prefix_reuse")})
+    return make_engine(kind, m16, **ENGINES.get(kind, {}))
+
+
+def logprob_bound() -> float:
+    """2 R gamma A + 4 u max|h W| (module docstring), from the fp32 forward."""
+    _, m32, params = _models()
+    graphdef = nnx.split(m32, nnx.Param)[0]
+    batch = _batch()
+    toks = np.zeros((batch.num_sequences, REF_LEN), np.int32)
+    for i, t in enumerate(batch.tokens):
+        toks[i, : len(t)] = t
+    valid = (np.arange(REF_LEN)[None] < batch.lengths[:, None])[:, :, None, None]
+
+    @jax.jit
+    def sums(params):
+        model = nnx.merge(graphdef, params)
+        h, _ = model(toks, jnp.broadcast_to(jnp.arange(REF_LEN), toks.shape), return_hidden=True)
+        # [N, T, E, V]: |h_te W_ev| at the real (causal: unaffected by padding) positions
+        terms = jnp.where(valid, jnp.abs(h)[..., None] * jnp.abs(model.lm_head_weight()), 0.0)
+        return terms.sum(axis=2).max(), terms.max()
+
+    a_sum, a_max = (float(x) for x in sums(params))
+    return 2 * ROUNDINGS * GAMMA * a_sum + 4 * U * a_max
+
+
+def grad_bounds():
+    """C u kappa_T per parameter tensor (module docstring), from fp32 per-sequence grads."""
+    _, m32, params = _models()
+    batch = _batch()
+    fn = _reference_fn(m32, LOSS)
+    w = batch.sequence_weights(LOSS.norm, LOSS.norm_constant)
+    mass, total = None, None
+    for i, toks in enumerate(batch.tokens):
+        n = toks.shape[0]
+        pad = lambda x, n=n: np.concatenate([x, np.zeros(REF_LEN - n, np.float32)])  # noqa: E731
+        _, g = fn(
+            params,
+            np.concatenate([toks, np.zeros(REF_LEN - n, np.int32)]),
+            pad(batch.loss_mask[i]),
+            pad(batch.old_logprobs[i]),
+            pad(batch.ref_logprobs[i]),
+            np.full(REF_LEN, np.nan, np.float32),
+            batch.advantages[i],
+            w[i],
+            n,
+        )
+        norms = jax.tree.map(jnp.linalg.norm, g)
+        mass = norms if mass is None else jax.tree.map(jnp.add, mass, norms)
+        total = g if total is None else jax.tree.map(jnp.add, total, g)
+    return jax.tree.map(
+        lambda m, t: GRAD_ROUNDINGS * U * float(m / jnp.linalg.norm(t)), mass, total
+    )
+
+
+def rel_diffs(got, want):
+    return jax.tree.map(lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)), got, want)
+
+
+def test_engines_match_dense_bf16_on_rounded_params():
+    """dense_remat, dfs, prefix_reuse (its deep group in its DFS program) and auto
+    against dense-bf16: logprobs within ``logprob_bound``, every gradient tensor
+    within ``C u kappa_T``; params and gradients stay fp32."""
+    m16, _, params = _models()
+    batch = _batch()
+    assert deep_sequences(build_tree(batch.tokens)).sum() == 4  # the deep group exists
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    want_loss, want_g, want_aux = _engine("dense").value_and_grad(params, batch, LOSS)
+    lp_bound, g_bounds = logprob_bound(), grad_bounds()
+    assert lp_bound < 1e-2  # 10x below the old 5e-2
+    for kind in (*ENGINES, "auto"):
+        loss, g, aux = _engine(kind).value_and_grad(params, batch, LOSS)
+        assert {x.dtype for x in jax.tree.leaves(g)} == {jnp.dtype(jnp.float32)}, kind
+        lp_diff = max(
+            float(np.abs(a - b).max()) for a, b in zip(aux.logprobs, want_aux.logprobs, strict=True)
+        )
+        assert lp_diff <= lp_bound, f"{kind}: logprob |diff| {lp_diff:.2e} > {lp_bound:.2e}"
+        assert abs(float(loss) - float(want_loss)) <= lp_bound * abs(float(want_loss)) + 1e-6
+        over = {
+            jax.tree_util.keystr(path): (d, b)
+            for (path, d), b in zip(
+                jax.tree_util.tree_flatten_with_path(rel_diffs(g, want_g))[0],
+                jax.tree.leaves(g_bounds),
+                strict=True,
+            )
+            if d > b
+        }
+        assert not over, f"{kind}: gradient tensors over C u kappa_T: {over}"
+
+
+def test_adamw_trajectories_track_dense_bf16():
+    """10 AdamW steps (fp32 master weights, bf16 compute, the trainer's optimiser:
+    clip 1.0, lr 1e-3, b1 0.9, b2 0.99) from the same rounded parameters on the
+    same batch: dfs and prefix_reuse track dense-bf16.
+
+    Bound. Adam's step lr m^/(sqrt(v^) + eps) is invariant to the gradient's scale:
+    to first order a relative perturbation rho of the gradients moves m^ by rho and
+    sqrt(v^) by rho, so the step by at most 2 rho relative. Summed over the steps,
+    the distance between two trajectories relative to the distance travelled,
+    ||theta_e - theta_d|| / ||theta_d - theta_0|| per tensor, is at most 2 max_k rho_k,
+    with rho_k the tensor's gradient spread at step k (bounded by C u kappa_T at
+    the start and measured along the way, since the trajectories drift apart and
+    kappa_T changes). Observed: drift <= 0.095 of the travel, <= 0.22 of the bound."""
+    _, _, params0 = _models()
+    batch = _batch()
+    opt = make_optimizer(
+        lr=1e-3, warmup=0, total=10, schedule=Schedule.CONSTANT, cfg=OptimSection()
+    )
+
+    def run(kind):
+        params, state, grads = params0, opt.init(params0), []
+        for _ in range(10):
+            _, g, _ = _engine(kind).value_and_grad(params, batch, LOSS)
+            grads.append(g)
+            params, state = opt.apply(params, g, state)
+        leaves = jax.tree.leaves(params)
+        assert {x.dtype for x in leaves} == {jnp.dtype(jnp.float32)}
+        # fp32 master weights: steps below a bf16 ulp are kept, not rounded away.
+        assert any(bool(jnp.any(x != x.astype(jnp.bfloat16).astype(x.dtype))) for x in leaves)
+        return params, grads
+
+    want, want_grads = run("dense")
+    for kind in ("dfs", "prefix_reuse"):
+        got, grads = run(kind)
+        rho = functools.reduce(
+            lambda a, b: jax.tree.map(max, a, b),
+            [rel_diffs(g, w) for g, w in zip(grads, want_grads, strict=True)],
+        )
+        drift = jax.tree.map(
+            lambda a, b, c: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b - c)),
+            got,
+            want,
+            params0,
+        )
+        over = {
+            jax.tree_util.keystr(path): (d, 2 * r)
+            for (path, d), r in zip(
+                jax.tree_util.tree_flatten_with_path(drift)[0], jax.tree.leaves(rho), strict=True
+            )
+            if d > 2 * r
+        }
+        assert not over, f"{kind}: parameter drift over 2 max_k rho_k: {over}"
