@@ -54,7 +54,7 @@ import tempfile
 import matplotlib.pyplot as plt
 import numpy as np
 
-from dtarl.rl.config import ResumeSection, TrainerConfig
+from dtarl.rl.config import MeshSection, ResumeSection, TrainerConfig
 from dtarl.rl.trainer import Trainer
 
 FAST = os.environ.get("DTARL_NOTEBOOK_FAST") == "1"
@@ -67,6 +67,7 @@ if FAST:
         eval_problems=4,
         sft=cfg.sft.__class__(steps=2, batch_size=4),
         rollout=cfg.rollout.__class__(prompts_per_step=2, group_size=2, max_new_tokens=4),
+        mesh=MeshSection(dp=1),  # one device, however many the machine has
     )
 print(cfg.algo.algorithm, cfg.task.kind, f"{cfg.sft.steps} SFT + {cfg.steps} RL steps")
 

@@ -24,6 +24,20 @@ auto's step includes its host work: the chosen engine's prepare, and every
 candidate's on a batch whose choice is not reused (about 1 ms per step on the
 tiny workloads).
 
+``mesh=(dp, tp)`` (``--mesh dp=4,tp=2``): every engine runs through
+``ShardedEngine`` on a ('dp', 'tp') mesh of the first dp x tp devices (params
+split over tp by the rule table), each batch cut over dp by the balanced
+partition priced by the model's ``FlopCost`` (what ``dtarl train`` does on a
+mesh). Workloads with fewer sequences than dp ranks are skipped (said so). Per
+engine the bench adds the partition's makespan balance twice: ``cost_balance``,
+max / mean rank load under the cost model, and ``measured_balance``, max / mean
+of each rank's program timed ALONE on one device (min of a few calls, with the
+ranks' common padded shapes, tp collapsed to one device): simulated CPU
+devices share the host's cores, so the ranks' concurrent times would not say
+which rank the step waits for. The ranks run one program at one padded shape, so
+for an engine whose work does not depend on the data (dense) the measured spread
+is timing noise; a DFS plan's push/pop steps do depend on it.
+
 The ideal ratio counts forward+backward FLOPs of every token at its context
 length: dense = sum over sequences and positions, tree = sum over distinct
 prefixes (tree tokens). A tree engine can approach it but not beat it.
@@ -37,6 +51,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -52,6 +67,9 @@ from dtarl.engines import (
 from dtarl.engines.cost import ideal_ratio
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
+from dtarl.parallel import mesh as mesh_lib
+from dtarl.parallel.partition import FlopCost
+from dtarl.parallel.sharded import ShardedEngine
 from dtarl.testing import grpo_groups
 from dtarl.timing import Rounds, Settle, alternating, interleaved_rounds, shuffled
 from dtarl.traces import default_polytrace_root, sample_workload
@@ -239,16 +257,31 @@ def run(
     quick: bool = False,
     autotune: bool = True,
     tune_margin: float | None = None,
+    mesh: tuple[int, int] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Runs the benchmark and returns the results (also what the CLI writes as JSON).
 
-    ``autotune`` and ``tune_margin`` (default: ``AutoEngine``'s) go to auto."""
+    ``autotune`` and ``tune_margin`` (default: ``AutoEngine``'s) go to auto.
+    ``mesh=(dp, tp)``: every engine sharded on that mesh (see the module docstring)."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1")
     cfg = model_cfg or ModelConfig.tiny()
     model = init_model(cfg, seed=0)
     params = nnx.split(model, nnx.Param)[1]
+    host_params, dev_mesh, cost = params, None, None
+    if mesh is not None:
+        dp, tp = mesh
+        n = len(jax.devices())
+        if dp < 1 or tp < 1 or dp * tp > n:
+            raise ValueError(
+                f"--mesh dp={dp},tp={tp}: needs dp, tp >= 1 and dp x tp <= {n} devices"
+            )
+        dev_mesh = mesh_lib.make_mesh(dp, tp, devices=jax.devices()[: dp * tp])
+        cost = FlopCost.from_transformer(
+            num_params=cfg.num_params(), num_layers=cfg.num_layers, hidden=cfg.hidden_size
+        )
+        params = mesh_lib.shard_params(params, dev_mesh)
     loss = ClippedSurrogateLoss.grpo()
     specs = _engine_specs(engines)
     all_w = synthetic_workloads(quick) + polytrace_workloads(polytrace, length_scale, quick)
@@ -259,6 +292,8 @@ def run(
             raise ValueError(f"--workloads: unknown {unknown}; accepted: {sorted(known)}")
         all_w = [w for w in all_w if w.name in workloads]
     results = {"model": dataclasses.asdict(cfg) | {"family": cfg.family.value}, "workloads": []}
+    if mesh is not None:
+        results["mesh"] = {"dp": mesh[0], "tp": mesh[1]}
     results["model"]["attention_backend"] = cfg.attention_backend.value
     cost_model = None
     if any(kind is EngineKind.AUTO for kind, _ in specs.values()):
@@ -290,6 +325,9 @@ def run(
         )
     for wl in all_w:
         batch = wl.make()
+        if dev_mesh is not None and batch.num_sequences < mesh[0]:
+            log(f"\n== {wl.name}: skipped, {batch.num_sequences} sequences < dp={mesh[0]} ranks")
+            continue
         tree = batch.prefix_tree()
         ideal = ideal_ratio(cfg, tree)
         row = {
@@ -315,6 +353,8 @@ def run(
                 if tune_margin is not None:
                     kw["tune_margin"] = tune_margin
             engine = make_engine(kind, model, _engine_config(chunk_len, microbatch), **kw)
+            if dev_mesh is not None:
+                engine = ShardedEngine(engine, dev_mesh, cost=cost)
             live[name] = engine
             t0 = time.perf_counter()
             _, _, aux = engine.value_and_grad(params, batch, loss)  # compile (+ tune), warm up
@@ -352,11 +392,45 @@ def run(
                 e["speedup_vs_dense"] / ideal if e["speedup_vs_dense"] else None
             )
         _auto_vs_best(row, live, params, batch, loss)
+        if dev_mesh is not None:
+            for name, e in row["engines"].items():
+                e["partition"] = rank_balance(live[name], host_params, batch, loss)
         del live
         log(_format_rows(row))
         results["workloads"].append(row)
     _auto_summary(results, log)
     return results
+
+
+def rank_balance(sharded: ShardedEngine, params, batch: RolloutBatch, loss, calls: int = 3):
+    """The dp partition's makespan balance for ``batch``: ``cost_balance`` (max / mean
+    rank load under the partition's cost model) and ``measured_balance`` (max / mean
+    of each rank's program run alone on one device with unsharded ``params``, min of
+    ``calls`` timed calls after one untimed; the ranks share one padded shape)."""
+    prepared = sharded.prepare(batch, loss)
+    loads = np.asarray(prepared.partition.loads, np.float64)
+    inner = sharded.engine
+    dev = jax.devices()[0]
+    params = jax.device_put(params, dev)
+    seconds = []
+    for r in prepared.ranks:
+        args = jax.device_put(r.args, dev)
+        jax.block_until_ready(inner.jit(loss, r.static, params, args))
+        best = float("inf")
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            jax.block_until_ready(inner.jit(loss, r.static, params, args))
+            best = min(best, time.perf_counter() - t0)
+        seconds.append(best)
+    sec = np.asarray(seconds)
+    return {
+        "method": prepared.partition.method.value,
+        "rank_loads": loads.tolist(),
+        "cost_balance": float(loads.max() / loads.mean()),
+        "rank_seconds_alone": sec.tolist(),
+        "measured_balance": float(sec.max() / sec.mean()),
+        "rank_sequences": [int(ix.shape[0]) for ix in prepared.partition.indices],
+    }
 
 
 ROUND_SECONDS = 0.4  # an engine's turn in a round times steps for at least this long ...
@@ -525,6 +599,17 @@ def _format_rows(row: dict) -> str:
         lines.append(
             f"{name}: picked {a['picked']} ({a['basis']}), {vs}; "
             f"tuning {a['autotune_seconds']:.1f} s (in its compile s, not its step)"
+        )
+    for name, e in row["engines"].items():
+        if "partition" not in e:
+            continue
+        p = e["partition"]
+        ms = " ".join(f"{x * 1e3:.1f}" for x in p["rank_seconds_alone"])
+        lines.append(
+            f"{name}: partition {p['method']} over {len(p['rank_loads'])} ranks "
+            f"(sequences {p['rank_sequences']}): makespan balance max/mean "
+            f"{p['cost_balance']:.3f} (cost model), {p['measured_balance']:.3f} measured "
+            f"(each rank alone on one device, ms: {ms})"
         )
     return "\n".join(lines)
 

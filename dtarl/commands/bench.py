@@ -50,8 +50,29 @@ def _add_train(sub) -> None:
         help="auto times the candidates predicted within this factor of the best "
         "(default: AutoEngine.tune_margin)",
     )
+    p.add_argument(
+        "--mesh",
+        type=_mesh_arg,
+        help="run every engine sharded on a mesh, e.g. dp=4,tp=2 (dp x tp <= the devices)",
+    )
     p.add_argument("--json", help="write the results here")
     p.set_defaults(func=_train)
+
+
+def _mesh_arg(text: str) -> tuple[int, int]:
+    """``dp=4,tp=2`` (tp defaults to 1) as (dp, tp)."""
+    vals = {"tp": 1}
+    for part in text.split(","):
+        key, _, val = part.partition("=")
+        key = key.strip()
+        if key not in ("dp", "tp") or not val.strip().isdigit() or int(val) < 1:
+            raise argparse.ArgumentTypeError(
+                f"--mesh {text!r}: expected dp=N[,tp=M] with integers >= 1, e.g. dp=4,tp=2"
+            )
+        vals[key] = int(val)
+    if "dp" not in vals:
+        raise argparse.ArgumentTypeError(f"--mesh {text!r}: dp=N is required, e.g. dp=4,tp=2")
+    return vals["dp"], vals["tp"]
 
 
 def _train(args) -> int:
@@ -68,6 +89,7 @@ def _train(args) -> int:
         quick=args.quick,
         autotune=args.autotune,
         tune_margin=args.tune_margin,
+        mesh=args.mesh,
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+import jax
 
 from dtarl.rl.config import ConfigError, load_config, to_dict
 from dtarl.rl.trainer import Trainer
@@ -31,9 +34,11 @@ def _train(args: argparse.Namespace) -> int:
     start = "-" if result.eval_start is None else f"{result.eval_start:.3f}"
     end = "-" if result.eval_end is None else f"{result.eval_end:.3f}"
     mid = "" if result.eval_rl_start is None else f" -> {result.eval_rl_start:.3f} (after SFT)"
+    me = jax.process_index()  # process i > 0 of a multi-process run logs to process_i/
+    logs = cfg.out_dir if me == 0 else os.path.join(cfg.out_dir, f"process_{me}")
     print(
         f"done: {result.steps_done} steps in {result.seconds:.1f} s; greedy success rate "
-        f"{start}{mid} -> {end}; metrics in {cfg.out_dir}/metrics.jsonl"
+        f"{start}{mid} -> {end}; metrics in {logs}/metrics.jsonl"
     )
     return 0
 

@@ -231,8 +231,18 @@ class ShardedEngine:
             r for r in range(self.dp) if any(d.process_index == me for d in devs[r].reshape(-1))
         )
 
-    def prepare(self, batch: RolloutBatch, loss) -> ShardedPrepared:
-        """Partitions ``batch`` over dp and prepares this process's ranks with equal shapes."""
+    def reserve(self, capacity):
+        """Grows the wrapped engine's shape buckets to a per-rank ``Capacity``."""
+        if callable(getattr(self.engine, "reserve", None)):
+            self.engine.reserve(capacity)
+        return self
+
+    def prepare(self, batch: RolloutBatch, loss, *, weights=None) -> ShardedPrepared:
+        """Partitions ``batch`` over dp and prepares this process's ranks with equal shapes.
+
+        ``weights`` ([N] per-sequence loss weights) default to ``batch``'s own
+        normalisation; pass them when ``batch`` is part of a larger one whose
+        normalisation applies (gradient accumulation)."""
         t0 = time.perf_counter()
         n = batch.num_sequences
         k = self.dp
@@ -252,7 +262,14 @@ class ShardedEngine:
             keep_groups=self.keep_groups,
         )
         multi = jax.process_count() > 1
-        weights = batch.sequence_weights(loss.norm, getattr(loss, "norm_constant", None))
+        if weights is None:
+            weights = batch.sequence_weights(loss.norm, getattr(loss, "norm_constant", None))
+        else:
+            weights = np.asarray(weights, np.float32)
+            if weights.shape != (n,):
+                raise ShardingError(
+                    f"weights: shape {weights.shape}, expected ({n},) (one per sequence)"
+                )
         # An engine that delegates (auto) picks one engine for every rank, from the
         # rank with the most tokens (what the step waits for; choosing on the whole
         # batch would also grow the candidates' buckets to its size); the ranks are
@@ -469,12 +486,7 @@ class ShardedEngine:
         rule table (pass ``shard_params(params)`` once to avoid the copy per step).
         Returns (loss, grads, EngineAux); grads are global arrays split like params.
         """
-        if weights is not None:
-            raise ShardingError(
-                "weights: per-sequence weights are computed from the global batch by "
-                "ShardedEngine; pass weights=None"
-            )
-        prepared = self.prepare(batch, loss)
+        prepared = self.prepare(batch, loss, weights=weights)
         t1 = time.perf_counter()
         with _collective("the sharded step (psum over dp)"):
             total, grads, out = self.run(params, prepared, loss)
@@ -482,6 +494,7 @@ class ShardedEngine:
         device_s = time.perf_counter() - t1
         logprobs = self.finish(prepared, out)
         part = prepared.partition
+        loads = np.asarray(part.loads, np.float64)
         stats = dict(
             engine=f"sharded[{getattr(self.engine, 'name', type(self.engine).__name__)}]",
             strategy=self.strategy.value,
@@ -492,11 +505,16 @@ class ShardedEngine:
             trace_count=self.trace_count,
             partition_method=part.method.value,
             rank_loads=part.loads.tolist(),
+            # makespan balance under the partition's cost model: max / mean rank load
+            load_balance=float(loads.max() / max(loads.mean(), 1e-30)),
             rank_tree_tokens=part.tree_tokens.tolist(),
             duplicated_tokens=part.duplicated_tokens,
             local_ranks=list(prepared.local_ranks),
             rank_stats=[r.stats for r in prepared.ranks],  # of local_ranks
         )
+        chosen = {r.stats.get("chosen_engine") for r in prepared.ranks} - {None}
+        if chosen:  # auto: one engine for all ranks
+            stats["chosen_engine"] = chosen.pop()
         return total, grads, EngineAux(logprobs=logprobs, stats=stats)
 
 

@@ -381,9 +381,12 @@ class OptimSection:
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
     schedule: Schedule = Schedule.CONSTANT
+    # AdamW's epsilon: update = lr m / (sqrt(v) + eps). Elements with |g| near eps turn
+    # fp32 rounding of g into O(lr) changes; a large eps makes the update ~linear in g.
+    eps: float = 1e-8
 
     def __post_init__(self):
-        _positive(self, "lr", "max_grad_norm")
+        _positive(self, "lr", "max_grad_norm", "eps")
         _nonneg(self, "weight_decay", "warmup_steps")
         _in_range(self, "b1", 0, 1, hi_open=True)
         _in_range(self, "b2", 0, 1, hi_open=True)
@@ -402,6 +405,50 @@ class SFTSection:
     def __post_init__(self):
         _nonneg(self, "steps", "warmup_steps")
         _positive(self, "batch_size", "lr")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshSection:
+    """The device mesh of a run: ``dp`` data-parallel ranks x ``tp`` tensor-parallel
+    ways (``dtarl.parallel``). ``dp`` unset: every device of every process not used
+    by tp. One process may use fewer devices than it has (the first ``dp x tp``);
+    a multi-process run (``dtarl launch``) must use every device. ``dp x tp = 1``
+    is the single-device trainer (no mesh)."""
+
+    SECTION: typing.ClassVar[str] = "mesh"
+    dp: int | None = None
+    tp: int = 1
+
+    def __post_init__(self):
+        if self.dp is not None:
+            _positive(self, "dp")
+        _positive(self, "tp")
+
+    def resolve(self, num_devices: int, num_processes: int = 1) -> tuple[int, int]:
+        """(dp, tp) on ``num_devices`` devices (every process's) or a ConfigError naming
+        the field and the accepted values."""
+        tp, n = self.tp, num_devices
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        if self.dp is None:
+            if n % tp:
+                raise ConfigError(
+                    f"mesh.tp={tp} does not divide the {n} devices (mesh.dp unset uses all "
+                    f"of them); accepted: mesh.tp in {divisors}, or set mesh.dp"
+                )
+            return n // tp, tp
+        dp = self.dp
+        if num_processes > 1 and dp * tp != n:
+            raise ConfigError(
+                f"mesh.dp={dp} x mesh.tp={tp} = {dp * tp} devices, but this {num_processes}-"
+                f"process run has {n}; a multi-process run must use every device: "
+                f"mesh.dp x mesh.tp = {n} (or leave mesh.dp unset)"
+            )
+        if dp * tp > n:
+            raise ConfigError(
+                f"mesh.dp={dp} x mesh.tp={tp} = {dp * tp} devices, but only {n} are "
+                f"available; accepted: mesh.dp x mesh.tp <= {n}"
+            )
+        return dp, tp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -442,6 +489,7 @@ RESUME_FREE_KEYS = (
     "algo.autotune_budget_seconds",
     "algo.autotune_cache",
     "engine",
+    "mesh",
 )
 
 
@@ -481,6 +529,7 @@ class TrainerConfig:
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
     sft: SFTSection = dataclasses.field(default_factory=SFTSection)
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
     steps: int = 20
     seed: int = 0
     out_dir: str = "runs/default"
@@ -730,6 +779,7 @@ __all__ = [
     "DartsSection",
     "ExportSection",
     "LossAggMode",
+    "MeshSection",
     "ModelSection",
     "OptimSection",
     "RESUME_FREE_KEYS",

@@ -17,10 +17,13 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dtarl.batch import LossNorm, RolloutBatch
 from dtarl.engines import EngineAux
 from dtarl.losses import ClippedSurrogateLoss
+from dtarl.parallel.mesh import global_array
 from dtarl.rl.config import Algorithm, OptimSection, Schedule, TrainerConfig
 
 # optax >= 0.2.5 renamed tree_l2_norm to tree_norm (the old name warns).
@@ -70,6 +73,48 @@ def make_schedule(lr: float, warmup: int, total: int, kind: Schedule) -> optax.S
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), main], [warmup])
 
 
+def _on_mesh(params) -> bool:
+    """True when ``params`` are arrays placed on a multi-device ``NamedSharding``."""
+    leaves = jax.tree.leaves(params)
+    return bool(leaves) and all(
+        isinstance(x, jax.Array)
+        and isinstance(x.sharding, NamedSharding)
+        and x.sharding.mesh.size > 1
+        for x in leaves
+    )
+
+
+def put(x, sharding: NamedSharding):
+    """``x`` on ``sharding`` (a no-op when it is there already); works on global arrays
+    of a multi-process run and on host values every process holds alike."""
+    if isinstance(x, jax.Array):
+        if x.sharding.is_equivalent_to(sharding, np.ndim(x)):
+            return x
+        if not x.is_fully_addressable:
+            return jax.deviceput(x, sharding)
+    return global_array(x, sharding)
+
+
+def place_like(state, params):
+    """The optimiser ``state`` with its subtrees shaped like ``params`` (Adam's mu / nu)
+    split leaf by leaf like the params, every other leaf (step counts) replicated on
+    their mesh."""
+    p_def = jax.tree.structure(params)
+    p_shard = [x.sharding for x in jax.tree.leaves(params)]
+    repl = NamedSharding(p_shard[0].mesh, P())
+
+    def is_params_like(x):
+        return jax.tree.structure(x) == p_def
+
+    def one(sub):
+        if is_params_like(sub):
+            leaves = [put(v, s) for v, s in zip(jax.tree.leaves(sub), p_shard, strict=True)]
+            return jax.tree.unflatten(p_def, leaves)
+        return put(sub, repl)
+
+    return jax.tree.map(one, state, is_leaf=lambda x: x is not state and is_params_like(x))
+
+
 def _apply_updates(tx, params, grads, opt_state):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
@@ -84,10 +129,32 @@ class Optimizer:
     schedule: optax.Schedule
 
     def __post_init__(self):
-        object.__setattr__(self, "apply", jax.jit(lambda p, g, s: _apply_updates(self.tx, p, g, s)))
+        object.__setattr__(self, "_fn", jax.jit(lambda p, g, s: _apply_updates(self.tx, p, g, s)))
+        object.__setattr__(self, "_pinned", {})
 
     def init(self, params):
-        return self.tx.init(params)
+        """``tx.init(params)``; on a mesh every leaf shaped like a parameter is split like
+        it (Adam's moments), the rest (step counts) replicated."""
+        state = self.tx.init(params)
+        if not _on_mesh(params):
+            return state
+        return place_like(state, params)
+
+    def apply(self, params, grads, opt_state):
+        """One step: ``(params, opt_state)``. On a mesh the outputs keep the inputs'
+        shardings (pinned, not left to the compiler's propagation)."""
+        if not _on_mesh(params):
+            return self._fn(params, grads, opt_state)
+        shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+        key = jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings))
+        fn = self._pinned.get(key)
+        if fn is None:
+            fn = jax.jit(
+                lambda p, g, s: _apply_updates(self.tx, p, g, s),
+                out_shardings=shardings,
+            )
+            self._pinned[key] = fn
+        return fn(params, grads, opt_state)
 
     def lr(self, opt_state) -> float:
         """The learning rate the next update from ``opt_state`` applies: the schedule at
@@ -104,7 +171,7 @@ def make_optimizer(
     sched = make_schedule(lr, warmup, total, schedule)
     tx = optax.chain(
         optax.clip_by_global_norm(cfg.max_grad_norm),
-        optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+        optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
     )
     return Optimizer(tx, sched)
 
@@ -245,6 +312,8 @@ __all__ = [
     "make_schedule",
     "old_logprob_diff",
     "on_policy",
+    "place_like",
+    "put",
     "update",
     "with_old_logprobs",
 ]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
+
 from dtarl.model.decoder import Decoder
-from dtarl.rl.config import RolloutEngineKind, TrainerConfig
+from dtarl.rl.config import ConfigError, RolloutEngineKind, TrainerConfig
 from dtarl.rollout.engine import ContinuousConfig, ContinuousSampler
 from dtarl.rollout.sampler import Sampler, SamplingParams
 from dtarl.tree.plan import bucket
@@ -20,6 +22,7 @@ def make_samplers(
     stop_sequences: Sequence[Sequence[int]],
     prompt_len: int,
     response_len: int,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[Sampler | ContinuousSampler, Sampler | ContinuousSampler]:
     """(rollout sampler, greedy evaluation sampler).
 
@@ -30,10 +33,18 @@ def make_samplers(
     truncated. A prompt longer than
     ``prompt_len`` rebuilds the engine once (see ``ContinuousSampler``).
     ``static``: the reference sampler, one static batch per call.
+
+    ``mesh`` (continuous only): the rollout engine's mesh: decode slots and prompt
+    rows split over 'dp', weights and K/V heads over 'tp' (``RolloutEngine``).
     """
     r = cfg.rollout
     greedy_kw = dict(max_new_tokens=r.max_new_tokens, stop_tokens=stop_ids)
     if r.engine is RolloutEngineKind.STATIC:
+        if mesh is not None:
+            raise ConfigError(
+                "rollout.engine=static has no mesh support; with mesh.dp x mesh.tp > 1 use "
+                "rollout.engine=continuous (or mesh.dp=1, mesh.tp=1)"
+            )
         params = SamplingParams(
             temperature=r.temperature,
             top_p=r.top_p,
@@ -67,6 +78,6 @@ def make_samplers(
         pad_id=pad_id,
     )
     rollout = ContinuousSampler(
-        model, train, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, **common
+        model, train, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, mesh=mesh, **common
     )
-    return rollout, ContinuousSampler(model, evals, temperature=0.0, **common)
+    return rollout, ContinuousSampler(model, evals, temperature=0.0, mesh=mesh, **common)

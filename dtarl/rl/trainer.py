@@ -22,6 +22,19 @@ from ``np.random.default_rng([seed, phase, step])``, sampling keys from
 ``fold_in(PRNGKey(seed), step)``. A checkpoint holds params, optimizer state(s),
 the reference policy (with a KL term), the step and the data cursor, so a
 resumed run reproduces the uninterrupted one bit for bit.
+
+On a mesh (``mesh.dp x mesh.tp > 1``, ``dtarl.parallel``): the params, the
+reference policy and the optimizer state live on a ('dp', 'tp') mesh over
+``jax.devices()`` (every process's, under ``dtarl launch``), split over 'tp' by the
+rule table and replicated over 'dp'; the training engines run through
+``ShardedEngine`` (each batch cut over dp by the balanced partition, priced by the
+model's ``FlopCost``; auto picks one engine for all ranks) and the optimiser keeps
+the params' shardings. One process: the rollout and evaluation samplers decode on
+the same mesh (slots over dp, heads over tp). Several processes: every process
+decodes the whole rollout on its first local device from a host copy of the params
+(identical on every process; the training step is the sharded part). Checkpoints
+hold the sharded arrays (every process writes its own shards) and restore onto
+the run's mesh. Metric logs of process i > 0 go to ``out_dir/process_i``.
 """
 
 from __future__ import annotations
@@ -45,12 +58,16 @@ from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model, load_hf
 from dtarl.model.hf import check_export_dir, save_hf, tokenizer_files
 from dtarl.model.tokenizer import ByteTokenizer, load_tokenizer
+from dtarl.parallel import mesh as mesh_lib
 from dtarl.parallel.launch import report_progress
+from dtarl.parallel.partition import FlopCost
+from dtarl.parallel.sharded import ShardedEngine, to_host
 from dtarl.rl import darts
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import (
     Algorithm,
     ConfigError,
+    MeshSection,
     Schedule,
     TrainerConfig,
     config_changes,
@@ -76,6 +93,8 @@ from dtarl.rl.optim import (
     make_optimizer,
     old_logprob_diff,
     on_policy,
+    place_like,
+    put,
     update,
     with_old_logprobs,
 )
@@ -143,6 +162,25 @@ def stop_sequences(tokenizer, strings) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
+def train_mesh(section: MeshSection) -> jax.sharding.Mesh | None:
+    """The run's ('dp', 'tp') mesh over ``jax.devices()`` (the first dp x tp of them),
+    or None for one device (``mesh.dp x mesh.tp = 1``)."""
+    devices = jax.devices()
+    dp, tp = section.resolve(len(devices), jax.process_count())
+    if dp * tp == 1:
+        return None
+    return mesh_lib.make_mesh(dp, tp, devices=devices[: dp * tp])
+
+
+def partition_cost(model) -> FlopCost:
+    """The dp partition's cost model: the policy's training FLOPs per tree token
+    (``FlopCost.from_transformer`` of its config: matmuls + attention depth)."""
+    c = model.cfg
+    return FlopCost.from_transformer(
+        num_params=c.num_params(), num_layers=c.num_layers, hidden=c.hidden_size
+    )
+
+
 def engine_config(cfg: TrainerConfig) -> EngineConfig:
     """The ``engine:`` section with ``algo.autotune_budget_seconds`` and
     ``algo.autotune_cache`` (where set) in auto's settings."""
@@ -165,8 +203,14 @@ class Trainer:
         task: Task | None = None,
     ):
         self.cfg = cfg
+        self.mesh = train_mesh(cfg.mesh)  # before the model: a bad mesh fails at once
         self.model, self.tokenizer = build_model(cfg)
         self.graphdef, self.params = nnx.split(self.model, nnx.Param)
+        self.multiprocess = jax.process_count() > 1
+        if self.mesh is not None:
+            self._check_mesh()
+            self.params = mesh_lib.shard_params(self.params, self.mesh)
+        self._ref_local = None  # multi-process: a process-local copy of ref_params
         self.task = task if task is not None else make_task(cfg.task.kind, **cfg.task.options())
         self.reward_fn = reward_fn if reward_fn is not None else self.task.reward
         r = cfg.rollout
@@ -183,6 +227,7 @@ class Trainer:
             stop_sequences=stop_seqs,
             prompt_len=self._prompt_len(),
             response_len=self.max_response + 16 * (self.task.max_turns - 1),
+            mesh=None if self.multiprocess else self.mesh,
         )
         # The engine's logprobs are those of logits / T, the sampler's (greedy: T = 1).
         self.temperature = training_temperature(r.temperature)
@@ -193,6 +238,14 @@ class Trainer:
         self.sft_engine = self.engine
         if cfg.sft.steps and self.temperature != 1.0:
             self.sft_engine = make_engine(cfg.algo.engine, self.model, engine_config(cfg))
+        if self.mesh is not None:
+            cost = partition_cost(self.model)
+            sharded = ShardedEngine(self.engine, self.mesh, cost=cost)
+            if self.sft_engine is not self.engine:
+                self.sft_engine = ShardedEngine(self.sft_engine, self.mesh, cost=cost)
+            else:
+                self.sft_engine = sharded
+            self.engine = sharded
         self.loss = make_loss(cfg, self.max_response)
         self.sft_loss = MaskedNLLLoss()
         self.scorer = (
@@ -254,6 +307,59 @@ class Trainer:
         if cfg.checkpoint_every:
             self.add_hook(lambda info: self.save_checkpoint(), every=cfg.checkpoint_every)
 
+    def _check_mesh(self) -> None:
+        """Refuses what does not run on the mesh, naming the combination."""
+        cfg, dp = self.cfg, int(self.mesh.shape[mesh_lib.DP])
+        where = f"mesh.dp={dp}, mesh.tp={int(self.mesh.shape[mesh_lib.TP])}"
+        if cfg.rollout.streaming.enabled:
+            raise ConfigError(
+                f"rollout.streaming.enabled=true is not supported on a mesh ({where}): the "
+                "streaming reference scorers are single-device; disable streaming or use "
+                "mesh.dp=1, mesh.tp=1"
+            )
+        a, r = cfg.algo, cfg.rollout
+        if self.multiprocess and a.algorithm is Algorithm.PPO:
+            raise ConfigError(
+                f"algo.algorithm=ppo is not supported in a {jax.process_count()}-process run "
+                f"({where}): the value model is a single-device model outside the mesh and "
+                "its checkpoint would be written by every process; run PPO in one process"
+            )
+        parts = a.minibatches * a.grad_accum
+        per_call = (r.prompts_per_step // parts) * r.group_size
+        if per_call < dp:
+            raise ConfigError(
+                f"rollout.prompts_per_step={r.prompts_per_step} x rollout.group_size="
+                f"{r.group_size} split into algo.minibatches x algo.grad_accum = {parts} "
+                f"parts gives {per_call} sequences per engine call, fewer than the {dp} dp "
+                f"ranks ({where}); every rank needs at least one sequence"
+            )
+        if cfg.sft.steps and cfg.sft.batch_size < dp:
+            raise ConfigError(
+                f"sft.batch_size={cfg.sft.batch_size} is smaller than the {dp} dp ranks "
+                f"({where}); every rank needs at least one sequence"
+            )
+
+    def _rollout_params(self):
+        """The params the samplers decode with: the mesh's own in one process; a
+        process-local copy (gathered from the mesh) in a multi-process run."""
+        if not self.multiprocess or self.mesh is None:
+            return self.params
+        return jax.device_put(to_host(self.params), jax.local_devices()[0])
+
+    def _reference_params(self):
+        """``ref_params`` as the KL scorer takes them (process-local in a multi-process run)."""
+        if not self.multiprocess or self.mesh is None:
+            return self.ref_params
+        if self._ref_local is None:
+            self._ref_local = jax.device_put(to_host(self.ref_params), jax.local_devices()[0])
+        return self._ref_local
+
+    def _place(self, tree):
+        """A restored params-shaped tree on the mesh (as is without one)."""
+        if self.mesh is None or tree is None:
+            return tree
+        return jax.tree.map(put, tree, mesh_lib.param_shardings(tree, self.mesh))
+
     def _prompt_len(self) -> int:
         """The longest prompt of 64 probe problems (the engines' and sampler's sizing)."""
         probe = self.task.generate(np.random.default_rng(0), 64)
@@ -281,11 +387,15 @@ class Trainer:
             n_eval = max(1, cfg.eval_problems)
             self.eval_sampler.reserve(prompts=n_eval, rows=n_eval, prompt_len=max_len)
         n = max(rows, cfg.sft.batch_size if cfg.sft.steps else 1)
+        groups = max(r.prompts_per_step, cfg.sft.batch_size if cfg.sft.steps else 1)
+        if self.mesh is not None:  # each dp rank gets about 1/dp of a batch; buckets grow
+            dp = int(self.mesh.shape[mesh_lib.DP])
+            n, groups = -(-n // dp), -(-groups // dp)
         capacity = Capacity(
             sequences=n,
             length=max_len,
             group_size=r.group_size,
-            groups=max(r.prompts_per_step, cfg.sft.batch_size if cfg.sft.steps else 1),
+            groups=groups,
             prompt_len=plen,
             response_len=max_len - plen,
             turns=self.task.max_turns,
@@ -393,6 +503,7 @@ class Trainer:
         updates, _, _ = self._update(batch, self.sft_loss, self.sft_opt, 1, engine=self.sft_engine)
         m = dict(phase="sft", step=step, global_step=step + 1, lr=lr)
         m.update(step_metrics(batch, updates))
+        m.update(mesh_metrics(updates[-1].aux.stats))
         self.skipped += m["skipped"]
         return m
 
@@ -402,12 +513,12 @@ class Trainer:
         cfg = self.cfg
         reference = None
         if self.ref_params is not None and self.scorer is not None:
-            reference = functools.partial(self.scorer, self.ref_params)
+            reference = functools.partial(self.scorer, self._reference_params())
         batch, episode_metrics = rl_batch(
             cfg,
             self._problems(_SEED_RL, step, cfg.rollout.prompts_per_step),
             sampler=self.sampler,
-            params=self.params,
+            params=self._rollout_params(),
             tokenizer=self.tokenizer,
             task=self.task,
             reward_fn=self.reward_fn,
@@ -438,6 +549,7 @@ class Trainer:
         if self.value is not None and updates[-1].applied:
             m.update(self.value.train(batch.tokens, batch.loss_mask))
         m.update(step_metrics(batch, updates, cfg.algo, last_batch=last))
+        m.update(mesh_metrics(updates[-1].aux.stats))
         self.skipped += m["skipped"]
         return m
 
@@ -478,6 +590,7 @@ class Trainer:
         """A fresh optimizer for the RL phase; the reference policy = current weights."""
         if self.cfg.algo.kl_coef > 0:
             self.ref_params = jax.tree.map(lambda x: x, self.params)
+            self._ref_local = None
         self.opt_state = self.rl_opt.init(self.params)
 
     def _enter_rl(self):
@@ -492,7 +605,7 @@ class Trainer:
             return float("nan")
         trajs, _ = rollout(
             self.eval_sampler,
-            self.params,
+            self._rollout_params(),
             self.tokenizer,
             self.task,
             self.eval_problems,
@@ -578,9 +691,12 @@ class Trainer:
         self.opt_state = self._phase_opt(step - 1).init(self.params)
         self.ref_params = self.params if meta.get("has_ref") else None
         tree, meta = self.ckpt.restore(step, self.state_tree())
-        self.params = tree["params"]
+        self.params = self._place(tree["params"])
         self.opt_state = tree["opt_state"]
-        self.ref_params = tree.get("ref_params")
+        if self.mesh is not None:
+            self.opt_state = place_like(self.opt_state, self.params)
+        self.ref_params = self._place(tree.get("ref_params"))
+        self._ref_local = None
         if self.value is not None and "value" in tree:
             self.value.load_state(tree["value"])
         self.step = step
@@ -623,11 +739,12 @@ class Trainer:
             self.opt_state = (self.sft_opt if cfg.sft.steps else self.rl_opt).init(self.params)
             if cfg.sft.steps == 0:
                 self._start_rl()
-        self.logger = MetricsLogger(
-            cfg.out_dir,
+        me = jax.process_index()
+        self.logger = MetricsLogger(  # process i > 0: its own directory, no console
+            cfg.out_dir if me == 0 else os.path.join(cfg.out_dir, f"process_{me}"),
             total_steps=cfg.total_steps,
-            console=cfg.console,
-            tensorboard=cfg.tensorboard,
+            console=cfg.console and me == 0,
+            tensorboard=cfg.tensorboard and me == 0,
         )
         self.history = []
         eval_start = eval_end = self.eval_rl_start = None
@@ -662,9 +779,37 @@ class Trainer:
         )
 
 
+def mesh_metrics(stats: dict[str, Any]) -> dict[str, Any]:
+    """A sharded update's layout (``ShardedEngine`` stats): ``dp``, ``tp``, the
+    partition method, and the rank loads under the partition's cost model (model
+    FLOPs, not measured time): ``rank_load_max`` (the makespan), ``rank_load_mean``
+    and ``load_balance`` = max / mean. Empty for a single-device update."""
+    if "rank_loads" not in stats:
+        return {}
+    loads = np.asarray(stats["rank_loads"], np.float64)
+    return dict(
+        dp=int(stats["dp"]),
+        tp=int(stats["tp"]),
+        partition_method=stats["partition_method"],
+        rank_load_max=float(loads.max()),
+        rank_load_mean=float(loads.mean()),
+        load_balance=float(stats["load_balance"]),
+    )
+
+
 def train(cfg: TrainerConfig, **kwargs) -> TrainResult:
     """``Trainer(cfg, **kwargs).run()``."""
     return Trainer(cfg, **kwargs).run()
 
 
-__all__ = ["TrainResult", "Trainer", "build_model", "engine_config", "stop_sequences", "train"]
+__all__ = [
+    "TrainResult",
+    "Trainer",
+    "build_model",
+    "engine_config",
+    "mesh_metrics",
+    "partition_cost",
+    "stop_sequences",
+    "train",
+    "train_mesh",
+]

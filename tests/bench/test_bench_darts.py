@@ -16,6 +16,7 @@ TINY = [
     "rollout.max_new_tokens=12",
     "sft.batch_size=8",
     "task.max_verbosity=2",
+    "mesh.dp=1",
 ]
 
 

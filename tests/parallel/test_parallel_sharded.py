@@ -269,5 +269,5 @@ def test_bad_engine_and_weights():
     with pytest.raises(ShardingError, match="missing"):
         ShardedEngine(DFSEngine(model), jax.make_mesh((8,), ("data",)))
     sharded = ShardedEngine(DFSEngine(model), make_mesh(8, 1))
-    with pytest.raises(ShardingError, match="weights"):
-        sharded.value_and_grad(params, batch, LOSS, weights=np.ones(batch.num_sequences))
+    with pytest.raises(ShardingError, match=r"weights: shape \(3,\), expected"):
+        sharded.value_and_grad(params, batch, LOSS, weights=np.ones(3))

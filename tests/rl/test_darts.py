@@ -137,6 +137,7 @@ def test_trainer_runs_darts_and_resumes(tmp_path):
         out_dir=str(tmp_path),
         console=False,
         tensorboard=False,
+        mesh=dict(dp=1),
     )
     cfg = from_dict(TrainerConfig, raw)
     assert cfg.algo.darts.lambda_ == 1.0
@@ -183,6 +184,7 @@ def test_darts_batch_is_deterministic_under_a_fixed_seed(tmp_path):
         out_dir=str(tmp_path),
         console=False,
         tensorboard=False,
+        mesh=dict(dp=1),
     )
     tr = Trainer(from_dict(TrainerConfig, raw))
     probs = tr._problems(2, 0, 3)

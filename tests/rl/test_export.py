@@ -39,6 +39,7 @@ TINY = [
     "tensorboard=false",
     "checkpoint_every=1",
     "keep_checkpoints=5",
+    "mesh.dp=1",
     "algo.engine=dfs",
 ]
 

@@ -344,6 +344,7 @@ def test_trainer_step_with_minibatches_and_accumulation(tmp_path):
             "algo.engine=dense",
             "algo.minibatches=2",
             "algo.grad_accum=2",
+            "mesh.dp=1",
             "eval_problems=0",
             "console=false",
             "tensorboard=false",

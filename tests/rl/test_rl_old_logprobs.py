@@ -23,6 +23,7 @@ TINY = [
     "eval_problems=0",
     "console=false",
     "tensorboard=false",
+    "mesh.dp=1",
 ]
 
 

@@ -35,6 +35,7 @@ TINY = [
     "tensorboard=false",
     "checkpoint_every=1",
     "keep_checkpoints=5",
+    "mesh.dp=1",  # one device (the suite has 8 simulated ones; tests/rl/test_trainer_mesh.py)
 ]
 
 

@@ -125,6 +125,7 @@ def test_trainer_streams_the_reference_policy(tmp_path):
         out_dir=str(tmp_path),
         console=False,
         tensorboard=False,
+        mesh=dict(dp=1),
     )
     tr = Trainer(from_dict(TrainerConfig, raw))
     tr._start_rl()

@@ -1,0 +1,205 @@
+"""``Trainer`` on a mesh of the 8 simulated CPU devices: the same run as on one device.
+
+A run is ``Trainer(cfg, reward_fn=...).run()`` (what ``dtarl train`` does, with a
+reward that varies within a group so that GRPO's advantages are not all zero): tiny
+model, 2 GRPO steps with an entropy bonus and a KL term (the reference scorer runs
+on the mesh too), the fixed ``dfs`` engine, fp32. The single-device run is shared by
+the module.
+
+What is compared, and why the optimiser's epsilon is large here: AdamW's update
+lr m / (sqrt(v) + eps) turns an absolute gradient error d on an element whose |g| is
+near eps into an update error of up to lr d / eps. The sharded gradient is a psum over
+ranks, summed in another order than the single device's, so d ~ 1e-7 x max|g| on some
+elements; with eps = 1e-8 that is O(lr) on those elements whatever the mesh code does
+(measured: 1.6e-3 max-relative on the final embedding after 3 steps at dp=8, with the
+per-step gradient norms equal to 1e-7). With ``optim.eps=1`` (>> every |g| here) the
+update is linear in the gradients, so the updates compare at the gradients' own
+precision: per tensor max|upd_mesh - upd_1| <= 1e-5 max|upd_1| (+ 2 ulp of the
+params, the resolution of an update read as a difference of fp32 params), and the
+final parameters to 1e-5 relative. The per-step loss and gradient norm are compared at 1e-5 too.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from dtarl.parallel.mesh import param_shardings
+from dtarl.rl.checkpoint import CheckpointManager
+from dtarl.rl.config import ConfigError, MeshSection, load_config
+from dtarl.rl.trainer import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+RUN = [
+    "model.overrides={num_layers: 1}",
+    "task.max_operand=5",
+    "sft.steps=0",
+    "steps=2",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=2",
+    "algo.engine=dfs",
+    "algo.entropy_coef=0.01",
+    "algo.kl_coef=0.05",
+    "optim.lr=0.5",
+    "optim.eps=1.0",
+    "eval_problems=0",
+    "console=false",
+    "tensorboard=false",
+    "resume=false",
+]
+
+
+def _reward(problem, completion: str) -> float:
+    """Deterministic in the completion and spread over {0, 0.5, 1}."""
+    return (sum(completion.encode()) % 3) / 2
+
+
+def _run(out_dir, *mesh):
+    cfg = load_config(None, [*RUN, f"out_dir={out_dir}", *mesh])
+    trainer = Trainer(cfg, reward_fn=_reward)
+    start = jax.tree.map(np.asarray, trainer.params)
+    res = trainer.run()
+    return trainer, start, res
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("one"), "mesh.dp=1")
+
+
+def _leaves(tree):
+    return jax.tree.leaves(jax.tree.map(np.asarray, tree))
+
+
+@pytest.mark.parametrize("dp, tp", [(8, 1), (4, 2)])
+def test_mesh_run_equals_single_device(single, tmp_path, dp, tp):
+    one, start, ref = single
+    assert one.mesh is None and "dp" not in ref.history[-1]
+    tr, start_m, res = _run(tmp_path, f"mesh.dp={dp}", f"mesh.tp={tp}")
+    # The same rollouts (rewards, lengths) and the same per-step loss / gradient norm.
+    for a, b in zip(ref.history, res.history, strict=True):
+        assert a["advantage_abs_mean"] > 0  # a real policy gradient
+        for key in ("reward_mean", "response_len_mean"):
+            assert a[key] == b[key], key
+        for key in ("loss", "grad_norm", "kl"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-9, err_msg=key)
+        assert b["engine"] == "sharded[dfs]" and (b["dp"], b["tp"]) == (dp, tp)
+        assert b["partition_method"] == "balanced"
+        assert b["load_balance"] >= 1.0 and b["rank_load_max"] >= b["rank_load_mean"] > 0
+    # The updates, and so the final parameters, per tensor.
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(start)]
+    for name, s0, s1, a, b in zip(
+        names,
+        _leaves(start),
+        _leaves(start_m),
+        _leaves(ref.params),
+        _leaves(res.params),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(s0, s1)
+        upd_a, upd_b = a - s0, b - s0
+        assert np.abs(upd_a).max() > 0, f"{name}: not updated; the check would be vacuous"
+        # An update is read as a difference of fp32 params: +- 1 ulp of the params.
+        ulp = np.spacing(np.abs(a).max())
+        assert np.abs(upd_b - upd_a).max() <= 1e-5 * np.abs(upd_a).max() + 2 * ulp, name
+        assert np.abs(b - a).max() <= 1e-5 * np.abs(a).max(), name
+    # Params, reference and Adam's moments keep the rule table's shardings.
+    want = jax.tree.leaves(param_shardings(tr.params, tr.mesh))
+    got = jax.tree.leaves(res.params)
+    assert all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(got, want, strict=True))
+    assert all(
+        x.sharding.is_equivalent_to(s, x.ndim)
+        for x, s in zip(jax.tree.leaves(tr.ref_params), want, strict=True)
+    )
+    adam = tr.opt_state[1][0]
+    for moments in (adam.mu, adam.nu):
+        leaves = jax.tree.leaves(moments)
+        assert all(
+            x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(leaves, want, strict=True)
+        )
+    if tp > 1:  # something is split over tp (query heads at least)
+        assert any("tp" in str(s.spec) for s in want if isinstance(s, NamedSharding))
+
+
+def test_mesh_section_resolves_and_names_the_field():
+    assert MeshSection().resolve(8) == (8, 1)
+    assert MeshSection(tp=2).resolve(8) == (4, 2)
+    assert MeshSection(dp=2, tp=2).resolve(8) == (2, 2)  # one process: the first 4 devices
+    assert load_config(None, ["mesh.dp=4", "mesh.tp=2"]).mesh == MeshSection(dp=4, tp=2)
+    with pytest.raises(ConfigError, match=r"mesh.tp=3 does not divide the 8 devices.*\[1, 2"):
+        MeshSection(tp=3).resolve(8)
+    with pytest.raises(ConfigError, match=r"mesh.dp=4 x mesh.tp=4 = 16 devices.*<= 8"):
+        MeshSection(dp=4, tp=4).resolve(8)
+    with pytest.raises(ConfigError, match=r"multi-process run must use every device.*= 8"):
+        MeshSection(dp=2, tp=2).resolve(8, num_processes=2)
+    for bad in ("mesh.dp=0", "mesh.tp=-1"):
+        with pytest.raises(ConfigError, match=bad):
+            load_config(None, [bad])
+    with pytest.raises(ConfigError, match="mesh.dp='two' must be an integer"):
+        load_config(None, ["mesh.dp=two"])
+    with pytest.raises(ConfigError, match=r"mesh: unknown keys \['pp'\]"):
+        load_config(None, ["mesh.pp=2"])
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (
+            ["algo.kl_coef=0.1", "rollout.streaming.enabled=true"],
+            r"rollout.streaming.enabled=true is not supported on a mesh \(mesh.dp=8",
+        ),
+        (["rollout.prompts_per_step=2"], r"gives 4 sequences per engine call, fewer than the 8"),
+        (["rollout.engine=static"], r"rollout.engine=static has no mesh support"),
+        (["sft.steps=1", "sft.batch_size=4"], r"sft.batch_size=4 is smaller than the 8 dp"),
+    ],
+)
+def test_unsupported_mesh_combinations_are_refused(tmp_path, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        Trainer(load_config(None, [*RUN, f"out_dir={tmp_path}", "mesh.dp=8", *extra]))
+
+
+def test_two_process_run_equals_one_process(tmp_path):
+    """``dtarl launch --nproc 2 --devices-per-proc 2 -- train ...`` (gloo on localhost,
+    dp = 4 over both processes' devices) ends with the parameters of the same run in
+    one process on 4 devices: its final (sharded, multi-process) checkpoint restored
+    here compares to 1e-5 per tensor, updates included. (One process on a mesh equals
+    one device: ``test_mesh_run_equals_single_device``.) The reward is the task's,
+    all zero for the untrained model; the entropy and KL terms give the gradient."""
+    sets = [*RUN, f"out_dir={tmp_path / 'two'}"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "dtarl.parallel.launch", "--nproc", "2"]
+    cmd += ["--devices-per-proc", "2", "--init-timeout", "60", "--", "train"]
+    proc = subprocess.run(
+        cmd + [a for s in sets for a in ("--set", s)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[rank 1] done: 2 steps" in proc.stdout, proc.stdout[-3000:]
+
+    one = Trainer(load_config(None, [*RUN, f"out_dir={tmp_path / 'one'}", "mesh.dp=4"]))
+    start = _leaves(one.params)
+    ref = one.run()
+    ckpt = CheckpointManager(str(tmp_path / "two" / "checkpoints"))
+    assert ckpt.latest_step() == 2
+    tree, _ = ckpt.restore(2, one.state_tree())
+    two = [json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl")]
+    two = [r for r in two if r.get("phase") == "rl"]
+    for a, b in zip(ref.history, two, strict=True):
+        assert (b["dp"], b["tp"]) == (4, 1) and a["response_len_mean"] == b["response_len_mean"]
+        np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-5)
+    for s0, a, b in zip(start, _leaves(ref.params), _leaves(tree["params"]), strict=True):
+        ulp = np.spacing(np.abs(a).max())
+        assert np.abs(a - s0).max() > 0
+        assert np.abs((b - s0) - (a - s0)).max() <= 1e-5 * np.abs(a - s0).max() + 2 * ulp
+        assert np.abs(b - a).max() <= 1e-5 * np.abs(a).max()
