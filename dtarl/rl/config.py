@@ -250,6 +250,10 @@ class RolloutSection:
     # continuous engine: decode slots (0 = prompts_per_step x group_size: a step at once)
     slots: int = 0
     steps_per_call: int = 16  # continuous engine: decode steps per device call
+    # continuous engine: compile every rollout program (each decode window, prefill and,
+    # with tool turns, extend bucket) when a sampler is first used, so that a response
+    # growing past a window later in the run does not compile mid-step
+    warmup: bool = True
     streaming: StreamingSection = dataclasses.field(default_factory=StreamingSection)
 
     def __post_init__(self):

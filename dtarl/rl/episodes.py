@@ -431,6 +431,8 @@ class Scorer:
         self.temperature = logprob_temperature(temperature)
         self._fn = jax.jit(self._score)
         self._min = dict(n=1, t=8)
+        self._compiled: dict[tuple[int, int], Any] = {}  # (rows, length) -> executable
+        self._reserved: tuple[int, int] | None = None  # (rows, longest length) to warm
 
     def _score(self, weights, tokens_NxT):
         model = nnx.merge(self.graphdef, weights)
@@ -446,13 +448,36 @@ class Scorer:
         )
         return jnp.concatenate([jnp.zeros((n, 1), jnp.float32), lp], axis=1)
 
+    def reserve(self, *, sequences: int, length: int) -> Scorer:
+        """Sizes the row bucket for ``sequences`` up front and, at the first call,
+        compiles the program of every length bucket up to ``length``: a longer batch
+        later in the run then compiles nothing, while each batch still runs at its own
+        (power-of-two) length bucket."""
+        self._min["n"] = bucket(sequences, self._min["n"])
+        self._reserved = (self._min["n"], bucket(length, self._min["t"]))
+        return self
+
+    def _program(self, weights, n: int, t: int):
+        fn = self._compiled.get((n, t))
+        if fn is None:
+            arr = jax.ShapeDtypeStruct((n, t), jnp.int32)
+            fn = self._compiled[(n, t)] = self._fn.lower(weights, arr).compile()
+        return fn
+
     def __call__(self, weights, tokens: Sequence[np.ndarray]) -> list[np.ndarray]:
+        if self._reserved is not None:
+            n, top = self._reserved
+            t = self._min["t"]
+            while t <= top:
+                self._program(weights, n, t)
+                t *= 2
+            self._reserved = None
         self._min["n"] = n = bucket(len(tokens), self._min["n"])
         self._min["t"] = t = bucket(max(len(x) for x in tokens), self._min["t"])
         arr = np.zeros((n, t), np.int32)
         for i, x in enumerate(tokens):
             arr[i, : len(x)] = x
-        out = np.asarray(self._fn(weights, arr))
+        out = np.asarray(self._program(weights, n, t)(weights, arr))
         return [out[i, : len(x)].copy() for i, x in enumerate(tokens)]
 
 

@@ -102,6 +102,7 @@ from dtarl.rl.rewards import RewardErrorPolicy, RewardFn, compute_rewards
 from dtarl.rl.samplers import make_samplers
 from dtarl.rl.tasks import Problem, Task, make_task
 from dtarl.rl.value import ValueModel
+from dtarl.rollout.engine import ContinuousSampler
 from dtarl.rollout.sampler import Sampler
 from dtarl.rollout.stream import StreamingScorers
 from dtarl.timing import compile_seconds
@@ -297,6 +298,7 @@ class Trainer:
         self.eval_problems = self.task.generate(
             np.random.default_rng([cfg.seed, _SEED_EVAL]), cfg.eval_problems
         )
+        self._warm_engines: set[int] = set()  # rollout engines compiled by ``_warm``
         self._reserve()
         self.logger: MetricsLogger | None = None  # open during ``run``
         self.history: list[dict[str, Any]] = []  # the logged records of the current run
@@ -345,6 +347,17 @@ class Trainer:
         if not self.multiprocess or self.mesh is None:
             return self.params
         return jax.device_put(to_host(self.params), jax.local_devices()[0])
+
+    def _warm(self, sampler, params) -> None:
+        """``rollout.warmup``: the first use of a continuous sampler compiles all its
+        programs (every decode window, prefill and, with tool turns, extend bucket), so
+        that a response or tool output outgrowing the ones seen so far compiles nothing
+        later in the run."""
+        if not self.cfg.rollout.warmup or not isinstance(sampler, ContinuousSampler):
+            return
+        if id(sampler.engine) not in self._warm_engines:
+            sampler.warmup(params, extend=self.task.max_turns > 1)
+            self._warm_engines.add(id(sampler.engine))
 
     def _reference_params(self):
         """``ref_params`` as the KL scorer takes them (process-local in a multi-process run)."""
@@ -401,6 +414,8 @@ class Trainer:
             turns=self.task.max_turns,
         )
         self.engine.reserve(capacity)
+        if self.scorer is not None:  # the KL reference: every sequence of a step, unsplit
+            self.scorer.reserve(sequences=rows, length=max_len)
         if self.sft_engine is not self.engine:
             self.sft_engine.reserve(capacity)
 
@@ -514,11 +529,13 @@ class Trainer:
         reference = None
         if self.ref_params is not None and self.scorer is not None:
             reference = functools.partial(self.scorer, self._reference_params())
+        params = self._rollout_params()
+        self._warm(self.sampler, params)
         batch, episode_metrics = rl_batch(
             cfg,
             self._problems(_SEED_RL, step, cfg.rollout.prompts_per_step),
             sampler=self.sampler,
-            params=self._rollout_params(),
+            params=params,
             tokenizer=self.tokenizer,
             task=self.task,
             reward_fn=self.reward_fn,
@@ -603,9 +620,11 @@ class Trainer:
         """Greedy success rate on the fixed evaluation problems."""
         if not self.eval_problems:
             return float("nan")
+        params = self._rollout_params()
+        self._warm(self.eval_sampler, params)
         trajs, _ = rollout(
             self.eval_sampler,
-            self._rollout_params(),
+            params,
             self.tokenizer,
             self.task,
             self.eval_problems,

@@ -971,6 +971,14 @@ class ContinuousSampler:
             max_new_tokens=self.max_new_tokens,
         )
 
+    def warmup(self, weights, *, extend: bool = False) -> None:
+        """Compiles every program ``generate`` can need with these sampling settings
+        (each decode window, each prefill bucket and, with ``extend``, each extend
+        bucket), so that no later call compiles unless ``ensure`` rebuilds the engine."""
+        sp = self.sampling
+        filtered = bool(sp["temperature"] > 0 and (sp["top_k"] > 0 or sp["top_p"] < 1))
+        self.engine.warmup(self.engine.place(weights), filtered=filtered, extend=extend)
+
     def ensure(self, *, prompt_len: int, group_size: int, response_len: int = 0):
         """The engine, rebuilt larger if a prompt, a group or a response does not fit it."""
         c = self.engine.config

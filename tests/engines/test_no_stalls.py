@@ -12,6 +12,7 @@ from dtarl.engines.config import DFSConfig, EngineConfig, PrefixReuseConfig
 from dtarl.engines.prefix_reuse import deep_sequences
 from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model
+from dtarl.rl.episodes import Scorer
 
 # The run's maxima (a trainer reserves these from its config).
 PROMPTS, GROUP, PROMPT_LEN, RESPONSE_LEN, TURNS = 2, 4, 12, 24, 1
@@ -155,3 +156,20 @@ def test_reserved_dense_rows_are_the_capacity_length():
         .buckets["length"]
         == 576
     )
+
+
+def test_reserved_scorer_compiles_every_length_bucket_at_its_first_call(model_params):
+    """The KL reference scorer reserved for 4 rows of up to 40 tokens compiles the
+    length buckets 8..64 at its first call; a longer batch later compiles nothing,
+    each batch still runs at its own bucket, and the values equal an unreserved one."""
+    model, params = model_params
+    scorer = Scorer(model).reserve(sequences=4, length=40)
+    short = [np.arange(3, 10, dtype=np.int32)] * 4
+    got = scorer(params, short)
+    assert sorted(scorer._compiled) == [(4, 8), (4, 16), (4, 32), (4, 64)]
+    assert scorer._min == dict(n=4, t=8)  # the short batch ran at its own bucket
+    scorer(params, [np.arange(3, 40, dtype=np.int32)] * 3)
+    assert len(scorer._compiled) == 4 and scorer._min == dict(n=4, t=64)
+    want = Scorer(model)(params, short)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
