@@ -63,6 +63,7 @@ import contextlib
 import dataclasses
 import enum
 import hashlib
+import pickle
 import time
 from typing import Any
 
@@ -85,6 +86,7 @@ __all__ = [
     "ShardedPrepared",
     "ShardingError",
     "Strategy",
+    "allgather_objects",
     "sharded_value_and_grad",
     "time_strategies",
     "to_host",
@@ -555,6 +557,26 @@ def _gather_logprobs(logps: list) -> list[np.ndarray]:
         lp if lp is not None else all_flat[owner[i], offsets[i] : offsets[i + 1]].copy()
         for i, lp in enumerate(logps)
     ]
+
+
+def allgather_objects(obj: Any, *, what: str) -> list[Any]:
+    """Every process's ``obj`` (picklable), in process order, on every process.
+
+    Two all-gathers: the pickled sizes, then the pickles as uint8 rows padded to the
+    longest. One process: ``[obj]`` (no collective). ``what`` names the call in the
+    ``PeerLostError`` raised when a peer is lost meanwhile.
+    """
+    if jax.process_count() == 1:
+        return [obj]
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    with _collective(what):
+        sizes = np.asarray(
+            multihost_utils.process_allgather(np.array([data.size], np.int32))
+        ).reshape(-1)
+        row = np.zeros(max(int(sizes.max()), 1), np.uint8)
+        row[: data.size] = data
+        rows = np.asarray(multihost_utils.process_allgather(row))  # [P, longest]
+    return [pickle.loads(rows[i, : int(n)].tobytes()) for i, n in enumerate(sizes)]
 
 
 def sharded_value_and_grad(engine, params, batch: RolloutBatch, loss, mesh: Mesh, **kwargs):

@@ -24,6 +24,7 @@ from dtarl import advantages as adv_fns
 from dtarl.batch import RolloutBatch
 from dtarl.engines.base import logprob_temperature
 from dtarl.model.decoder import token_logprobs
+from dtarl.parallel.sharded import allgather_objects
 from dtarl.rl import darts
 from dtarl.rl.config import Algorithm, ConfigError, TrainerConfig
 from dtarl.rl.metrics import length_stats
@@ -120,6 +121,7 @@ def rollout(
     counts: Sequence[int] | None = None,
     early_stop: Sequence[bool] | None = None,
     stream: tuple[StreamingScorers, Any] | None = None,
+    index_offset: int = 0,
 ) -> tuple[list[Trajectory], dict[str, float]]:
     """Samples ``group_size`` trajectories per problem, running tool turns (multi-turn tasks).
 
@@ -135,7 +137,14 @@ def rollout(
     later turns re-prefill each distinct history once (samples that made the same
     calls share it); with the continuous engine (``ContinuousSampler``) a tool
     output is appended to the sample's own K/V and nothing is prefilled again.
+
+    ``index_offset`` (continuous engine only): ``problems`` are the problems
+    ``index_offset, index_offset + 1, ...`` of a larger batch (a process's share,
+    ``process_rollout``): problem i's group is keyed by ``fold_in(key, index_offset + i)``
+    as in the whole batch's rollout. ``problem_index`` stays local (0, 1, ...).
     """
+    if index_offset < 0:
+        raise ValueError(f"index_offset={index_offset}: must be >= 0")
     if isinstance(sampler, ContinuousSampler):
         return _rollout_continuous(
             sampler,
@@ -148,6 +157,13 @@ def rollout(
             counts=counts,
             early_stop=early_stop,
             stream=stream,
+            index_offset=index_offset,
+        )
+    if index_offset:
+        raise ConfigError(
+            f"rollout index_offset={index_offset} needs rollout.engine: continuous (the static "
+            "sampler keys a whole turn's batch with one seed, so a share of it samples "
+            "differently)"
         )
     if counts is not None or early_stop is not None:
         raise ConfigError("DARTS candidate counts need rollout.engine: continuous")
@@ -221,6 +237,7 @@ def _rollout_continuous(
     counts: Sequence[int] | None = None,
     early_stop: Sequence[bool] | None = None,
     stream: tuple[StreamingScorers, Any] | None = None,
+    index_offset: int = 0,
 ) -> tuple[list[Trajectory], dict[str, float]]:
     """``rollout`` on the continuous engine: one group per problem (its prompt prefilled
     once), tool turns continued in place with ``RolloutEngine.extend``.
@@ -250,7 +267,7 @@ def _rollout_continuous(
             prompt,
             n=counts[i],
             max_new_tokens=sampler.max_new_tokens,
-            seed=jax.random.fold_in(base, i),
+            seed=jax.random.fold_in(base, index_offset + i),
             hold=multi,
             until=complete_responses(group_size) if early_stop[i] else None,
             **sampler.sampling,
@@ -374,6 +391,91 @@ def _trajectories(tokenizer, prompts, parts, truncated, turns, owner) -> list[Tr
             )
         )
     return trajs
+
+
+def process_share(n: int, process: int, processes: int) -> tuple[int, int]:
+    """``[start, stop)`` of process ``process``'s contiguous share of ``n`` problems
+    (sizes differ by at most one; a process gets none when ``n < processes``)."""
+    if processes < 1 or not 0 <= process < processes:
+        raise ValueError(f"process={process}: need 0 <= process < processes={processes}")
+    return n * process // processes, n * (process + 1) // processes
+
+
+def _merge_rollout_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One rollout's stats from its processes' shares (those with problems): seconds and
+    peak K/V the slowest / largest process's, tokens summed, slot utilisation
+    averaged, decode calls concatenated in process order (every process's DARTS cost
+    model then observes the same calls)."""
+    out: dict[str, Any] = dict(
+        rollout_seconds=max(p["rollout_seconds"] for p in parts),
+        rollout_tokens=sum(p["rollout_tokens"] for p in parts),
+    )
+    out["rollout_tokens_per_s"] = out["rollout_tokens"] / max(out["rollout_seconds"], 1e-9)
+    if "rollout_slot_utilisation" in parts[0]:  # the continuous engine's
+        out.update(
+            rollout_slot_utilisation=float(np.mean([p["rollout_slot_utilisation"] for p in parts])),
+            rollout_peak_kv_bytes=max(p["rollout_peak_kv_bytes"] for p in parts),
+            decode_calls=[c for p in parts for c in p["decode_calls"]],
+            decode_seconds_per_step=max(p["decode_seconds_per_step"] for p in parts),
+        )
+    for name in ("stream_tokens", "stream_lag_tokens", "stream_tail_seconds"):
+        if name in parts[0]:
+            out[name] = sum(p[name] for p in parts)
+    return out
+
+
+def process_rollout(
+    sampler: Sampler | ContinuousSampler,
+    weights,
+    tokenizer,
+    task: Task,
+    problems: Sequence[Problem],
+    *,
+    group_size: int,
+    key: jax.Array,
+    counts: Sequence[int] | None = None,
+    early_stop: Sequence[bool] | None = None,
+) -> tuple[list[Trajectory], dict[str, Any]]:
+    """``rollout`` sharded over the processes of a multi-process run: each process
+    samples the groups of its contiguous share of ``problems`` (``process_share``; whole
+    groups, tool turns included) with their global keys (``index_offset``), then the
+    trajectories are all-gathered, so that every process returns the whole batch in
+    the order (and with the ``problem_index`` values) of ``rollout`` on all of it.
+    One process: ``rollout`` itself. Every process must call it with the same
+    arguments. Adds ``rollout_processes`` and ``rollout_local_prompts`` (this
+    process's share) to the stats.
+    """
+    procs, me = jax.process_count(), jax.process_index()
+    n = len(problems)
+    for name, vals in (("counts", counts), ("early_stop", early_stop)):
+        if vals is not None and len(vals) != n:
+            raise ValueError(f"{name}: {len(vals)} values for {n} problems (need one each)")
+    start, stop = process_share(n, me, procs)
+    local: tuple[list[Trajectory], dict[str, Any] | None] = ([], None)
+    if stop > start:
+        local = rollout(
+            sampler,
+            weights,
+            tokenizer,
+            task,
+            problems[start:stop],
+            group_size=group_size,
+            key=key,
+            counts=None if counts is None else counts[start:stop],
+            early_stop=None if early_stop is None else early_stop[start:stop],
+            index_offset=start,
+        )
+    shares = allgather_objects(
+        (start, *local), what=f"gathering the rollout's trajectories ({n} problems)"
+    )
+    trajs = [
+        dataclasses.replace(t, problem_index=t.problem_index + offset)
+        for offset, ts, _ in shares
+        for t in ts
+    ]
+    stats = _merge_rollout_stats([st for _, _, st in shares if st is not None])
+    stats.update(rollout_processes=procs, rollout_local_prompts=stop - start)
+    return trajs, stats
 
 
 def reference_batch(tokenizer, problems: Sequence[Problem]) -> RolloutBatch:
@@ -582,6 +684,7 @@ def rl_batch(
     more_problems: Callable[[int], Sequence[Problem]] | None = None,
     darts_state: darts.DartsState | None = None,
     stream: tuple[StreamingScorers, Any] | None = None,
+    shard_processes: bool = False,
 ) -> tuple[RolloutBatch | None, dict[str, Any]]:
     """One RL step's batch: ``cfg.rollout.group_size`` samples of each problem under
     ``params``, scored by ``reward_fn`` and shaped, filtered by dynamic sampling
@@ -599,6 +702,11 @@ def rl_batch(
     With ``darts_state`` (``algo.darts.enabled``) each problem gets the DARTS
     allocation's number of candidates and its training group is shaped from them
     (``_darts_shape``); the state's statistics are updated in place.
+
+    With ``shard_processes`` (a multi-process run) each generation batch is
+    ``process_rollout``: every process samples its share of the problems and all of
+    them get the whole batch (metrics ``rollout_processes``, ``rollout_local_prompts``:
+    this process's share of the step's problems, summed over generation batches).
 
     Returns ``(batch, metrics)``; ``batch`` is None when dynamic sampling kept no
     group (``metrics`` then say ``skipped=1`` and why).
@@ -621,18 +729,29 @@ def rl_batch(
             plan = darts.plan(
                 darts_state, keys, m=cfg.rollout.group_size, up_factor=dc.up_factor, lam=dc.lambda_
             )
-        b_trajs, stats = rollout(
-            sampler,
-            params,
-            tokenizer,
-            task,
-            batch_problems,
+        common = dict(
             group_size=cfg.rollout.group_size,
             key=t_key,
             counts=None if plan is None else plan.counts,
             early_stop=None if plan is None else plan.early_stop,
-            stream=stream,
         )
+        if shard_processes:
+            if stream is not None:
+                raise ConfigError(
+                    "rollout.streaming is not supported with a process-sharded rollout "
+                    "(the streaming reference scorers are single-process)"
+                )
+            b_trajs, stats = process_rollout(
+                sampler, params, tokenizer, task, batch_problems, **common
+            )
+            roll["rollout_processes"] = stats["rollout_processes"]
+            roll["rollout_local_prompts"] = (
+                roll.get("rollout_local_prompts", 0) + stats["rollout_local_prompts"]
+            )
+        else:
+            b_trajs, stats = rollout(
+                sampler, params, tokenizer, task, batch_problems, stream=stream, **common
+            )
         for name in ("stream_tokens", "stream_lag_tokens", "stream_tail_seconds"):
             if name in stats:
                 roll[name] = roll.get(name, 0.0) + stats[name]
@@ -761,6 +880,8 @@ __all__ = [
     "advantage_abs_mean",
     "Trajectory",
     "encode_prompt",
+    "process_rollout",
+    "process_share",
     "group_advantages",
     "reference_batch",
     "rl_batch",

@@ -76,6 +76,7 @@ from dtarl.rl.config import (
 from dtarl.rl.episodes import (
     Scorer,
     encode_prompt,
+    process_rollout,
     reference_batch,
     rl_batch,
     rollout,
@@ -343,7 +344,8 @@ class Trainer:
 
     def _rollout_params(self):
         """The params the samplers decode with: the mesh's own in one process; a
-        process-local copy (gathered from the mesh) in a multi-process run."""
+        process-local copy (gathered from the mesh) in a multi-process run, where each
+        process decodes its share of the problems (``process_rollout``)."""
         if not self.multiprocess or self.mesh is None:
             return self.params
         return jax.device_put(to_host(self.params), jax.local_devices()[0])
@@ -545,6 +547,7 @@ class Trainer:
             more_problems=functools.partial(self._refill_problems, step),
             darts_state=self.darts,
             stream=None if self.streamers is None else (self.streamers, self.ref_params),
+            shard_processes=self.multiprocess,
         )
         m = dict(phase="rl", step=step, global_step=cfg.sft.steps + step + 1)
         m["lr"] = self.rl_opt.lr(self.opt_state)  # this step's first update's
@@ -622,7 +625,7 @@ class Trainer:
             return float("nan")
         params = self._rollout_params()
         self._warm(self.eval_sampler, params)
-        trajs, _ = rollout(
+        trajs, _ = (process_rollout if self.multiprocess else rollout)(
             self.eval_sampler,
             params,
             self.tokenizer,

@@ -30,8 +30,10 @@ import pytest
 from jax.sharding import NamedSharding
 
 from dtarl.parallel.mesh import param_shardings
+from dtarl.parallel.sharded import allgather_objects
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import ConfigError, MeshSection, load_config
+from dtarl.rl.episodes import process_rollout, process_share, rollout
 from dtarl.rl.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -165,14 +167,20 @@ def test_unsupported_mesh_combinations_are_refused(tmp_path, extra, match):
         Trainer(load_config(None, [*RUN, f"out_dir={tmp_path}", "mesh.dp=8", *extra]))
 
 
+# The 2-process run's problems split 1 + 2 over its processes.
+UNEVEN = ["rollout.prompts_per_step=3"]
+
+
 def test_two_process_run_equals_one_process(tmp_path):
     """``dtarl launch --nproc 2 --devices-per-proc 2 -- train ...`` (gloo on localhost,
     dp = 4 over both processes' devices) ends with the parameters of the same run in
     one process on 4 devices: its final (sharded, multi-process) checkpoint restored
     here compares to 1e-5 per tensor, updates included. (One process on a mesh equals
     one device: ``test_mesh_run_equals_single_device``.) The reward is the task's,
-    all zero for the untrained model; the entropy and KL terms give the gradient."""
-    sets = [*RUN, f"out_dir={tmp_path / 'two'}"]
+    all zero for the untrained model; the entropy and KL terms give the gradient.
+    Each process samples only its share of the step's 3 problems (1 and 2: an uneven
+    split) and both train on the gathered batch (``process_rollout``)."""
+    sets = [*RUN, *UNEVEN, f"out_dir={tmp_path / 'two'}"]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "dtarl.parallel.launch", "--nproc", "2"]
     cmd += ["--devices-per-proc", "2", "--init-timeout", "60", "--", "train"]
@@ -187,19 +195,75 @@ def test_two_process_run_equals_one_process(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[rank 1] done: 2 steps" in proc.stdout, proc.stdout[-3000:]
 
-    one = Trainer(load_config(None, [*RUN, f"out_dir={tmp_path / 'one'}", "mesh.dp=4"]))
+    one = Trainer(load_config(None, [*RUN, *UNEVEN, f"out_dir={tmp_path / 'one'}", "mesh.dp=4"]))
     start = _leaves(one.params)
     ref = one.run()
     ckpt = CheckpointManager(str(tmp_path / "two" / "checkpoints"))
     assert ckpt.latest_step() == 2
     tree, _ = ckpt.restore(2, one.state_tree())
-    two = [json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl")]
-    two = [r for r in two if r.get("phase") == "rl"]
-    for a, b in zip(ref.history, two, strict=True):
+    logs = [tmp_path / "two" / "metrics.jsonl", tmp_path / "two" / "process_1" / "metrics.jsonl"]
+    two = [[json.loads(line) for line in open(f)] for f in logs]
+    two = [[r for r in recs if r.get("phase") == "rl"] for recs in two]
+    for a, b, b1 in zip(ref.history, *two, strict=True):
+        assert "rollout_processes" not in a  # one process: the rollout is not sharded
+        # Each process sampled its share of the 3 problems (1 and 2), then both held all.
+        assert (b["rollout_processes"], b["rollout_local_prompts"]) == (2, 1)
+        assert (b1["rollout_processes"], b1["rollout_local_prompts"]) == (2, 2)
         assert (b["dp"], b["tp"]) == (4, 1) and a["response_len_mean"] == b["response_len_mean"]
-        np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-5)
+        for key in ("grad_norm", "loss", "kl"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-9, err_msg=key)
+            np.testing.assert_allclose(b1[key], a[key], rtol=1e-5, atol=1e-9, err_msg=key)
     for s0, a, b in zip(start, _leaves(ref.params), _leaves(tree["params"]), strict=True):
         ulp = np.spacing(np.abs(a).max())
         assert np.abs(a - s0).max() > 0
         assert np.abs((b - s0) - (a - s0)).max() <= 1e-5 * np.abs(a - s0).max() + 2 * ulp
         assert np.abs(b - a).max() <= 1e-5 * np.abs(a).max()
+
+
+def test_rollout_share_with_index_offset_samples_as_the_whole_batch(single):
+    """A process's share of a step's problems (``process_rollout``: a contiguous slice,
+    whole groups, keyed by the global problem index through ``index_offset``) samples
+    exactly the trajectories of those problems in the whole batch's rollout, at a
+    smaller decode batch; uneven shares (2 + 3) included."""
+    tr = single[0]
+    problems = tr.task.generate(np.random.default_rng(7), 5)
+    key = jax.random.PRNGKey(11)
+
+    def run(probs, **kw):
+        return rollout(
+            tr.sampler, tr.params, tr.tokenizer, tr.task, probs, group_size=2, key=key, **kw
+        )[0]
+
+    whole = run(problems)
+    shares = run(problems[:2]) + run(problems[2:], index_offset=2)
+    assert len(shares) == len(whole) == 10
+    for a, b in zip(whole, shares, strict=True):
+        np.testing.assert_array_equal(b.tokens, a.tokens)
+        np.testing.assert_array_equal(b.old_logprobs, a.old_logprobs)
+        assert a.response_len > 0
+    # Without the offset the second share is keyed as problems 0, 1, 2: other samples.
+    unkeyed = run(problems[2:])
+    assert any(
+        not np.array_equal(a.tokens, b.tokens) for a, b in zip(whole[4:], unkeyed, strict=True)
+    )
+    # One process: process_rollout is the whole rollout, its share all the problems.
+    one, stats = process_rollout(
+        tr.sampler, tr.params, tr.tokenizer, tr.task, problems, group_size=2, key=key
+    )
+    assert [t.problem_index for t in one] == [t.problem_index for t in whole]
+    assert all(np.array_equal(a.tokens, b.tokens) for a, b in zip(whole, one, strict=True))
+    assert stats["rollout_processes"] == 1 and stats["rollout_local_prompts"] == 5
+    with pytest.raises(ValueError, match=r"counts: 2 values for 5 problems"):
+        process_rollout(
+            tr.sampler, tr.params, tr.tokenizer, tr.task, problems, group_size=2, key=key,
+            counts=[2, 2],
+        )  # fmt: skip
+
+
+def test_process_share_and_allgather_objects():
+    assert [process_share(5, p, 2) for p in range(2)] == [(0, 2), (2, 5)]
+    assert [process_share(2, p, 3) for p in range(3)] == [(0, 0), (0, 1), (1, 2)]
+    assert [process_share(8, p, 4) for p in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    with pytest.raises(ValueError, match=r"process=2: need 0 <= process < processes=2"):
+        process_share(4, 2, 2)
+    assert allgather_objects({"a": np.arange(3)}, what="test")[0]["a"].tolist() == [0, 1, 2]
