@@ -174,6 +174,21 @@ def train_mesh(section: MeshSection) -> jax.sharding.Mesh | None:
     return mesh_lib.make_mesh(dp, tp, devices=devices[: dp * tp])
 
 
+def rollout_mesh(mesh: jax.sharding.Mesh | None) -> jax.sharding.Mesh | None:
+    """The rollout samplers' mesh: the run's own in one process; in a multi-process run
+    (where each process decodes its share of the problems, ``process_rollout``) a mesh
+    of this process's devices, with the run's tp when it divides them (else tp = 1),
+    or None when the process has one device."""
+    if mesh is None or jax.process_count() == 1:
+        return mesh
+    local = jax.local_devices()
+    tp = int(mesh.shape[mesh_lib.TP])
+    tp = tp if len(local) % tp == 0 else 1
+    if len(local) == 1:
+        return None
+    return mesh_lib.make_mesh(len(local) // tp, tp, devices=local)
+
+
 def partition_cost(model) -> FlopCost:
     """The dp partition's cost model: the policy's training FLOPs per tree token
     (``FlopCost.from_transformer`` of its config: matmuls + attention depth)."""
@@ -221,6 +236,7 @@ class Trainer:
         stops = (self.tokenizer.eos_id,) + tuple(sq[0] for sq in tool if len(sq) == 1)
         stop_seqs = stop_sequences(self.tokenizer, r.stop) + tuple(sq for sq in tool if len(sq) > 1)
         self.max_response = r.max_new_tokens * self.task.max_turns
+        self.rollout_mesh = rollout_mesh(self.mesh)
         self.sampler, self.eval_sampler = make_samplers(
             cfg,
             self.model,
@@ -229,7 +245,7 @@ class Trainer:
             stop_sequences=stop_seqs,
             prompt_len=self._prompt_len(),
             response_len=self.max_response + 16 * (self.task.max_turns - 1),
-            mesh=None if self.multiprocess else self.mesh,
+            mesh=self.rollout_mesh,
         )
         # The engine's logprobs are those of logits / T, the sampler's (greedy: T = 1).
         self.temperature = training_temperature(r.temperature)
@@ -344,11 +360,15 @@ class Trainer:
 
     def _rollout_params(self):
         """The params the samplers decode with: the mesh's own in one process; a
-        process-local copy (gathered from the mesh) in a multi-process run, where each
+        process-local copy (gathered from the mesh, as host arrays that the sampler
+        places on its local mesh, ``rollout_mesh``) in a multi-process run, where each
         process decodes its share of the problems (``process_rollout``)."""
         if not self.multiprocess or self.mesh is None:
             return self.params
-        return jax.device_put(to_host(self.params), jax.local_devices()[0])
+        host = to_host(self.params)
+        return (
+            host if self.rollout_mesh is not None else jax.device_put(host, jax.local_devices()[0])
+        )
 
     def _warm(self, sampler, params) -> None:
         """``rollout.warmup``: the first use of a continuous sampler compiles all its
@@ -552,6 +572,8 @@ class Trainer:
         m = dict(phase="rl", step=step, global_step=cfg.sft.steps + step + 1)
         m["lr"] = self.rl_opt.lr(self.opt_state)  # this step's first update's
         m.update(episode_metrics)
+        if self.multiprocess:  # the devices this process decoded its share on
+            m["rollout_devices"] = 1 if self.rollout_mesh is None else self.rollout_mesh.size
         if batch is None:
             self.skipped += 1
             return m

@@ -206,9 +206,13 @@ def test_two_process_run_equals_one_process(tmp_path):
     two = [[r for r in recs if r.get("phase") == "rl"] for recs in two]
     for a, b, b1 in zip(ref.history, *two, strict=True):
         assert "rollout_processes" not in a  # one process: the rollout is not sharded
-        # Each process sampled its share of the 3 problems (1 and 2), then both held all.
-        assert (b["rollout_processes"], b["rollout_local_prompts"]) == (2, 1)
-        assert (b1["rollout_processes"], b1["rollout_local_prompts"]) == (2, 2)
+        # Each process sampled its share of the 3 problems (1 and 2) on its 2 devices,
+        # then both held all.
+        for rec, share in ((b, 1), (b1, 2)):
+            got = [
+                rec[k] for k in ("rollout_processes", "rollout_local_prompts", "rollout_devices")
+            ]
+            assert got == [2, share, 2]
         assert (b["dp"], b["tp"]) == (4, 1) and a["response_len_mean"] == b["response_len_mean"]
         for key in ("grad_norm", "loss", "kl"):
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-9, err_msg=key)
