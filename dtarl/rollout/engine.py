@@ -918,9 +918,11 @@ class ContinuousSampler:
     """The ``Sampler.generate`` interface on a ``RolloutEngine`` (the trainer's rollout).
 
     ``generate(weights, prompts, num_samples=G, seed=...)`` submits one group per
-    prompt (member j of prompt i gets key ``fold_in(fold_in(seed, i), j)``), runs
-    the engine and returns a ``SampleResult`` whose ``raw_logprobs`` are the
-    training policy's (logits / T). Top-k/top-p only shape the draws.
+    prompt (member j of prompt i gets key ``fold_in(fold_in(seed, i), j)``; with
+    ``index_offset=k`` prompt i is keyed as prompt k + i, so a share of a larger
+    batch samples as it does there), runs the engine and returns a ``SampleResult``
+    whose ``raw_logprobs`` are the training policy's (logits / T). Top-k/top-p only
+    shape the draws.
 
     A prompt longer than the engine's ``prompt_len`` or a group larger than its
     ``group_size`` rebuilds the engine with the next power-of-two size (new
@@ -1013,11 +1015,14 @@ class ContinuousSampler:
         seed: int | jax.Array = 0,
         max_new_tokens: Sequence[int] | None = None,
         forced_lengths: Sequence[int] | None = None,
+        index_offset: int = 0,
     ) -> SampleResult:
         t0 = time.perf_counter()
         q = len(prompts)
         if q == 0:
             raise EngineError("prompts: empty (need at least one prompt)")
+        if index_offset < 0:
+            raise EngineError(f"index_offset: need an int >= 0, got {index_offset}")
         counts = (
             [int(num_samples)] * q if np.ndim(num_samples) == 0 else [int(c) for c in num_samples]
         )
@@ -1050,7 +1055,7 @@ class ContinuousSampler:
                     n=n,
                     max_new_tokens=mx,
                     forced_lengths=fl,
-                    seed=_fold(base, i),
+                    seed=_fold(base, index_offset + i),
                     **self.sampling,
                 )
             )

@@ -33,7 +33,7 @@ from dtarl.parallel.mesh import param_shardings
 from dtarl.parallel.sharded import allgather_objects
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import ConfigError, MeshSection, load_config
-from dtarl.rl.episodes import process_rollout, process_share, rollout
+from dtarl.rl.episodes import encode_prompt, process_rollout, process_share, rollout
 from dtarl.rl.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -167,8 +167,8 @@ def test_unsupported_mesh_combinations_are_refused(tmp_path, extra, match):
         Trainer(load_config(None, [*RUN, f"out_dir={tmp_path}", "mesh.dp=8", *extra]))
 
 
-# The 2-process run's problems split 1 + 2 over its processes.
-UNEVEN = ["rollout.prompts_per_step=3"]
+# The 2-process run's problems (and evaluation problems) split 1 + 2 over its processes.
+UNEVEN = ["rollout.prompts_per_step=3", "eval_problems=3"]
 
 
 def test_two_process_run_equals_one_process(tmp_path):
@@ -203,8 +203,14 @@ def test_two_process_run_equals_one_process(tmp_path):
     tree, _ = ckpt.restore(2, one.state_tree())
     logs = [tmp_path / "two" / "metrics.jsonl", tmp_path / "two" / "process_1" / "metrics.jsonl"]
     two = [[json.loads(line) for line in open(f)] for f in logs]
-    two = [[r for r in recs if r.get("phase") == "rl"] for recs in two]
-    for a, b, b1 in zip(ref.history, *two, strict=True):
+    # The greedy evaluations (before and after training) too, on both processes.
+    evals = [
+        [r["eval_success_rate"] for r in recs if r.get("phase") == "eval"]
+        for recs in (ref.history, *two)
+    ]
+    assert len(evals[0]) == 2 and evals[0] == evals[1] == evals[2], evals
+    ref_rl, *two = [[r for r in recs if r.get("phase") == "rl"] for recs in (ref.history, *two)]
+    for a, b, b1 in zip(ref_rl, *two, strict=True):
         assert "rollout_processes" not in a  # one process: the rollout is not sharded
         # Each process sampled its share of the 3 problems (1 and 2) on its 2 devices,
         # then both held all.
@@ -250,6 +256,12 @@ def test_rollout_share_with_index_offset_samples_as_the_whole_batch(single):
     assert any(
         not np.array_equal(a.tokens, b.tokens) for a, b in zip(whole[4:], unkeyed, strict=True)
     )
+    # ContinuousSampler.generate's index_offset: the same keying, one turn.
+    prompts = [encode_prompt(tr.tokenizer, p.prompt) for p in problems]
+    full = tr.sampler.generate(tr.params, prompts, num_samples=2, seed=key)
+    tail = tr.sampler.generate(tr.params, prompts[2:], num_samples=2, seed=key, index_offset=2)
+    for j in range(6):
+        np.testing.assert_array_equal(tail.tokens[j], full.tokens[4 + j])
     # One process: process_rollout is the whole rollout, its share all the problems.
     one, stats = process_rollout(
         tr.sampler, tr.params, tr.tokenizer, tr.task, problems, group_size=2, key=key
