@@ -447,6 +447,8 @@ def process_rollout(
     """
     procs, me = jax.process_count(), jax.process_index()
     n = len(problems)
+    if n == 0:
+        raise ValueError("problems: empty (need at least one problem)")
     for name, vals in (("counts", counts), ("early_stop", early_stop)):
         if vals is not None and len(vals) != n:
             raise ValueError(f"{name}: {len(vals)} values for {n} problems (need one each)")

@@ -274,6 +274,8 @@ def test_rollout_share_with_index_offset_samples_as_the_whole_batch(single):
             tr.sampler, tr.params, tr.tokenizer, tr.task, problems, group_size=2, key=key,
             counts=[2, 2],
         )  # fmt: skip
+    with pytest.raises(ValueError, match=r"problems: empty"):
+        process_rollout(tr.sampler, tr.params, tr.tokenizer, tr.task, [], group_size=2, key=key)
 
 
 def test_process_share_and_allgather_objects():
