@@ -30,9 +30,11 @@ rule table and replicated over 'dp'; the training engines run through
 ``ShardedEngine`` (each batch cut over dp by the balanced partition, priced by the
 model's ``FlopCost``; auto picks one engine for all ranks) and the optimiser keeps
 the params' shardings. One process: the rollout and evaluation samplers decode on
-the same mesh (slots over dp, heads over tp). Several processes: every process
-decodes the whole rollout on its first local device from a host copy of the params
-(identical on every process; the training step is the sharded part). Checkpoints
+the same mesh (slots over dp, heads over tp). Several processes: each process
+decodes only its contiguous share of the problems (whole groups, global sampling
+keys) on a mesh of its own devices (``rollout_mesh``) from a host copy of the
+params, and the trajectories are all-gathered, so that every process holds the
+one-process run's batch (``process_rollout``; evaluation likewise). Checkpoints
 hold the sharded arrays (every process writes its own shards) and restore onto
 the run's mesh. Metric logs of process i > 0 go to ``out_dir/process_i``.
 """
