@@ -449,7 +449,6 @@ def test_watchdog_stops_a_run_without_progress(tmp_path):
     watchdog's 8 s (not the targets' 120 s), exits EXIT_WATCHDOG and names every rank
     with how long ago it last made progress."""
     (tmp_path / "hangs.py").write_text(HANGS)
-    t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "dtarl.parallel.launch", "--nproc", "2", "--devices-per-proc", "1"]
         + ["--init-timeout", "30", "--watchdog", "8", "--timeout", "100"]
@@ -459,7 +458,7 @@ def test_watchdog_stops_a_run_without_progress(tmp_path):
         timeout=120,
         env=_env(),
     )
-    elapsed = time.monotonic() - t0
+    # EXIT_WATCHDOG, not --timeout's 124: the watchdog stopped the 120 s sleepers.
     assert proc.returncode == launch_lib.EXIT_WATCHDOG, proc.stderr[-3000:]
     assert "[rank 0] rank started" in proc.stdout and "[rank 1] rank started" in proc.stdout
     assert "unreachable" not in proc.stdout
@@ -468,7 +467,6 @@ def test_watchdog_stops_a_run_without_progress(tmp_path):
     assert sorted(ages) == ["0", "1"], proc.stderr[-3000:]
     assert all(float(a) >= 8 for a in ages.values()), ages
     assert "stopping ranks [0, 1]" in proc.stderr
-    assert elapsed < 100  # the targets sleep 120 s; --timeout would exit 124
 
 
 @pytest.mark.parametrize(
