@@ -167,12 +167,14 @@ def test_dfs_features_follow_the_plan(shape):
 
 
 def test_auto_features_are_its_picks():
-
+    """auto's features are those of the engine it picked for this prepare. The pick is
+    not compared with a second, separate choice: auto adds each candidate's measured
+    host prepare seconds to the cost model, so two choices may differ on a loaded
+    machine when candidates are close."""
     b = grpo_groups(num_groups=2, group_size=4, prompt_len=30, response_len=(5, 40), seed=0)
     f = engine_features("auto", b, CFG)
-    pick, _, _ = _real_engine("auto").choose(b)
-    assert f.program == pick
-    assert f == engine_features(pick, b, CFG)  # auto's candidates: the default configs
+    assert f.program in _real_engine("auto").candidates
+    assert f == engine_features(f.program, b, CFG)  # auto's candidates: the default configs
 
 
 def test_unknown_engine_is_rejected():
