@@ -1,0 +1,509 @@
+"""PAT: adaptive tensor parallelism during generation (papers/003 §4.2-4.3).
+
+The rollout engine (``dtarl.rollout.engine``) decodes on a ('dp', 'tp') mesh of D
+devices; ``RolloutEngine.reshard`` changes the mesh shape (and compacts the live
+requests into fewer slots) between two decode calls. This module decides *when*
+and *to what*:
+
+* **Profile** (``profile_engine``; ``dtarl bench rollout --profile OUT.json``):
+  for each TP in {1, 2, 4, 8} that divides the kv heads and D, on a sparse grid of
+  (B, L) with B * L <= ``token_cap`` (B: requests per DP group, L: context tokens
+  per request): one prefill of B * dp dummy prompts of L tokens, then a short decode
+  window (median per-step seconds over the calls that compiled nothing); the
+  prefill's seconds on the same grid; the weight-reshard and K/V-move bandwidths
+  (``jax.device_put`` between the shardings of two meshes); the seconds of one
+  decode compile. The JSON records the model, the device kind, the jax version and
+  the mesh axes (``Profile.save`` / ``Profile.load``).
+* **Predictor** (``Predictor``): per-step latency ``l(B, T; tp)`` with T the
+  aggregate context tokens *per DP group*: piecewise linear in T for every
+  profiled B (linear extrapolation from the end segments, floored at zero),
+  interpolated linearly between the two nearest profiled B (below the smallest B:
+  the smallest B's curve; above the largest: linear extrapolation from the two
+  largest). ``est_rem_time`` sums it over the remaining steps as the context grows
+  (Alg. 1's ``est_rem_time``). ``leave_one_out`` reports the error on held-out grid
+  points.
+* **Switch cost** (``switch_cost``): weight bytes / reshard bandwidth +
+  min(T_move, T_recomp) + a compile when the target program is not cached.
+  T_move is Eq. 1-2 (valid K/V bytes per source rank / per-rank bandwidth),
+  T_recomp Eq. 3-4 (profiled prefill at the RMS context length).
+* **Controller** (``PatController``; Alg. 1): every ``check_every`` decode calls,
+  when no request waits, it compares the predicted remaining time now with the
+  remaining time + switch cost of every candidate TP (the live requests merged
+  into the fewest slots the target DP spreads evenly) and switches to the best one
+  when it is lower. It can switch several times per generation, records a
+  timeline, and plugs in as the engine's ``on_call`` hook.
+
+*What B and T mean on this engine.* A decode program computes every slot and
+reads padded K/V: the whole prompt pool (Q prompt rows x M members x P rows, the
+cascade's prompt part) and every slot's response rows up to the call's window. So
+its cost depends on the program's shape, not on how many slots are still active:
+the controller predicts with B = slots / dp and T = (Q M P + slots x window) / dp,
+the rows one DP group's program reads per step. The profile's programs are built
+so that the same definition holds there (one member per prompt: T = B (L + W)
+with W the profile's response window). The *paper's* B and T (active requests and
+their summed contexts, ``stats()['active_per_step']`` / ``['context_per_step']``)
+are what ``replay`` feeds a saved profile, to predict the gain on an engine whose
+step cost follows the active batch (e.g. a GPU server); that is a prediction and
+is labelled so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT = "dtarl.pat.profile/1"
+TP_DEGREES = (1, 2, 4, 8)
+
+
+class PatError(ValueError):
+    """Bad PAT input (profile, candidates, state); the message names the field."""
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Profile:
+    """An offline profile (module docstring). ``decode``/``prefill``: rows
+    ``{"tp", "b", "l", "t", "seconds"}`` (decode: seconds per step; prefill: seconds
+    of the call; b per DP group; t = the tokens one DP group reads per step)."""
+
+    model: dict[str, Any]
+    device_kind: str
+    platform: str
+    jax_version: str
+    devices: int
+    mesh_axes: tuple[str, ...]
+    token_cap: int
+    window: int
+    decode: tuple[dict[str, float], ...]
+    prefill: tuple[dict[str, float], ...]
+    weight_bytes: int
+    weights_bytes_per_s: float
+    kv_bytes_per_s: float
+    compile_s: float
+    notes: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["mesh_axes"] = list(self.mesh_axes)
+        d["decode"] = [dict(r) for r in self.decode]
+        d["prefill"] = [dict(r) for r in self.prefill]
+        return {"format": FORMAT, **d}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Profile:
+        path = Path(path)
+        if not path.is_file():
+            raise PatError(
+                f"PAT profile {path}: no such file (make one with "
+                "`dtarl bench rollout --profile OUT.json`)"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise PatError(f"PAT profile {path}: not JSON ({e})") from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "<dict>") -> Profile:
+        """Validates every field; errors name ``source`` and the field."""
+
+        def fail(field: str, why: str):
+            raise PatError(f"PAT profile {source}: {field} {why}")
+
+        if not isinstance(data, dict):
+            fail("top level", f"must be an object, got {type(data).__name__}")
+        if data.get("format") != FORMAT:
+            fail("format", f"must be {FORMAT!r}, got {data.get('format')!r}")
+        for name in ("device_kind", "platform", "jax_version"):
+            if not isinstance(data.get(name), str):
+                fail(name, f"must be a string, got {data.get(name)!r}")
+        if not isinstance(data.get("model"), dict):
+            fail("model", f"must be an object (the model config), got {data.get('model')!r}")
+        for name in ("devices", "token_cap", "window", "weight_bytes"):
+            v = data.get(name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                fail(name, f"must be an int >= 1, got {v!r}")
+        for name in ("weights_bytes_per_s", "kv_bytes_per_s"):
+            v = data.get(name)
+            if not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+                fail(name, f"must be a finite number > 0, got {v!r}")
+        v = data.get("compile_s")
+        if not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            fail("compile_s", f"must be a finite number >= 0, got {v!r}")
+        axes = data.get("mesh_axes")
+        if not isinstance(axes, list) or not all(isinstance(a, str) for a in axes):
+            fail("mesh_axes", f"must be a list of axis names, got {axes!r}")
+        tables = {}
+        for table in ("decode", "prefill"):
+            rows = data.get(table)
+            if not isinstance(rows, list) or not rows:
+                fail(table, f"must be a non-empty list of points, got {rows!r}")
+            out = []
+            for i, r in enumerate(rows):
+                if not isinstance(r, dict):
+                    fail(f"{table}[{i}]", f"must be an object, got {r!r}")
+                for k in ("tp", "b", "l"):
+                    x = r.get(k)
+                    if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+                        fail(f"{table}[{i}].{k}", f"must be an int >= 1, got {x!r}")
+                for k in ("t", "seconds"):
+                    x = r.get(k)
+                    if not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
+                        fail(f"{table}[{i}].{k}", f"must be a finite number >= 0, got {x!r}")
+                if r["tp"] not in TP_DEGREES or data["devices"] % r["tp"]:
+                    fail(
+                        f"{table}[{i}].tp",
+                        f"must be one of {TP_DEGREES} dividing devices={data['devices']}, "
+                        f"got {r['tp']}",
+                    )
+                out.append({k: r[k] for k in ("tp", "b", "l", "t", "seconds")})
+            tables[table] = tuple(out)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        known = {k: data[k] for k in fields if k in data}
+        known.update(tables, mesh_axes=tuple(axes), notes=str(data.get("notes", "")))
+        return cls(**known)
+
+
+# ----------------------------------------------------------------------------- predictor
+
+
+def _pwl(x, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Piecewise linear through (xs, ys) (sorted, distinct), extended linearly by the end
+    segments and floored at zero; a single point is a constant."""
+    x = np.asarray(x, np.float64)
+    if xs.size == 1:
+        return np.full(x.shape, ys[0])
+    y = np.interp(x, xs, ys)
+    lo, hi = x < xs[0], x > xs[-1]
+    s0 = (ys[1] - ys[0]) / (xs[1] - xs[0])
+    s1 = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    y = np.where(lo, ys[0] + s0 * (x - xs[0]), y)
+    y = np.where(hi, ys[-1] + s1 * (x - xs[-1]), y)
+    return np.maximum(y, 0.0)
+
+
+def _curves(rows, key: str) -> dict[int, dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """{tp: {b: (x sorted, seconds)}} with x = row[key]; repeated x are averaged."""
+    acc: dict[int, dict[int, dict[float, list[float]]]] = {}
+    for r in rows:
+        acc.setdefault(int(r["tp"]), {}).setdefault(int(r["b"]), {}).setdefault(
+            float(r[key]), []
+        ).append(float(r["seconds"]))
+    out = {}
+    for tp, per_b in acc.items():
+        out[tp] = {}
+        for b, pts in per_b.items():
+            xs = np.asarray(sorted(pts), np.float64)
+            out[tp][b] = (xs, np.asarray([np.mean(pts[x]) for x in xs], np.float64))
+    return out
+
+
+def _in_b(curves: dict[int, tuple[np.ndarray, np.ndarray]], b: float, x) -> np.ndarray:
+    """Interpolates the per-B curves at batch ``b`` (module docstring: clamped below the
+    smallest profiled B, linear between neighbours and above the largest)."""
+    bs = sorted(curves)
+    if len(bs) == 1 or b <= bs[0]:
+        return _pwl(x, *curves[bs[0]])
+    if b in curves:
+        return _pwl(x, *curves[int(b)])
+    i = int(np.searchsorted(bs, b))
+    lo, hi = (bs[-2], bs[-1]) if i >= len(bs) else (bs[i - 1], bs[i])
+    ylo, yhi = _pwl(x, *curves[lo]), _pwl(x, *curves[hi])
+    return np.maximum(ylo + (yhi - ylo) * (b - lo) / (hi - lo), 0.0)
+
+
+class Predictor:
+    """Latency predictions from a ``Profile`` (module docstring)."""
+
+    def __init__(self, profile: Profile):
+        self.profile = profile
+        self._decode = _curves(profile.decode, "t")
+        self._prefill = _curves(profile.prefill, "l")
+
+    @property
+    def tps(self) -> tuple[int, ...]:
+        return tuple(sorted(self._decode))
+
+    def _check(self, table, tp: int, what: str):
+        if tp not in table:
+            raise PatError(f"{what}: tp={tp} is not in the profile (profiled: {sorted(table)})")
+
+    def step_seconds(self, tp: int, b: float, t) -> np.ndarray:
+        """Seconds of one decode step at B = ``b`` per DP group, T = ``t`` tokens per DP group."""
+        self._check(self._decode, tp, "step_seconds")
+        return _in_b(self._decode[tp], float(b), t)
+
+    def prefill_seconds(self, tp: int, b: float, length) -> np.ndarray:
+        """Seconds of a prefill of ``b`` prompts of ``length`` tokens per DP group."""
+        self._check(self._prefill, tp, "prefill_seconds")
+        return _in_b(self._prefill[tp], float(b), length)
+
+    def est_rem_time(
+        self,
+        tp: int,
+        batch_per_dp_group: float,
+        l_max: int,
+        l_gen: int,
+        *,
+        context: float | None = None,
+    ) -> float:
+        """Alg. 1's remaining decode time: steps ``l_gen .. l_max - 1``, each at
+        ``l(B, T_k; tp)`` with ``T_k = context + B k`` (every request grows by one token a
+        step; ``context`` defaults to ``B * l_gen``, the paper's T without prompts)."""
+        b = float(batch_per_dp_group)
+        n = int(l_max) - int(l_gen)
+        if n <= 0 or b <= 0:
+            return 0.0
+        c = b * l_gen if context is None else float(context)
+        t = c + b * np.arange(n, dtype=np.float64)
+        return float(np.sum(self.step_seconds(tp, b, t)))
+
+
+def leave_one_out(profile: Profile) -> list[dict[str, float]]:
+    """Each decode grid point predicted from the profile without it (points whose TP has
+    no other point are skipped): rows ``{tp, b, l, t, seconds, predicted, rel_error}``."""
+    out = []
+    rows = list(profile.decode)
+    for i, r in enumerate(rows):
+        rest = rows[:i] + rows[i + 1 :]
+        if not any(x["tp"] == r["tp"] for x in rest):
+            continue
+        p = Predictor(dataclasses.replace(profile, decode=tuple(rest)))
+        pred = float(p.step_seconds(r["tp"], r["b"], r["t"]))
+        rel = abs(pred - r["seconds"]) / max(r["seconds"], 1e-12)
+        out.append(dict(r, predicted=pred, rel_error=rel))
+    return out
+
+
+# ----------------------------------------------------------------------------- switch cost
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchCost:
+    """Predicted seconds of one switch; ``mode`` is the cheaper K/V handling."""
+
+    weights_s: float
+    move_s: float
+    recompute_s: float
+    compile_s: float
+
+    @property
+    def mode(self) -> str:
+        return "migrate" if self.move_s <= self.recompute_s else "recompute"
+
+    @property
+    def kv_s(self) -> float:
+        return min(self.move_s, self.recompute_s)
+
+    @property
+    def total(self) -> float:
+        return self.weights_s + self.kv_s + self.compile_s
+
+
+def kv_rank_bytes(model: dict[str, Any], contexts: Sequence[int], tp_src: int) -> int:
+    """Eq. 1: K/V bytes a source rank sends, ``sum_i 2 M L_i (K Dh / tp_src) s``."""
+    item = np.dtype(model.get("compute_dtype", "float32")).itemsize
+    width = int(model["num_kv_heads"]) * int(model["head_dim"])
+    per_token = 2 * int(model["num_layers"]) * width * item
+    return int(sum(int(x) for x in contexts) * per_token // tp_src)
+
+
+def switch_cost(
+    predictor: Predictor,
+    *,
+    tp_src: int,
+    tp_dst: int,
+    contexts: Sequence[int],
+    cached: bool,
+) -> SwitchCost:
+    """Cost of switching ``tp_src -> tp_dst`` with unfinished requests of full context
+    lengths ``contexts`` (prompt + generated): weights + min(T_move, T_recomp) +
+    compile (when the target program is not ``cached``)."""
+    prof = predictor.profile
+    dp_dst = prof.devices // tp_dst
+    weights_s = prof.weight_bytes / prof.weights_bytes_per_s
+    ctx = np.asarray(contexts, np.float64)
+    if ctx.size == 0:
+        return SwitchCost(weights_s, 0.0, 0.0, 0.0 if cached else prof.compile_s)
+    move_s = kv_rank_bytes(prof.model, ctx.astype(np.int64), tp_src) / prof.kv_bytes_per_s
+    b = math.ceil(ctx.size / dp_dst)
+    l_rms = float(np.sqrt(np.mean(ctx**2)))
+    recompute_s = float(predictor.prefill_seconds(tp_dst, b, l_rms))
+    return SwitchCost(weights_s, move_s, recompute_s, 0.0 if cached else prof.compile_s)
+
+
+# ----------------------------------------------------------------------------- engine model
+
+
+def decode_windows(response_len: int) -> list[int]:
+    """The engine's decode windows (``RolloutEngine._windows``): R/4, R/2, R (>= 16)."""
+    r = int(response_len)
+    return sorted({w for w in (r // 4, r // 2, r) if w >= 16} | {r})
+
+
+def merged_slots(live: int, dp: int, cap: int) -> int:
+    """Slots after merging ``live`` requests onto ``dp`` groups: the smallest
+    ``dp * 2^k`` >= live (at least dp), capped at ``cap`` (the engine's default)."""
+    s = dp
+    while s < live:
+        s *= 2
+    return min(s, max(cap, dp))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineState:
+    """What the controller reads from the engine between two decode calls.
+
+    lengths / remaining: response rows held and tokens still to generate of each
+    live (running) request; tp, dp, slots: the current program; cells: prompt
+    rows x members (Q M); prompt_len, response_len, steps_per_call, max_slots:
+    the engine's config; waiting: a request waits in the queue; cached(dp, tp,
+    slots): the target program is compiled."""
+
+    tp: int
+    dp: int
+    slots: int
+    lengths: np.ndarray
+    prompts: np.ndarray
+    remaining: np.ndarray
+    waiting: bool
+    cells: int
+    prompt_len: int
+    response_len: int
+    steps_per_call: int
+    max_slots: int
+    cached: Callable[[int, int, int], bool] = lambda dp, tp, slots: True
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp
+
+
+def program_tokens(state: EngineState, slots: int, dp: int, window) -> np.ndarray:
+    """T of the engine's decode program per DP group (module docstring)."""
+    w = np.asarray(window, np.float64)
+    return (state.cells * state.prompt_len + slots * w) / dp
+
+
+def engine_rem_time(predictor: Predictor, state: EngineState, tp: int, slots: int) -> float:
+    """Predicted seconds of the decode steps left when the live requests run on a program
+    of ``slots`` slots at ``tp`` (B = slots / dp; the window follows the longest active
+    request as the engine picks it, per call)."""
+    if state.lengths.size == 0:
+        return 0.0
+    dp = state.devices // tp
+    n = int(state.remaining.max())
+    k = np.arange(n)
+    active = state.remaining[None, :] > k[:, None]
+    longest = np.max(np.where(active, state.lengths[None, :] + k[:, None], 0), axis=1)
+    s = state.steps_per_call
+    # The engine picks a window per call, from the longest length at the call's start.
+    start = (k // s) * s
+    longest_at_call = longest[start]
+    need = longest_at_call + s + 1
+    ws = np.asarray(decode_windows(state.response_len))
+    idx = np.minimum(np.searchsorted(ws, need), ws.size - 1)
+    t = program_tokens(state, slots, dp, ws[idx])
+    return float(np.sum(predictor.step_seconds(tp, slots / dp, t)))
+
+
+# ----------------------------------------------------------------------------- controller
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Alg. 1's outcome at one check: ``tp`` (and ``slots``) to run next."""
+
+    tp: int
+    slots: int
+    mode: str
+    now_s: float  # predicted remaining time without a switch
+    best_s: float  # remaining time + switch cost of the chosen target
+    cost: SwitchCost | None
+    candidates: dict[int, float]  # tp -> remaining + cost
+
+    @property
+    def switch(self) -> bool:
+        return self.cost is not None
+
+
+def decide(predictor: Predictor, state: EngineState, candidates: Sequence[int]) -> Decision:
+    """Algorithm 1 on one engine state: the candidate with the least remaining time +
+    switch cost; a switch only when that beats the remaining time now."""
+    now = engine_rem_time(predictor, state, state.tp, state.slots)
+    best = Decision(state.tp, state.slots, "none", now, now, None, {state.tp: now})
+    live = int(state.lengths.size)
+    if state.waiting or live == 0:
+        return best
+    contexts = state.prompts + state.lengths
+    for tp in candidates:
+        if tp == state.tp:
+            continue
+        dp = state.devices // tp
+        slots = merged_slots(live, dp, state.max_slots)
+        rem = engine_rem_time(predictor, state, tp, slots)
+        cost = switch_cost(
+            predictor,
+            tp_src=state.tp,
+            tp_dst=tp,
+            contexts=contexts,
+            cached=state.cached(dp, tp, slots),
+        )
+        total = rem + cost.total
+        best.candidates[tp] = total
+        if total < best.best_s:
+            best = Decision(tp, slots, cost.mode, now, total, cost, best.candidates)
+    return best
+
+
+def check_candidates(candidates: Sequence[int], *, devices: int, kv_heads: int) -> tuple[int, ...]:
+    """The TP candidates, validated: each in (1, 2, 4, 8), dividing the devices and the kv
+    heads."""
+    out = []
+    for tp in candidates:
+        if tp not in TP_DEGREES or devices % tp or kv_heads % tp:
+            raise PatError(
+                f"tp_candidates: {tp} must be one of {TP_DEGREES} dividing the devices "
+                f"({devices}) and the kv heads ({kv_heads})"
+            )
+        out.append(int(tp))
+    if not out:
+        raise PatError("tp_candidates: empty (need at least one TP degree)")
+    return tuple(sorted(set(out)))
+
+
+__all__ = [
+    "FORMAT",
+    "TP_DEGREES",
+    "Decision",
+    "EngineState",
+    "PatError",
+    "Predictor",
+    "Profile",
+    "SwitchCost",
+    "check_candidates",
+    "decide",
+    "decode_windows",
+    "engine_rem_time",
+    "kv_rank_bytes",
+    "leave_one_out",
+    "merged_slots",
+    "program_tokens",
+    "switch_cost",
+]

@@ -1,0 +1,229 @@
+"""PAT's profile, predictor, switch cost and controller (dtarl.rollout.pat)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from dtarl.rollout import pat
+
+MODEL = dict(num_layers=2, num_kv_heads=8, head_dim=4, compute_dtype="float32")
+
+
+def make_profile(
+    step, prefill=lambda tp, b, l: 1e-3 * b * l / tp, *, bs=(1, 4, 16), ls=(8, 64, 512), **kw
+):
+    """A synthetic profile: decode seconds per step ``step(tp, b, t)`` on the grid."""
+    dec, pre = [], []
+    for tp in pat.TP_DEGREES:
+        for b in bs:
+            for l in ls:
+                t = b * (l + 16)
+                dec.append(dict(tp=tp, b=b, l=l, t=t, seconds=float(step(tp, b, t))))
+                pre.append(dict(tp=tp, b=b, l=l, t=b * l, seconds=float(prefill(tp, b, l))))
+    base = dict(
+        model=dict(MODEL),
+        device_kind="synthetic",
+        platform="cpu",
+        jax_version="0",
+        devices=8,
+        mesh_axes=("dp", "tp"),
+        token_cap=8192,
+        window=16,
+        decode=tuple(dec),
+        prefill=tuple(pre),
+        weight_bytes=1000,
+        weights_bytes_per_s=1e6,
+        kv_bytes_per_s=1e6,
+        compile_s=0.5,
+    )
+    base.update(kw)
+    return pat.Profile(**base)
+
+
+def linear(tp, b, t):
+    return 1e-3 * (1 + 0.5 * tp) + 2e-4 * b + 1e-6 * t
+
+
+def test_predictor_exact_on_grid_and_linear_between():
+    # Nonlinear in t and b: exact on grid points, linear between them.
+    step = lambda tp, b, t: 1e-3 * tp + 1e-4 * b**1.5 + 1e-7 * t**1.3  # noqa: E731
+    p = pat.Predictor(make_profile(step))
+    for r in p.profile.decode:
+        assert float(p.step_seconds(r["tp"], r["b"], r["t"])) == pytest.approx(r["seconds"], 1e-12)
+    # Midway in T on one B curve: the mean of the two neighbours.
+    t0, t1 = 4 * (8 + 16), 4 * (64 + 16)
+    mid = float(p.step_seconds(2, 4, (t0 + t1) / 2))
+    assert mid == pytest.approx((step(2, 4, t0) + step(2, 4, t1)) / 2, 1e-12)
+    # Between B = 4 and 16 at a fixed T: linear in B of the two curves at that T.
+    t = 1000.0
+    y4, y16 = float(p.step_seconds(1, 4, t)), float(p.step_seconds(1, 16, t))
+    assert float(p.step_seconds(1, 7, t)) == pytest.approx(y4 + (y16 - y4) * 3 / 12, 1e-12)
+    # Below the smallest B: the smallest B's curve; above the largest: linear extension.
+    assert float(p.step_seconds(1, 0.5, t)) == pytest.approx(float(p.step_seconds(1, 1, t)))
+    y32 = float(p.step_seconds(1, 32, t))
+    assert y32 == pytest.approx(y16 + (y16 - y4) * 16 / 12, 1e-12)
+    with pytest.raises(pat.PatError, match="tp=3 is not in the profile"):
+        p.step_seconds(3, 1, 10)
+
+
+def test_predictor_linear_profile_is_exact_everywhere_and_loo_zero():
+    p = pat.Predictor(make_profile(linear))
+    for tp, b, t in [(1, 2.5, 100.0), (4, 9, 3000.0), (8, 40, 20000.0), (2, 1, 1.0)]:
+        assert float(p.step_seconds(tp, b, t)) == pytest.approx(linear(tp, b, t), 1e-9)
+    errs = pat.leave_one_out(p.profile)
+    assert len(errs) == len(p.profile.decode)
+    assert max(e["rel_error"] for e in errs) < 1e-9
+
+
+def test_est_rem_time_by_hand():
+    p = pat.Predictor(make_profile(linear))
+    # b = 2, steps l_gen=2..4, T_k = 2*2 + 2k = 4, 6, 8.
+    want = sum(linear(4, 2, t) for t in (4, 6, 8))
+    assert p.est_rem_time(4, 2, 5, 2) == pytest.approx(want, 1e-12)
+    want = sum(linear(4, 2, t) for t in (100, 102))
+    assert p.est_rem_time(4, 2, 4, 2, context=100) == pytest.approx(want, 1e-12)
+    assert p.est_rem_time(4, 2, 3, 3) == 0.0
+
+
+def test_switch_cost_by_hand():
+    prof = make_profile(linear)
+    p = pat.Predictor(prof)
+    contexts = [10, 20, 30]
+    # Eq. 1: 2 x layers x L x (kv heads x head dim / tp_src) x 4 bytes.
+    per_rank = 2 * 2 * 60 * (8 * 4 / 2) * 4
+    assert pat.kv_rank_bytes(MODEL, contexts, 2) == per_rank
+    c = pat.switch_cost(p, tp_src=2, tp_dst=8, contexts=contexts, cached=False)
+    assert c.weights_s == pytest.approx(1000 / 1e6)
+    assert c.move_s == pytest.approx(per_rank / 1e6)
+    # Eq. 3-4: prefill of 3 requests (dp = 1 at tp 8) at the RMS length.
+    l_rms = math.sqrt((100 + 400 + 900) / 3)
+    assert c.recompute_s == pytest.approx(1e-3 * 3 * l_rms / 8, 1e-9)
+    assert c.compile_s == 0.5
+    assert c.mode == ("migrate" if c.move_s <= c.recompute_s else "recompute")
+    assert c.total == pytest.approx(c.weights_s + min(c.move_s, c.recompute_s) + 0.5)
+    cached = pat.switch_cost(p, tp_src=2, tp_dst=8, contexts=contexts, cached=True)
+    assert cached.compile_s == 0 and cached.total == pytest.approx(c.total - 0.5)
+
+
+def _state(tp, slots, lengths, remaining, *, waiting=False, cached=True):
+    lengths = np.asarray(lengths)
+    return pat.EngineState(
+        tp=tp,
+        dp=8 // tp,
+        slots=slots,
+        lengths=lengths,
+        prompts=np.full(lengths.shape, 16),
+        remaining=np.asarray(remaining),
+        waiting=waiting,
+        cells=slots,
+        prompt_len=16,
+        response_len=256,
+        steps_per_call=8,
+        max_slots=64,
+        cached=lambda dp, tp, s: cached,
+    )
+
+
+# Per-step seconds that fall with TP at a small batch per DP group and rise with it at a
+# large one (the paper's Fig. 4 shape).
+def tp_pays_small(tp, b, t):
+    return 1e-2 / tp + 2e-3 * b * tp + 1e-7 * t
+
+
+def test_controller_switches_when_tp_pays_and_not_when_it_does_not():
+    p = pat.Predictor(make_profile(tp_pays_small))
+    # 64 slots at tp 1 (8 per DP group) with 3 long requests left: tp 8 merges them
+    # into 4 slots (B = 4 per group) and each step costs far less.
+    st = _state(1, 64, [40, 50, 60], [200, 180, 150])
+    d = pat.decide(p, st, (1, 2, 4, 8))
+    assert d.switch and d.tp > 1 and d.best_s < d.now_s
+    assert d.slots == pat.merged_slots(3, 8 // d.tp, 64)
+    assert set(d.candidates) == {1, 2, 4, 8}
+    # Never with a waiting request (the tail only), nor with nothing live.
+    assert not pat.decide(p, _state(1, 64, [40], [200], waiting=True), (1, 8)).switch
+    assert not pat.decide(p, _state(1, 64, [], []), (1, 8)).switch
+    # A profile where tp 1 is always fastest: no switch.
+    slow_tp = pat.Predictor(make_profile(lambda tp, b, t: 1e-3 * tp + 1e-4 * b + 1e-7 * t))
+    assert not pat.decide(slow_tp, st, (1, 2, 4, 8)).switch
+    # A switch that would pay but for a large cost (an uncached compile) is not made.
+    costly = pat.Predictor(make_profile(tp_pays_small, compile_s=1e6))
+    assert not pat.decide(costly, _state(1, 64, [40], [20], cached=False), (1, 8)).switch
+    assert pat.decide(costly, _state(1, 64, [40], [20], cached=True), (1, 8)).switch
+
+
+def test_controller_switches_several_times():
+    # Large batches favour tp 1, small ones tp 8: as requests finish the choice moves up.
+    p = pat.Predictor(make_profile(tp_pays_small, bs=(1, 2, 4, 8, 16, 32)))
+    tp, slots, picks = 1, 64, []
+    for live in (64, 12, 2):
+        st = _state(tp, slots, [30] * live, [100] * live)
+        d = pat.decide(p, st, (1, 2, 4, 8))
+        if d.switch:
+            tp, slots = d.tp, d.slots
+        picks.append(tp)
+    assert picks[0] == 1 and picks[1] > 1 and picks[2] > picks[1]
+
+
+def test_engine_rem_time_follows_windows():
+    p = pat.Predictor(make_profile(linear))
+    st = _state(2, 8, [0, 0], [40, 10])
+    # Windows of response_len 256: 64, 128, 256; steps 0..39, calls of 8 steps.
+    got = pat.engine_rem_time(p, st, 2, 8)
+    # The longest active length at step k is k; a call starting at step s reads the first
+    # window >= s + 8 + 1; T = (cells 8 x prompt 16 + slots 8 x window) / dp 4, B = 8 / 4.
+    ws = [next(w for w in (64, 128, 256) if w >= (k // 8) * 8 + 9) for k in range(40)]
+    assert ws[0] == 64 and ws[-1] == 64
+    st = _state(2, 8, [100, 0], [40, 10])  # longest 100: calls from step 24 read 256
+    ws = [next(w for w in (64, 128, 256) if w >= 100 + (k // 8) * 8 + 9) for k in range(40)]
+    assert ws[0] == 128 and ws[-1] == 256
+    want = sum(linear(2, 2, (8 * 16 + 8 * w) / 4) for w in ws)
+    assert pat.engine_rem_time(p, st, 2, 8) == pytest.approx(want, 1e-12)
+    assert got == pytest.approx(40 * linear(2, 2, (8 * 16 + 8 * 64) / 4), 1e-12)
+    assert pat.decode_windows(256) == [64, 128, 256]
+    assert pat.decode_windows(32) == [16, 32]
+    assert pat.merged_slots(3, 2, 64) == 4 and pat.merged_slots(3, 8, 64) == 8
+    assert pat.merged_slots(70, 1, 64) == 64
+
+
+def test_profile_round_trip_and_bad_files(tmp_path):
+    prof = make_profile(linear)
+    path = prof.save(tmp_path / "p.json")
+    back = pat.Profile.load(path)
+    assert back == prof
+    with pytest.raises(pat.PatError, match="nope.json: no such file"):
+        pat.Profile.load(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(pat.PatError, match="bad.json: not JSON"):
+        pat.Profile.load(bad)
+    d = json.loads(path.read_text())
+    d["decode"][3]["seconds"] = -1
+    bad.write_text(json.dumps(d))
+    with pytest.raises(pat.PatError, match=r"bad.json: decode\[3\].seconds must be"):
+        pat.Profile.load(bad)
+    d = json.loads(path.read_text())
+    d["decode"][0]["tp"] = 3
+    bad.write_text(json.dumps(d))
+    with pytest.raises(pat.PatError, match=r"decode\[0\].tp must be one of .* got 3"):
+        pat.Profile.load(bad)
+    d = json.loads(path.read_text())
+    del d["kv_bytes_per_s"]
+    bad.write_text(json.dumps(d))
+    with pytest.raises(pat.PatError, match="kv_bytes_per_s must be a finite number"):
+        pat.Profile.load(bad)
+    d["format"] = "other"
+    bad.write_text(json.dumps(d))
+    with pytest.raises(pat.PatError, match="format must be"):
+        pat.Profile.load(bad)
+
+
+def test_check_candidates():
+    assert pat.check_candidates([8, 1, 2], devices=8, kv_heads=8) == (1, 2, 8)
+    with pytest.raises(pat.PatError, match=r"tp_candidates: 4 must be one of .* kv heads \(2\)"):
+        pat.check_candidates([1, 4], devices=8, kv_heads=2)
+    with pytest.raises(pat.PatError, match="empty"):
+        pat.check_candidates([], devices=8, kv_heads=8)
