@@ -53,11 +53,20 @@ import dataclasses
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dtarl.model.decoder import Decoder
+from dtarl.parallel.mesh import make_mesh, shard_params
+from dtarl.rollout.engine import ContinuousConfig, RolloutEngine
+from dtarl.timing import compile_seconds
 
 FORMAT = "dtarl.pat.profile/1"
 TP_DEGREES = (1, 2, 4, 8)
@@ -348,6 +357,192 @@ def switch_cost(
     return SwitchCost(weights_s, move_s, recompute_s, 0.0 if cached else prof.compile_s)
 
 
+# ----------------------------------------------------------------------------- profiler
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfileGrid:
+    """The profiler's sparse grid: B (requests per DP group) x L (prompt tokens per
+    request), points with B * L <= ``token_cap``; ``window`` decode steps per point
+    (``steps_per_call`` per call); ``repeats`` timed runs per point."""
+
+    bs: tuple[int, ...] = (1, 2, 4, 8, 16)
+    ls: tuple[int, ...] = (16, 64, 256, 1024)
+    token_cap: int = 4096
+    window: int = 16
+    steps_per_call: int = 4
+    repeats: int = 3
+    tps: tuple[int, ...] = TP_DEGREES
+
+    def __post_init__(self):
+        for name in ("bs", "ls", "tps"):
+            v = getattr(self, name)
+            if not v or any(not isinstance(x, int) or x < 1 for x in v):
+                raise PatError(f"ProfileGrid.{name}={v!r}: need ints >= 1")
+        for name in ("token_cap", "window", "steps_per_call", "repeats"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise PatError(f"ProfileGrid.{name}={v!r}: need an int >= 1")
+        if self.window < 16:
+            raise PatError(f"ProfileGrid.window={self.window}: need >= 16 (the engine's window)")
+
+    @classmethod
+    def quick(cls, **overrides) -> ProfileGrid:
+        """A CPU-sized grid (``--quick``)."""
+        base = dict(bs=(1, 4), ls=(16, 128, 512), token_cap=2048, repeats=2)
+        base.update(overrides)
+        return cls(**base)
+
+    def points(self) -> list[tuple[int, int]]:
+        return [
+            (b, ln) for b in sorted(self.bs) for ln in sorted(self.ls) if b * ln <= self.token_cap
+        ]
+
+
+def _tree_bytes(tree) -> int:
+    return int(
+        sum(
+            np.asarray(x).nbytes if not hasattr(x, "nbytes") else x.nbytes
+            for x in jax.tree.leaves(tree)
+        )
+    )
+
+
+def _profile_point(model, weights, mesh, b: int, length: int, grid: ProfileGrid, seed: int):
+    """(decode seconds per step, prefill seconds, compile seconds) of one grid point."""
+    dp = mesh.shape["dp"]
+    slots = b * dp
+    cfg = ContinuousConfig(
+        slots=slots,
+        groups=slots,
+        group_size=1,
+        prompt_len=length,
+        response_len=grid.window,
+        steps_per_call=grid.steps_per_call,
+        prefill_batch=slots,
+    )
+    engine = RolloutEngine(model, cfg, mesh=mesh)
+    w = engine.place(weights)
+    rng = np.random.default_rng([seed, b, length])
+    vocab = model.cfg.vocab_size
+    prompts = [rng.integers(1, vocab, length).tolist() for _ in range(slots)]
+
+    def one_run():
+        for p in prompts:
+            engine.submit(p, n=1, forced_lengths=[grid.window], temperature=0.0)
+        engine.stats(reset=True)
+        t0 = time.perf_counter()
+        engine.step(w)  # admission, the prefill, the first decode call
+        first = time.perf_counter() - t0
+        engine.run(w)
+        st = engine.stats()
+        calls = st["calls"]
+        pre = first - calls[0][0] if calls else first
+        return pre, [sec / steps for sec, steps, _ in calls if steps == grid.steps_per_call]
+
+    c0 = compile_seconds()
+    one_run()  # compiles the prefill bucket and the decode window
+    compile_s = compile_seconds() - c0
+    pres, steps = [], []
+    for _ in range(grid.repeats):
+        pre, per_step = one_run()
+        pres.append(pre)
+        steps.extend(per_step)
+    if not steps:
+        raise PatError(f"profile: no full decode call at b={b}, l={length} (window {grid.window})")
+    return float(np.median(steps)), float(np.median(pres)), compile_s
+
+
+def _bandwidths(weights, model_cfg, meshes: dict[int, Any]) -> tuple[float, float]:
+    """(weight bytes/s, K/V bytes per source rank/s): ``jax.device_put`` of the weights
+    and of a K/V-shaped array between the shardings of the smallest and largest TP."""
+    lo, hi = min(meshes), max(meshes)
+    w_lo = shard_params(weights, meshes[lo])
+    w_hi = shard_params(weights, meshes[hi])
+    jax.block_until_ready((w_lo, w_hi))
+    nbytes = _tree_bytes(w_lo)
+    kv_shape = (8 * meshes[lo].shape["dp"], 256, model_cfg.num_kv_heads, model_cfg.head_dim)
+    kv = np.zeros(kv_shape, np.dtype(model_cfg.compute_dtype))
+    spec = P("dp", None, "tp", None)
+    kv_lo = jax.device_put(kv, NamedSharding(meshes[lo], spec))
+    kv_hi = jax.device_put(kv, NamedSharding(meshes[hi], spec))
+    jax.block_until_ready((kv_lo, kv_hi))
+    wt, kt = [], []
+    for src, dst, tp_src in ((w_lo, meshes[hi], lo), (w_hi, meshes[lo], hi)) * 2:
+        t0 = time.perf_counter()
+        jax.block_until_ready(shard_params(src, dst))
+        wt.append(time.perf_counter() - t0)
+        a, m = (kv_lo, meshes[hi]) if tp_src == lo else (kv_hi, meshes[lo])
+        t0 = time.perf_counter()
+        jax.block_until_ready(jax.device_put(a, NamedSharding(m, spec)))
+        kt.append((kv.nbytes / tp_src, time.perf_counter() - t0))
+    weights_bw = nbytes / max(float(np.median(wt)), 1e-9)
+    kv_bw = float(np.median([b / max(s, 1e-9) for b, s in kt]))
+    return weights_bw, kv_bw
+
+
+def profile_engine(
+    model: Decoder,
+    weights,
+    grid: ProfileGrid | None = None,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    seed: int = 0,
+    say: Callable[[str], None] | None = None,
+) -> Profile:
+    """Profiles the rollout engine on ``devices`` (default: all) for every TP of
+    ``grid.tps`` that divides the devices and the kv heads (module docstring).
+
+    Per point: an engine of B * dp slots (one member per prompt, prompt rows = L),
+    one untimed run (its compile seconds are recorded), then ``repeats`` runs of
+    one prefill and ``window`` forced decode steps; decode = the median seconds per
+    step of the calls that ran ``steps_per_call`` steps, prefill = the first
+    scheduling round's seconds less its decode call's."""
+    grid = grid or ProfileGrid()
+    devs = list(jax.devices() if devices is None else devices)
+    d, kv_heads = len(devs), model.cfg.num_kv_heads
+    tps = [tp for tp in grid.tps if tp in TP_DEGREES and d % tp == 0 and kv_heads % tp == 0]
+    if not tps:
+        raise PatError(
+            f"profile: no TP of {grid.tps} divides the {d} devices and the {kv_heads} kv heads"
+        )
+    meshes = {tp: make_mesh(d // tp, tp, devices=devs) for tp in tps}
+    dec, pre, compiles = [], [], []
+    for tp in tps:
+        for b, length in grid.points():
+            step_s, pre_s, comp = _profile_point(model, weights, meshes[tp], b, length, grid, seed)
+            dec.append(dict(tp=tp, b=b, l=length, t=b * (length + grid.window), seconds=step_s))
+            pre.append(dict(tp=tp, b=b, l=length, t=b * length, seconds=pre_s))
+            compiles.append(comp)
+            if say:
+                say(
+                    f"  tp={tp} B={b} L={length}: decode {step_s * 1e3:.3f} ms/step, "
+                    f"prefill {pre_s * 1e3:.2f} ms, compile {comp:.2f} s"
+                )
+    weights_bw, kv_bw = _bandwidths(weights, model.cfg, meshes)
+    dev = devs[0]
+    return Profile(
+        model={
+            k: (v if isinstance(v, int | float | str | bool) or v is None else str(v))
+            for k, v in dataclasses.asdict(model.cfg).items()
+        },
+        device_kind=str(getattr(dev, "device_kind", dev.platform)),
+        platform=dev.platform,
+        jax_version=jax.__version__,
+        devices=d,
+        mesh_axes=("dp", "tp"),
+        token_cap=grid.token_cap,
+        window=grid.window,
+        decode=tuple(dec),
+        prefill=tuple(pre),
+        weight_bytes=_tree_bytes(weights),
+        weights_bytes_per_s=weights_bw,
+        kv_bytes_per_s=kv_bw,
+        compile_s=float(np.median(compiles)),
+        notes=f"grid {dataclasses.asdict(grid)}",
+    )
+
+
 # ----------------------------------------------------------------------------- engine model
 
 
@@ -388,6 +583,7 @@ class EngineState:
     response_len: int
     steps_per_call: int
     max_slots: int
+    live: int = -1  # requests holding a slot (running + held); -1: len(lengths)
     cached: Callable[[int, int, int], bool] = lambda dp, tp, slots: True
 
     @property
@@ -448,8 +644,8 @@ def decide(predictor: Predictor, state: EngineState, candidates: Sequence[int]) 
     switch cost; a switch only when that beats the remaining time now."""
     now = engine_rem_time(predictor, state, state.tp, state.slots)
     best = Decision(state.tp, state.slots, "none", now, now, None, {state.tp: now})
-    live = int(state.lengths.size)
-    if state.waiting or live == 0:
+    live = int(state.lengths.size if state.live < 0 else state.live)
+    if state.waiting or state.lengths.size == 0:
         return best
     contexts = state.prompts + state.lengths
     for tp in candidates:
@@ -470,6 +666,180 @@ def decide(predictor: Predictor, state: EngineState, candidates: Sequence[int]) 
         if total < best.best_s:
             best = Decision(tp, slots, cost.mode, now, total, cost, best.candidates)
     return best
+
+
+def engine_state(engine, cached: Callable[[int, int, int], bool]) -> EngineState:
+    """The controller's ``EngineState`` from ``engine.view()`` and ``engine.config``."""
+    v, c = engine.view(), engine.config
+    return EngineState(
+        tp=int(v.tp),
+        dp=int(v.dp),
+        slots=int(v.slots),
+        lengths=np.asarray(v.response_tokens, np.int64),
+        prompts=np.asarray(v.prompt_tokens, np.int64),
+        remaining=np.asarray(v.remaining, np.int64),
+        waiting=bool(v.waiting),
+        cells=c.prompt_slots * c.group_size,
+        prompt_len=c.prompt_len,
+        response_len=c.response_len,
+        steps_per_call=c.steps_per_call,
+        max_slots=c.slots,
+        live=int(v.live),
+        cached=cached,
+    )
+
+
+class PatController:
+    """Algorithm 1 as the engine's ``on_call`` hook (``RolloutEngine.run(weights,
+    on_call=controller)``; ``ContinuousSampler.generate(..., on_call=controller)``).
+
+    Every ``check_every`` decode calls it reads the engine (``engine_state``), runs
+    ``decide`` over ``candidates`` and, when a switch pays, calls
+    ``engine.reshard((dp, tp), weights, slots=..., mode=...)`` with the cheaper K/V
+    mode and returns the re-placed weights. ``timeline`` lists this generation's
+    switches (``begin`` starts a new one; ``history`` keeps every generation's):
+    call index, seconds since ``begin``, from/to (dp, tp, slots), predicted
+    remaining time without and with the switch (cost included), the predicted cost,
+    the switch's measured seconds and the engine's ``info``.
+
+    Compiled programs: a target (dp, tp, slots) counts as cached once this
+    controller has switched into it (the engine keeps its programs) or it is the
+    shape the engine started in; otherwise the profile's compile seconds are added
+    to its cost. Keep one controller per engine across iterations for that memory.
+    """
+
+    def __init__(
+        self,
+        predictor: Predictor,
+        *,
+        candidates: Sequence[int] = TP_DEGREES,
+        check_every: int = 4,
+    ):
+        if not isinstance(check_every, int) or check_every < 1:
+            raise PatError(f"check_every={check_every!r} must be an int >= 1")
+        self.predictor = predictor
+        missing = [tp for tp in candidates if tp not in predictor.tps]
+        if missing:
+            raise PatError(
+                f"tp_candidates: {missing} not in the profile (profiled: {list(predictor.tps)})"
+            )
+        self.candidates = tuple(candidates)
+        self.check_every = check_every
+        self.timeline: list[dict[str, Any]] = []
+        self.history: list[list[dict[str, Any]]] = []
+        self.checks = 0
+        self._calls = 0
+        self._t0 = time.perf_counter()
+        self._cached: set[tuple[int, int, int]] = set()
+
+    def begin(self) -> None:
+        """Starts a generation: call count and clock from zero, a new timeline."""
+        self._calls = 0
+        self._t0 = time.perf_counter()
+        self.timeline = []
+        self.history.append(self.timeline)
+
+    def cached(self, dp: int, tp: int, slots: int) -> bool:
+        return (dp, tp, slots) in self._cached
+
+    def __call__(self, engine, weights):
+        self._calls += 1
+        if self._calls % self.check_every:
+            return None
+        state = engine_state(engine, self.cached)
+        self._cached.add((state.dp, state.tp, state.slots))
+        self.checks += 1
+        d = decide(self.predictor, state, self.candidates)
+        if not d.switch:
+            return None
+        dp = state.devices // d.tp
+        t0 = time.perf_counter()
+        new, info = engine.reshard((dp, d.tp), weights, slots=d.slots, mode=d.mode)
+        seconds = time.perf_counter() - t0
+        self._cached.add((dp, d.tp, d.slots))
+        self.timeline.append(
+            dict(
+                call=self._calls,
+                time_s=t0 - self._t0,
+                src=(state.dp, state.tp, state.slots),
+                dst=(dp, d.tp, d.slots),
+                live=int(state.live),
+                predicted_now_s=d.now_s,
+                predicted_after_s=d.best_s,
+                predicted_cost_s=d.cost.total,
+                predicted_gain_s=d.now_s - d.best_s,
+                mode=d.mode,
+                seconds=seconds,
+                info={k: v for k, v in info.items() if isinstance(v, int | float | str)},
+            )
+        )
+        return new
+
+
+def _trajectory_seconds(predictor: Predictor, tp: int, active, context) -> np.ndarray:
+    """Per-step predicted seconds of a (B, T) trajectory (global) run at ``tp``."""
+    dp = predictor.profile.devices // tp
+    b = np.ceil(np.asarray(active, np.float64) / dp)
+    t = np.asarray(context, np.float64) / dp
+    out = np.zeros(b.shape)
+    for bb in np.unique(b):
+        sel = b == bb
+        out[sel] = predictor.step_seconds(tp, bb, t[sel]) if bb > 0 else 0.0
+    return out
+
+
+def replay(
+    predictor: Predictor,
+    active: Sequence[int],
+    context: Sequence[int],
+    *,
+    candidates: Sequence[int] | None = None,
+    check_every_steps: int = 16,
+) -> dict[str, Any]:
+    """PREDICTED latency of a generation's decode trajectory (``active`` requests and
+    their summed ``context`` tokens per step, e.g. ``stats()['active_per_step']`` and
+    ``['context_per_step']``) on the profiled machine, with the paper's step cost
+    ``l(B / dp, T / dp; tp)``: per static TP, and with Algorithm 1 run every
+    ``check_every_steps`` steps from the best static TP (remaining time estimated with
+    every active request running to the trajectory's end, as Alg. 1's L_max; switch
+    cost from the profile, programs assumed compiled, K/V of the active requests at
+    their mean context). Returns ``static`` {tp: s}, ``pat`` s, ``start_tp``,
+    ``switches`` [(step, from, to, cost_s)], ``label`` = "PREDICTION"."""
+    a = np.asarray(active, np.int64)
+    c = np.asarray(context, np.float64)
+    if a.shape != c.shape or a.ndim != 1 or a.size == 0:
+        raise PatError(
+            f"replay: active {a.shape} and context {c.shape} must be equal non-empty 1-D arrays"
+        )
+    tps = tuple(candidates or predictor.tps)
+    per_step = {tp: _trajectory_seconds(predictor, tp, a, c) for tp in tps}
+    static = {tp: float(v.sum()) for tp, v in per_step.items()}
+    tp = min(static, key=static.get)
+    start, total, switches = tp, 0.0, []
+    n, d = a.size, predictor.profile.devices
+    for k in range(n):
+        if k and k % check_every_steps == 0 and a[k] > 0:
+
+            def rem(t, k=k):
+                dp = d // t
+                b = math.ceil(a[k] / dp)
+                return predictor.est_rem_time(t, b, n, k, context=c[k] / dp)
+
+            now_s, best, best_s, best_cost = rem(tp), tp, None, None
+            for t in tps:
+                if t == tp:
+                    continue
+                ctx = np.full(int(a[k]), c[k] / a[k])
+                cost = switch_cost(predictor, tp_src=tp, tp_dst=t, contexts=ctx, cached=True)
+                total_s = rem(t) + cost.total
+                if total_s < now_s and (best_s is None or total_s < best_s):
+                    best, best_s, best_cost = t, total_s, cost.total
+            if best != tp:
+                switches.append((k, tp, best, best_cost))
+                total += best_cost
+                tp = best
+        total += float(per_step[tp][k])
+    return dict(label="PREDICTION", static=static, pat=total, start_tp=start, switches=switches)
 
 
 def check_candidates(candidates: Sequence[int], *, devices: int, kv_heads: int) -> tuple[int, ...]:
@@ -493,17 +863,22 @@ __all__ = [
     "TP_DEGREES",
     "Decision",
     "EngineState",
+    "PatController",
     "PatError",
+    "ProfileGrid",
     "Predictor",
     "Profile",
     "SwitchCost",
     "check_candidates",
     "decide",
     "decode_windows",
+    "engine_state",
     "engine_rem_time",
     "kv_rank_bytes",
     "leave_one_out",
     "merged_slots",
+    "profile_engine",
     "program_tokens",
+    "replay",
     "switch_cost",
 ]

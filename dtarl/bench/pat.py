@@ -1,0 +1,488 @@
+"""``dtarl bench pat``: static tensor parallelism against PAT's adaptive TP during one
+generation (papers/003; ``dtarl.rollout.pat``).
+
+The D devices (8 simulated CPU devices by default: the command sets
+``--xla_force_host_platform_device_count=8`` when XLA_FLAGS does not choose) run the
+continuous engine as a (D/tp, tp) mesh. One generation: ``prompts`` groups of
+``group_size`` samples with forced response lengths from a PolyTrace long-tail
+distribution (the verl math run, scaled so the longest is ``max_new_tokens``;
+lognormal stand-ins without the traces), all admitted at once
+(slots = prompts x G), greedy.
+
+Configurations, side by side: static ``tp1``, ``tp2``, ``tp4``, ``tp8`` (those
+dividing D and the kv heads) and ``pat``: starts at ``start_tp`` and lets the
+controller (Algorithm 1, every ``check_every`` decode calls) switch the mesh and
+compact the live requests. Every configuration runs one untimed generation first
+(compiles; PAT's switch targets too), then ``rounds`` timed ones in alternating
+order; the median wall-clock seconds is ``latency_s``. The per-stage breakdown:
+``decode_s`` (the engine's decode calls), ``switch_s`` (weight reshard),
+``kv_s`` (K/V migrate or recompute), ``other_s`` (prefill, host scheduling, the
+rest). PAT's greedy tokens are checked against ``tp1``'s (``tokens_match``).
+
+The predictor is checked twice: leave-one-out over the profile grid
+(``mean_rel_error``) and on the static generations (each decode call's seconds
+predicted from its program shape, ``real_mean_rel_error``).
+
+The profile is taken first (``dtarl.rollout.pat.profile_engine``; ``--profile
+PATH`` loads a saved one instead). ``--replay-profile PROFILE.json`` feeds the
+``tp1`` generation's (B, T) trajectory to another saved profile (e.g. one taken on
+a GPU machine) and prints the latency it PREDICTS there per static TP and with PAT;
+that is a prediction, not a measurement.
+
+On simulated CPU devices every "device" shares the same cores, so TP may never
+pay off; then the controller does not switch, which is a valid result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dtarl.bench.rollout import synthetic_lengths, trace_lengths
+from dtarl.model import ModelConfig, init_model
+from dtarl.parallel.mesh import make_mesh
+from dtarl.rollout import pat
+from dtarl.rollout.engine import ContinuousConfig, ContinuousSampler
+from dtarl.timing import alternating, machine_info
+from dtarl.traces import default_polytrace_root
+
+CONFIGS = ("tp1", "tp2", "tp4", "tp8", "pat")
+
+
+def pat_tiny() -> ModelConfig:
+    """A tiny model with 8 kv heads (so TP 1, 2, 4 and 8 all split them)."""
+    return ModelConfig.tiny(num_heads=8, num_kv_heads=8, head_dim=8, hidden_size=64)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PatBenchConfig:
+    """What ``run`` measures (module docstring)."""
+
+    prompts: int = 8
+    group_size: int = 8
+    prompt_len: int = 32
+    max_new_tokens: int = 256
+    steps_per_call: int = 8
+    check_every: int = 2
+    start_tp: int = 1
+    tp_candidates: tuple[int, ...] = pat.TP_DEGREES
+    rounds: int = 3
+    seed: int = 0
+    grid: pat.ProfileGrid = dataclasses.field(default_factory=pat.ProfileGrid)
+
+    def __post_init__(self):
+        for name in (
+            "prompts",
+            "group_size",
+            "prompt_len",
+            "max_new_tokens",
+            "steps_per_call",
+            "check_every",
+            "rounds",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"PatBenchConfig.{name}={v!r}: must be an int >= 1")
+        if self.start_tp not in pat.TP_DEGREES:
+            raise ValueError(f"PatBenchConfig.start_tp={self.start_tp}: one of {pat.TP_DEGREES}")
+
+    @classmethod
+    def quick(cls, **overrides) -> PatBenchConfig:
+        """``--quick``: a smaller batch, shorter responses, one timed round, a CPU grid."""
+        base = dict(
+            prompts=8,
+            group_size=4,
+            prompt_len=16,
+            max_new_tokens=128,
+            rounds=1,
+            grid=pat.ProfileGrid.quick(),
+        )
+        base.update(overrides)
+        return cls(**base)
+
+
+def workload_lengths(
+    cfg: PatBenchConfig, *, polytrace: str | os.PathLike | None = None, synthetic: bool = False
+) -> tuple[np.ndarray, str]:
+    """Forced response lengths ([prompts * G]) and where they come from."""
+    root = Path(polytrace) if polytrace else default_polytrace_root()
+    raw = None
+    if not synthetic:
+        raw = trace_lengths(
+            "math", root, prompts=cfg.prompts, group_size=cfg.group_size, seed=cfg.seed
+        )
+    if raw is None:
+        n = cfg.prompts * cfg.group_size
+        why = "--synthetic" if synthetic else f"no trace under {root}"
+        return synthetic_lengths("math", n, cfg.max_new_tokens, cfg.seed), f"lognormal ({why})"
+    scale = min(1.0, cfg.max_new_tokens / max(int(raw.max()), 1))
+    lengths = np.clip(np.round(raw * scale).astype(np.int64), 1, cfg.max_new_tokens)
+    return lengths, f"PolyTrace verl math x{scale:.4g}"
+
+
+class CallRecorder:
+    """An ``on_call`` hook that records each decode call with the program shape it ran
+    (slots, dp, tp and the window, which the engine picks from the longest running
+    request before the call), to predict its seconds afterwards."""
+
+    def __init__(self, engine_config: ContinuousConfig):
+        self.config = engine_config
+        self.rows: list[dict[str, Any]] = []
+        self._longest = 0  # before the next call
+        self._seen = 0
+
+    def __call__(self, engine, weights):
+        v = engine.view()
+        c = self.config
+        need = self._longest + c.steps_per_call + 1
+        ws = pat.decode_windows(c.response_len)
+        window = next((w for w in ws if w >= need), ws[-1])
+        if len(v.decode_calls) == self._seen + 1:  # this call compiled nothing
+            seconds, steps, _ = v.decode_calls[-1]
+            self.rows.append(
+                dict(seconds=seconds, steps=steps, slots=v.slots, dp=v.dp, tp=v.tp, window=window)
+            )
+        self._seen = len(v.decode_calls)
+        self._longest = int(v.response_tokens.max()) if v.response_tokens.size else 0
+        return None
+
+
+def real_errors(
+    predictor: pat.Predictor, rows: Sequence[dict[str, Any]], config: ContinuousConfig
+) -> list[float]:
+    """Relative error of each recorded call's predicted seconds."""
+    cells = config.prompt_slots * config.group_size
+    out = []
+    for r in rows:
+        t = (cells * config.prompt_len + r["slots"] * r["window"]) / r["dp"]
+        pred = r["steps"] * float(predictor.step_seconds(r["tp"], r["slots"] / r["dp"], t))
+        out.append(abs(pred - r["seconds"]) / max(r["seconds"], 1e-12))
+    return out
+
+
+def _sampler(model, cfg: PatBenchConfig, mesh) -> ContinuousSampler:
+    n = cfg.prompts * cfg.group_size
+    ccfg = ContinuousConfig(
+        slots=n,
+        groups=cfg.prompts,
+        group_size=cfg.group_size,
+        prompt_len=cfg.prompt_len,
+        response_len=cfg.max_new_tokens,
+        steps_per_call=cfg.steps_per_call,
+        prefill_batch=cfg.prompts,
+    )
+    return ContinuousSampler(
+        model, ccfg, temperature=0.0, max_new_tokens=cfg.max_new_tokens, mesh=mesh
+    )
+
+
+def run(
+    cfg: PatBenchConfig | None = None,
+    *,
+    model_cfg: ModelConfig | None = None,
+    profile: str | os.PathLike | None = None,
+    profile_out: str | os.PathLike | None = None,
+    replay_profile: str | os.PathLike | None = None,
+    polytrace: str | os.PathLike | None = None,
+    synthetic: bool = False,
+    png: str | os.PathLike | None = None,
+    verbose: bool = True,
+) -> dict[str, Any]:
+    """Runs the benchmark (module docstring); returns ``rows`` (one per configuration,
+    plus the predictor's), ``timeline`` (PAT's switches in its last timed run),
+    ``profile`` (path or None), ``replay`` (when asked) and ``machine``."""
+    cfg = cfg or PatBenchConfig()
+    model_cfg = model_cfg or pat_tiny()
+    say = print if verbose else (lambda *a, **k: None)
+    devices = jax.devices()
+    d = len(devices)
+    if d < 2:
+        raise pat.PatError(
+            f"bench pat: {d} device; needs several (e.g. XLA_FLAGS="
+            "--xla_force_host_platform_device_count=8 before JAX starts)"
+        )
+    tps = [t for t in cfg.tp_candidates if d % t == 0 and model_cfg.num_kv_heads % t == 0]
+    if cfg.start_tp not in tps:
+        raise pat.PatError(f"bench pat: start_tp={cfg.start_tp} is not among the TP degrees {tps}")
+    model = init_model(model_cfg, seed=0)
+    _, weights = nnx.split(model, nnx.Param)
+
+    if profile is not None:
+        prof = pat.Profile.load(profile)
+        if prof.devices != d:
+            raise pat.PatError(
+                f"bench pat: profile {profile} was taken on {prof.devices} devices, "
+                f"this run has {d}"
+            )
+        say(f"pat bench: profile {profile} ({prof.device_kind}, {len(prof.decode)} points)")
+    else:
+        say(f"pat bench: profiling {d} devices, TP {tps}, grid {cfg.grid.points()}")
+        grid = dataclasses.replace(cfg.grid, tps=tuple(tps))
+        prof = pat.profile_engine(model, weights, grid, say=say)
+        if profile_out is not None:
+            say(f"  wrote {prof.save(profile_out)}")
+    predictor = pat.Predictor(prof)
+    loo = pat.leave_one_out(prof)
+    missing = [t for t in tps if t not in predictor.tps]
+    if missing:
+        raise pat.PatError(f"bench pat: profile lacks TP {missing} (has {list(predictor.tps)})")
+
+    lengths, source = workload_lengths(cfg, polytrace=polytrace, synthetic=synthetic)
+    rng = np.random.default_rng([cfg.seed, 11])
+    prompts = [
+        rng.integers(1, model_cfg.vocab_size, cfg.prompt_len).tolist() for _ in range(cfg.prompts)
+    ]
+    say(
+        f"pat bench: {cfg.prompts} prompts x G={cfg.group_size}, prompt {cfg.prompt_len}; "
+        f"lengths {source}: mean {lengths.mean():.1f}, p90 {np.percentile(lengths, 90):.0f}, "
+        f"max {lengths.max()}"
+    )
+    kwargs = dict(num_samples=cfg.group_size, seed=cfg.seed, forced_lengths=lengths.tolist())
+    names = [f"tp{t}" for t in tps] + ["pat"]
+    samplers, hooks, recorders = {}, {}, {}
+    for t in tps:
+        s = _sampler(model, cfg, make_mesh(d // t, t))
+        samplers[f"tp{t}"] = s
+        recorders[f"tp{t}"] = hooks[f"tp{t}"] = CallRecorder(s.engine.config)
+    samplers["pat"] = _sampler(model, cfg, make_mesh(d // cfg.start_tp, cfg.start_tp))
+    controller = pat.PatController(predictor, candidates=tps, check_every=cfg.check_every)
+    hooks["pat"] = controller
+
+    samples: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    tokens: dict[str, Any] = {}
+
+    def one(name: str) -> dict[str, Any]:
+        s = samplers[name]
+        if name == "pat":
+            controller.begin()
+        else:
+            recorders[name].__init__(s.engine.config)
+        res = s.generate(weights, prompts, on_call=hooks[name], **kwargs)
+        st = s.engine.stats()
+        tl = controller.timeline if name == "pat" else []
+        switch_s = sum(e["info"].get("weights_s", 0.0) for e in tl)
+        kv_s = sum(e["info"].get("kv_s", 0.0) for e in tl)
+        decode_s = float(sum(c[0] for c in st["calls"]))
+        latency = float(res.stats["seconds"])
+        tokens[name] = res.tokens
+        return dict(
+            latency_s=latency,
+            decode_s=decode_s,
+            switch_s=switch_s,
+            kv_s=kv_s,
+            other_s=latency - decode_s - switch_s - kv_s,
+            switches=len(tl),
+            decode_calls=int(st["decode_calls"]),
+            compiled=int(res.stats["trace_count"]),
+            timeline=[dict(e) for e in tl],
+        )
+
+    say("  warm-up generation per configuration (compiles)")
+    warm = {n: one(n) for n in names}
+    traces_after_warm = {n: samplers[n].trace_count for n in names}
+    for r in range(cfg.rounds):
+        for n in alternating(r, names):
+            samples[n].append(one(n))
+    rows = []
+    for n in names:
+        runs = samples[n]
+        best = sorted(runs, key=lambda x: x["latency_s"])[len(runs) // 2]
+        row = dict(
+            config=n,
+            latency_s=float(np.median([x["latency_s"] for x in runs])),
+            **{k: best[k] for k in ("decode_s", "switch_s", "kv_s", "other_s", "switches")},
+            latency_samples=[x["latency_s"] for x in runs],
+            warm_latency_s=warm[n]["latency_s"],
+            compiled_after_warmup=samplers[n].trace_count - traces_after_warm[n],
+        )
+        if n == "pat":
+            row["timeline"] = best["timeline"]
+            row["tokens_match_tp1"] = bool(
+                "tp1" in tokens
+                and all(
+                    np.array_equal(a, b) for a, b in zip(tokens["pat"], tokens["tp1"], strict=True)
+                )
+            )
+        rows.append(row)
+    errs = []
+    for n in names[:-1]:
+        errs += real_errors(predictor, recorders[n].rows, samplers[n].engine.config)
+    rows.append(
+        dict(
+            config="predictor",
+            mean_rel_error=float(np.mean([e["rel_error"] for e in loo])) if loo else math.nan,
+            held_out_points=len(loo),
+            real_mean_rel_error=float(np.mean(errs)) if errs else math.nan,
+            real_calls=len(errs),
+        )
+    )
+    result: dict[str, Any] = dict(
+        rows=rows,
+        config=dataclasses.asdict(cfg),
+        model=dataclasses.asdict(model_cfg),
+        workload=dict(source=source, lengths=lengths.tolist()),
+        machine=machine_info(),
+    )
+    say("")
+    say(format_table(rows))
+    if replay_profile is not None:
+        other = pat.Predictor(pat.Profile.load(replay_profile))
+        s = samplers["tp1" if "tp1" in samplers else names[0]]
+        s.generate(weights, prompts, **kwargs)
+        st = s.engine.stats()
+        rep = pat.replay(
+            other,
+            st["active_per_step"],
+            st["context_per_step"],
+            check_every_steps=cfg.check_every * cfg.steps_per_call,
+        )
+        rep["profile"] = str(replay_profile)
+        rep["device_kind"] = other.profile.device_kind
+        result["replay"] = rep
+        say("")
+        say(format_replay(rep))
+    if png is not None:
+        result["png"] = str(plot(rows, png))
+        say(f"\nwrote {png}")
+    return result
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "| config | latency s | decode s | switch s | kv s | other s | switches |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    pred = None
+    for r in rows:
+        if r["config"] == "predictor":
+            pred = r
+            continue
+        lines.append(
+            f"| {r['config']} | {r['latency_s']:.3f} | {r['decode_s']:.3f} | "
+            f"{r['switch_s']:.3f} | {r['kv_s']:.3f} | {r['other_s']:.3f} | {r['switches']} |"
+        )
+    out = "\n".join(lines)
+    patrow = next((r for r in rows if r["config"] == "pat"), None)
+    if patrow is not None:
+        if patrow["switches"] == 0:
+            out += "\nPAT: the controller did not switch (no candidate's predicted gain paid)."
+        for e in patrow.get("timeline", []):
+            out += (
+                f"\nPAT switch at call {e['call']} ({e['time_s']:.3f} s): (dp, tp, slots) "
+                f"{tuple(e['src'])} -> {tuple(e['dst'])}, {e['mode']}, predicted gain "
+                f"{e['predicted_gain_s']:.3f} s, took {e['seconds']:.3f} s"
+            )
+        if "tokens_match_tp1" in patrow:
+            out += f"\nPAT greedy tokens identical to tp1: {patrow['tokens_match_tp1']}"
+    if pred is not None:
+        out += (
+            f"\npredictor: held-out grid points mean relative error "
+            f"{pred['mean_rel_error']:.1%} ({pred['held_out_points']} points); real decode "
+            f"calls {pred['real_mean_rel_error']:.1%} ({pred['real_calls']} calls)"
+        )
+    return out
+
+
+def format_replay(rep: dict[str, Any]) -> str:
+    lines = [
+        f"PREDICTION for {rep['device_kind']} (profile {rep['profile']}), replaying the "
+        "tp1 generation's (B, T) trajectory; not a measurement:",
+        "| config | predicted decode s |",
+        "|---|---|",
+    ]
+    for tp, s in sorted(rep["static"].items()):
+        lines.append(f"| tp{tp} | {s:.4f} |")
+    lines.append(f"| pat (from tp{rep['start_tp']}) | {rep['pat']:.4f} |")
+    best = min(rep["static"].values())
+    lines.append(
+        f"PREDICTED PAT vs best static: {1 - rep['pat'] / best:+.1%} latency reduction, "
+        f"{len(rep['switches'])} switches {[(k, a, b) for k, a, b, _ in rep['switches']]}"
+    )
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
+    """PNG: PAT's switch timeline (TP over time) and the per-stage latency breakdown."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in rows if r["config"] != "predictor"]
+    patrow = next(r for r in runs if r["config"] == "pat")
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 3.6))
+    tl = patrow.get("timeline", [])
+    if tl:
+        xs = [0.0] + [e["time_s"] for e in tl] + [patrow["latency_s"]]
+        ys = [tl[0]["src"][1]] + [e["dst"][1] for e in tl]
+        ax0.step(xs, ys + [ys[-1]], where="post", color="tab:orange")
+        for e in tl:
+            ax0.annotate(
+                f"{e['dst'][2]} slots",
+                (e["time_s"], e["dst"][1]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+        ax0.set_title("PAT switch timeline", fontsize=9)
+    else:
+        ax0.text(0.5, 0.5, "no switch (TP does not pay here)", ha="center", va="center")
+        ax0.set_title("PAT switch timeline: none", fontsize=9)
+    ax0.set_xlabel("seconds into the generation")
+    ax0.set_ylabel("TP")
+    ax0.set_yscale("log", base=2)
+    names = [r["config"] for r in runs]
+    bottom = np.zeros(len(runs))
+    for key, color in (
+        ("decode_s", "tab:blue"),
+        ("switch_s", "tab:red"),
+        ("kv_s", "tab:purple"),
+        ("other_s", "tab:gray"),
+    ):
+        vals = np.asarray([max(r[key], 0.0) for r in runs])
+        ax1.bar(names, vals, bottom=bottom, color=color, label=key[:-2])
+        bottom += vals
+    ax1.set_ylabel("seconds (median run)")
+    ax1.set_title("latency per stage", fontsize=9)
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def json_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """``--json``: one object per configuration (``config``, ``latency_s``, ``switches``,
+    the breakdown) and one ``{"config": "predictor", "mean_rel_error": ...}``; with a
+    replay, one ``{"config": "replay", "label": "PREDICTION", ...}``."""
+    out = [dict(r) for r in result["rows"]]
+    if "replay" in result:
+        rep = dict(result["replay"])
+        rep["static"] = {f"tp{k}": v for k, v in rep["static"].items()}
+        out.append(dict(config="replay", **rep))
+    return out
+
+
+__all__ = [
+    "CONFIGS",
+    "CallRecorder",
+    "PatBenchConfig",
+    "format_replay",
+    "format_table",
+    "json_rows",
+    "pat_tiny",
+    "plot",
+    "real_errors",
+    "run",
+    "workload_lengths",
+]
