@@ -61,6 +61,7 @@ import enum
 import functools
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,11 +70,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dtarl import axes
 from dtarl.batch import token_ids
 from dtarl.model.decoder import Decoder
-from dtarl.parallel.mesh import DEFAULT_RULES, Rules, logical_to_spec, shard_params
+from dtarl.parallel.mesh import (
+    DEFAULT_RULES,
+    MESH_AXES,
+    Rules,
+    logical_to_spec,
+    make_mesh,
+    param_shardings,
+    shard_params,
+)
 from dtarl.rollout import kernels as K
 from dtarl.rollout.sampler import FinishReason, SamplerError, SampleResult, SamplingParams
 from dtarl.tree.plan import bucket
@@ -170,6 +181,10 @@ class Request:
     streamed: int = 0
     error: str | None = None
     length: int = 0  # response K/V rows (host mirror)
+    # Every response-side token of every turn (generated and appended): K/V row j > 0
+    # holds the token context[j - 1], row 0 the prompt's last token (``reshard`` in
+    # recompute mode rebuilds the rows from it).
+    context: list[int] = dataclasses.field(default_factory=list)
     pending: np.ndarray | None = None  # tokens waiting to be appended (extend)
 
     @property
@@ -206,6 +221,61 @@ class Group:
     @property
     def done(self) -> bool:
         return all(r.done for r in self.requests)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineView:
+    """A snapshot for a switch controller (``RolloutEngine.view``); per-request arrays
+    list the running (decoding) requests."""
+
+    dp: int
+    tp: int
+    slots: int  # slots now (``reshard`` may shrink them)
+    active: int  # running requests
+    live: int  # slots holding a request (running + held after their turn)
+    waiting: int  # requests waiting for a slot (0: the queue is empty, a shrink is allowed)
+    prompt_tokens: np.ndarray  # [active] prompt length
+    response_tokens: np.ndarray  # [active] response K/V rows so far (all turns)
+    remaining: np.ndarray  # [active] tokens it may still produce this turn
+    forced: np.ndarray  # [active] its length is forced: ``remaining`` is exact
+    # (seconds, steps, sum of active slots over the steps) per decode call that compiled
+    # nothing, since the last ``stats(reset=True)``
+    decode_calls: tuple[tuple[float, int, int], ...]
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens the running requests attend at the next step (PAT's T)."""
+        return int((self.prompt_tokens + self.response_tokens).sum())
+
+
+def _phys_bytes(x) -> int:
+    """Bytes of an array on its devices (every addressable shard, replicas included)."""
+    return sum(s.data.nbytes for s in x.addressable_shards)
+
+
+def _buffers(x) -> set[int]:
+    return {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+
+
+def _new_bytes(new, old) -> int:
+    """Bytes of ``new``'s buffers that are not ``old``'s (device_put may keep a shard
+    whose placement does not change, e.g. a replicated array)."""
+    if new is old:
+        return 0
+    mine = _buffers(old)
+    return sum(
+        s.data.nbytes for s in new.addressable_shards if s.data.unsafe_buffer_pointer() not in mine
+    )
+
+
+def _free(old, *news) -> int:
+    """Deletes ``old`` unless a new array shares one of its buffers; the bytes freed."""
+    mine = _buffers(old)
+    if any(n is old or mine & _buffers(n) for n in news):
+        return 0
+    nbytes = _phys_bytes(old)
+    old.delete()
+    return nbytes
 
 
 @jax.jit
@@ -262,32 +332,14 @@ class RolloutEngine:
         self.trace_count = 0
         self.errors: list[tuple[tuple[int, int], str]] = []
         cd = jnp.dtype(cfg.compute_dtype)
-        self._pool = K.Pool.zeros(
-            self.cfg,
-            groups=config.prompt_slots,
-            prompt_len=config.prompt_len,
-            slots=config.slots,
-            response_len=config.response_len,
-        )
         self._token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cd.itemsize
-        # Host mirror of the slot state.
-        self._s = dict(
-            group=np.zeros(n, np.int32),
-            cell=np.zeros(n, np.int32),
-            length=np.zeros(n, np.int32),
-            token=np.zeros(n, np.int32),
-            active=np.zeros(n, bool),
-            budget=np.zeros(n, np.int32),
-            forced=np.zeros(n, bool),
-            key=np.zeros((n, 2), np.uint32),
-            temperature=np.ones(n, np.float32),
-            top_p=np.ones(n, np.float32),
-            top_k=np.zeros(n, np.int32),
-            stop_ids=np.full((n, config.max_stop_ids), -1, np.int32),
-        )
-        self._shardings = self._make_shardings() if mesh is not None else None
-        if self._shardings is not None:
-            self._pool = jax.device_put(self._pool, self._shardings["pool"])
+        self._mesh0 = mesh  # the construction mesh (``reset`` returns to it)
+        self._n = n  # slots now (``reshard`` may shrink it below config.slots)
+        self._sh_cache: dict[tuple, dict[str, Any]] = {}
+        self._own_weights: list[weakref.ref] = []  # leaves a reshard created (engine-owned)
+        self._s = self._empty_slots(n)  # host mirror of the slot state
+        self._shardings = self._sharding_for(mesh, n) if mesh is not None else None
+        self._pool = self._zeros_pool(n)
         self._table = np.full((q, m), n, np.int32)
         self._slot_req: list[Request | None] = [None] * n
         self._pslot_group: list[Group | None] = [None] * q
@@ -299,42 +351,95 @@ class RolloutEngine:
         self._fns: dict[tuple, Any] = {}
         self._reset_stats()
 
+    def _empty_slots(self, n: int) -> dict[str, np.ndarray]:
+        return dict(
+            group=np.zeros(n, np.int32),
+            cell=np.zeros(n, np.int32),
+            length=np.zeros(n, np.int32),
+            token=np.zeros(n, np.int32),
+            active=np.zeros(n, bool),
+            budget=np.zeros(n, np.int32),
+            forced=np.zeros(n, bool),
+            key=np.zeros((n, 2), np.uint32),
+            temperature=np.ones(n, np.float32),
+            top_p=np.ones(n, np.float32),
+            top_k=np.zeros(n, np.int32),
+            stop_ids=np.full((n, self.config.max_stop_ids), -1, np.int32),
+        )
+
+    def _pool_shapes(self, n: int) -> K.Pool:
+        """The pool's arrays as ShapeDtypeStructs (no sharding) for ``n`` slots."""
+        c, cfg = self.config, self.cfg
+        cd = jnp.dtype(cfg.compute_dtype)
+        kv = (cfg.num_kv_heads, cfg.head_dim)
+        prompt = jax.ShapeDtypeStruct((c.prompt_slots, c.prompt_len) + kv, cd)
+        resp = jax.ShapeDtypeStruct((n, c.response_len) + kv, cd)
+        layers = cfg.num_layers
+        return K.Pool(
+            prompt_k=(prompt,) * layers,
+            prompt_v=(prompt,) * layers,
+            prompt_len=jax.ShapeDtypeStruct((c.prompt_slots,), jnp.int32),
+            resp_k=(resp,) * layers,
+            resp_v=(resp,) * layers,
+        )
+
+    def _zeros_pool(self, n: int) -> K.Pool:
+        """An empty pool of ``n`` slots, created in place on the current shardings."""
+        shapes = self._pool_shapes(n)
+        if self._shardings is None:
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+        return jax.tree.map(
+            lambda a, sh: jnp.zeros(a.shape, a.dtype, device=sh), shapes, self._shardings["pool"]
+        )
+
     # ------------------------------------------------------------ programs
 
     def _model(self, weights):
         return nnx.merge(self.graphdef, weights)
 
-    def _make_shardings(self) -> dict[str, Any]:
-        """Slots (and prompt rows) over dp, kv heads over tp, via the rule table."""
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
+    def _sharding_for(self, mesh: Mesh, n: int) -> dict[str, Any]:
+        """Slots (and prompt rows) over dp, kv heads over tp, via the rule table; one dict
+        per (mesh, slots), cached. A dimension dp (tp) does not divide is replicated over
+        dp (tp) by the rule table's fallback, e.g. Q prompt rows when dp does not divide Q."""
+        key = (mesh, n)
+        if key in self._sh_cache:
+            return self._sh_cache[key]
+        rules = self.rules
 
-        mesh, rules = self.mesh, self.rules
-
-        def kv(shape):
+        def kv(a):
             logical = (axes.BATCH, axes.KV_SEQ, axes.KV_HEADS, axes.HEAD_DIM)
-            return NamedSharding(mesh, logical_to_spec(logical, shape, mesh, rules, exclude=())[0])
+            return NamedSharding(
+                mesh, logical_to_spec(logical, a.shape, mesh, rules, exclude=())[0]
+            )
 
         def rows(shape):
             logical = (axes.BATCH,) + (None,) * (len(shape) - 1)
             return NamedSharding(mesh, logical_to_spec(logical, shape, mesh, rules, exclude=())[0])
 
+        shapes = self._pool_shapes(n)
         pool = K.Pool(
-            prompt_k=tuple(kv(a.shape) for a in self._pool.prompt_k),
-            prompt_v=tuple(kv(a.shape) for a in self._pool.prompt_v),
+            prompt_k=tuple(kv(a) for a in shapes.prompt_k),
+            prompt_v=tuple(kv(a) for a in shapes.prompt_v),
             prompt_len=NamedSharding(mesh, P()),
-            resp_k=tuple(kv(a.shape) for a in self._pool.resp_k),
-            resp_v=tuple(kv(a.shape) for a in self._pool.resp_v),
+            resp_k=tuple(kv(a) for a in shapes.resp_k),
+            resp_v=tuple(kv(a) for a in shapes.resp_v),
         )
-        slots = K.Slots(**{k: rows(v.shape) for k, v in self._s.items()})
-        return dict(pool=pool, slots=slots, replicated=NamedSharding(mesh, P()))
+        slots = K.Slots(**{k: rows(v.shape[:0] + (n,) + v.shape[1:]) for k, v in self._s.items()})
+        out = dict(pool=pool, slots=slots, replicated=NamedSharding(mesh, P()))
+        self._sh_cache[key] = out
+        return out
 
     def place(self, weights):
-        """The weights on the engine's mesh (tp-split by the rule table); as is without one."""
+        """The weights on the engine's current mesh (tp-split by the rule table); as is
+        without one."""
         return weights if self.mesh is None else shard_params(weights, self.mesh, self.rules)
 
-    def _fn(self, kind: str, *statics):
-        key = (kind,) + statics
+    def _fn(self, kind: str, *statics, at: tuple | None = None):
+        """The jitted program ``kind`` for (mesh, slots) ``at`` (default: the current
+        ones); one per (mesh, slots, kind, statics), kept for the engine's life, so a
+        shape seen before compiles nothing."""
+        mesh, n = at or (self.mesh, self._n)
+        key = (mesh, n, kind) + statics
         if key not in self._fns:
             if kind == "decode":
                 steps, filtered, window = statics
@@ -351,29 +456,36 @@ class RolloutEngine:
                         window=window,
                     )
 
-                self._fns[key] = self._jit(fn, "decode")
+                self._fns[key] = self._jit(fn, "decode", mesh, n)
             elif kind == "prefill":
 
                 def fn(weights, pool, qslot, tokens, lens):
                     self.trace_count += 1
                     return K.prefill(self._model(weights), pool, qslot, tokens, lens)
 
-                self._fns[key] = self._jit(fn, "pool")
+                self._fns[key] = self._jit(fn, "pool", mesh, n)
+            elif kind == "gather":  # rows ``idx`` of a response-pool layer (reshard)
+
+                def fn(x, idx):
+                    self.trace_count += 1
+                    return x[idx]
+
+                self._fns[key] = jax.jit(fn)
             else:
 
                 def fn(weights, pool, slot, group, length, tokens, count):
                     self.trace_count += 1
                     return K.extend(self._model(weights), pool, slot, group, length, tokens, count)
 
-                self._fns[key] = self._jit(fn, "pool")
+                self._fns[key] = self._jit(fn, "pool", mesh, n)
         return self._fns[key]
 
-    def _jit(self, fn, out: str):
+    def _jit(self, fn, out: str, mesh, n: int):
         """jit with the pool donated; on a mesh, outputs keep the inputs' shardings (so a
         call never sees a new input sharding and compiles again)."""
-        if self._shardings is None:
+        if mesh is None:
             return jax.jit(fn, donate_argnums=(1,))
-        sh = self._shardings
+        sh = self._sharding_for(mesh, n)
         outs = sh["pool"] if out == "pool" else (sh["pool"], sh["slots"], sh["replicated"])
         return jax.jit(fn, donate_argnums=(1,), out_shardings=outs)
 
@@ -393,20 +505,66 @@ class RolloutEngine:
         return min(bucket(n, 16), limit)
 
     def warmup(
-        self, weights, *, filtered: bool | None = None, extend: bool = False
+        self,
+        weights,
+        *,
+        filtered: bool | None = None,
+        extend: bool = False,
+        targets: Sequence[tuple[int, int, int | None]] = (),
     ) -> RolloutEngine:
         """Compiles every program a run can need (decode, each prefill length bucket and,
-        with ``extend``, each extend bucket), so that no later call compiles."""
+        with ``extend``, each extend bucket), so that no later call compiles.
+
+        ``targets``: (dp, tp, slots) switch targets (slots None = config.slots) whose
+        programs are compiled too (from shapes and shardings only, nothing is moved), so
+        that ``reshard`` onto them and the calls after it compile nothing."""
+        args = (weights, self._pool, self._slots_device(), self._table_device())
+        self._warm(self.mesh, self._n, args, filtered, extend)
+        for target in targets:
+            if len(target) != 3:
+                raise EngineError(f"warmup: targets need (dp, tp, slots) triples, got {target!r}")
+            dp, tp, n = target
+            mesh = self._target_mesh((dp, tp), "warmup: targets")
+            n = self.config.slots if n is None else n
+            if not isinstance(n, int | np.integer) or not 1 <= n <= self.config.slots:
+                raise EngineError(
+                    f"warmup: targets slots={n!r} must be an int in [1, {self.config.slots}] "
+                    "(ContinuousConfig.slots)"
+                )
+            sh = self._sharding_for(mesh, int(n))
+            w = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                weights,
+                param_shardings(weights, mesh, self.rules),
+            )
+            pool = jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                self._pool_shapes(int(n)),
+                sh["pool"],
+            )
+            slots = K.Slots(
+                **{
+                    k: jax.ShapeDtypeStruct((int(n),) + v.shape[1:], v.dtype, sharding=s)
+                    for (k, v), s in zip(self._s.items(), sh["slots"], strict=True)
+                }
+            )
+            table = jax.ShapeDtypeStruct(self._table.shape, np.int32, sharding=sh["replicated"])
+            self._warm(mesh, int(n), (w, pool, slots, table), filtered, extend)
+        return self
+
+    def _warm(self, mesh, n: int, args, filtered: bool | None, extend: bool):
         c = self.config
+        weights, pool, slots, table = args
+        at = (mesh, n)
         for f in (False, True) if filtered is None else (filtered,):
             for w in self._windows():
-                self._fn("decode", c.steps_per_call, f, w).lower(
-                    weights, self._pool, self._slots_device(), self._table_device()
+                self._fn("decode", c.steps_per_call, f, w, at=at).lower(
+                    weights, pool, slots, table
                 ).compile()
         for t in self._buckets(c.prompt_len):
-            self._fn("prefill", t).lower(
+            self._fn("prefill", t, at=at).lower(
                 weights,
-                self._pool,
+                pool,
                 np.zeros(c.prefill_batch, np.int32),
                 np.zeros((c.prefill_batch, t), np.int32),
                 np.zeros(c.prefill_batch, np.int32),
@@ -415,10 +573,337 @@ class RolloutEngine:
             e = c.extend_batch
             for t in self._buckets(c.response_len):
                 z = np.zeros(e, np.int32)
-                self._fn("extend", t).lower(
-                    weights, self._pool, z, z, z, np.zeros((e, t), np.int32), z
+                self._fn("extend", t, at=at).lower(
+                    weights, pool, z, z, z, np.zeros((e, t), np.int32), z
                 ).compile()
-        return self
+
+    # ------------------------------------------------------------ PAT switching
+
+    def mesh_for(self, dp: int, tp: int) -> Mesh:
+        """The ('dp', 'tp') mesh of shape (dp, tp) over the engine's devices (in the
+        construction mesh's order, so equal shapes give equal meshes: one program cache)."""
+        if self._mesh0 is None:
+            raise EngineError(
+                "mesh: the engine was built without a mesh; pass RolloutEngine(..., "
+                "mesh=make_mesh(dp, tp)) to switch meshes"
+            )
+        if (dp, tp) == tuple(self._mesh0.devices.shape):
+            return self._mesh0
+        return make_mesh(dp, tp, devices=list(self._mesh0.devices.flat))
+
+    def switch_targets(self) -> list[tuple[int, int]]:
+        """The (dp, tp) shapes ``reshard`` accepts: dp * tp = the construction mesh's
+        device count and tp dividing num_kv_heads (plus the construction shape)."""
+        if self._mesh0 is None:
+            return []
+        d, kvh = self._mesh0.devices.size, self.cfg.num_kv_heads
+        out = [(d // t, t) for t in range(1, d + 1) if d % t == 0 and kvh % t == 0]
+        first = tuple(int(x) for x in self._mesh0.devices.shape)
+        return sorted(set(out) | {first}, key=lambda s: s[1])
+
+    def _target_mesh(self, mesh, field: str = "mesh") -> Mesh:
+        if self._mesh0 is None:
+            self.mesh_for(1, 1)  # raises the no-mesh error
+        ok = self.switch_targets()
+        if isinstance(mesh, Mesh):
+            if tuple(mesh.axis_names) != MESH_AXES:
+                raise EngineError(
+                    f"{field}: axis names {tuple(mesh.axis_names)}, need {MESH_AXES} "
+                    "(dtarl.parallel.mesh.make_mesh)"
+                )
+            ids = sorted(d.id for d in mesh.devices.flat)
+            if ids != sorted(d.id for d in self._mesh0.devices.flat):
+                raise EngineError(
+                    f"{field}: devices {ids} are not the engine's "
+                    f"{sorted(d.id for d in self._mesh0.devices.flat)} (a switch keeps the "
+                    "device set; build the mesh with engine.mesh_for(dp, tp))"
+                )
+            shape = tuple(int(x) for x in mesh.devices.shape)
+        else:
+            try:
+                shape = tuple(int(x) for x in mesh)
+            except TypeError:
+                shape = ()
+            if len(shape) != 2:
+                raise EngineError(f"{field}: need a jax Mesh or a (dp, tp) pair, got {mesh!r}")
+        if shape not in ok:
+            raise EngineError(
+                f"{field}: (dp, tp) = {shape} is not a switch target; accepted (dp, tp): {ok} "
+                f"(dp * tp = {self._mesh0.devices.size} devices, tp dividing "
+                f"num_kv_heads={self.cfg.num_kv_heads})"
+            )
+        return mesh if isinstance(mesh, Mesh) else self.mesh_for(*shape)
+
+    def _waiting(self) -> int:
+        return sum(r.status is Status.WAITING for g in self._queue for r in g.requests)
+
+    def view(self) -> EngineView:
+        """What a switch controller reads between decode calls (a snapshot)."""
+        running = [r for r in self._slot_req if r is not None and self._s["active"][r.slot]]
+        shape = (1, 1) if self.mesh is None else tuple(int(x) for x in self.mesh.devices.shape)
+        return EngineView(
+            dp=shape[0],
+            tp=shape[1],
+            slots=self._n,
+            active=len(running),
+            live=sum(r is not None for r in self._slot_req),
+            waiting=self._waiting(),
+            prompt_tokens=np.asarray([r.group.prompt.size for r in running], np.int64),
+            response_tokens=np.asarray([r.length for r in running], np.int64),
+            remaining=np.asarray([self._s["budget"][r.slot] for r in running], np.int64),
+            forced=np.asarray([r.forced for r in running], bool),
+            decode_calls=tuple(self._stats["calls"]),
+        )
+
+    def reshard(
+        self,
+        mesh: Mesh | tuple[int, int],
+        weights,
+        *,
+        slots: int | None = None,
+        mode: str = "migrate",
+        donate: bool = False,
+    ) -> tuple[Any, dict[str, Any]]:
+        """Switches the engine to ``mesh`` and ``slots`` slots between decode calls (PAT).
+
+        mesh: a ('dp', 'tp') Mesh over the engine's devices or a (dp, tp) pair (see
+          ``switch_targets``). slots: the new slot count (default: the smallest dp * 2^k
+          holding every live request, capped at config.slots); below config.slots only
+          when no request waits. mode: "migrate" (gather the live response rows and
+          move them, layer by layer) or "recompute" (rebuild every resident prompt by
+          prefill and every live request's rows by extend from its tokens).
+          donate: also free the caller's weight buffers as they move (weights a
+          previous ``reshard`` returned are the engine's own and are always freed).
+
+        Returns (weights on the new mesh, info); info: mode, dp, tp, slots, live,
+        weights_s, kv_s, compile_s, seconds, compiled (programs traced), moved_weight_bytes,
+        moved_kv_bytes, live_kv_bytes, peak_extra_bytes, weights_peak_extra_bytes,
+        kv_peak_extra_bytes. Bytes are summed over the addressable shards of every
+        device; a "peak extra" is the largest sum, during the switch, of the buffers it
+        created minus the old buffers it already freed (host bookkeeping of jax buffers,
+        taken after each transfer completes).
+        """
+        t_start = time.perf_counter()
+        mesh = self._target_mesh(mesh)
+        if mode not in ("migrate", "recompute"):
+            raise EngineError(f"mode={mode!r} must be 'migrate' or 'recompute'")
+        live = [r for r in self._slot_req if r is not None]
+        dp, tp = (int(x) for x in mesh.devices.shape)
+        cap = self.config.slots
+        if slots is None:
+            n = dp
+            while n < len(live):
+                n *= 2
+            n = min(n, cap)
+        else:
+            if not isinstance(slots, int | np.integer) or not max(1, len(live)) <= slots <= cap:
+                raise EngineError(
+                    f"slots={slots!r} must be an int in [{max(1, len(live))}, {cap}] (the "
+                    f"{len(live)} live requests .. ContinuousConfig.slots)"
+                )
+            n = int(slots)
+        waiting = self._waiting()
+        if n < cap and waiting:
+            raise EngineError(
+                f"slots={n} < ContinuousConfig.slots={cap} while {waiting} requests wait for "
+                "a slot: shrink only in the tail (empty queue), or keep slots=config.slots"
+            )
+        traces = self.trace_count
+        # Weights, one layer at a time.
+        t0 = time.perf_counter()
+        new_weights, w_moved, w_peak = self._move_weights(weights, mesh, donate)
+        weights_s = time.perf_counter() - t0
+        # Live requests spread evenly over the new dp shards (request k -> shard k % dp).
+        per = n // dp if n % dp == 0 else n
+        ways = dp if n % dp == 0 else 1
+        src = np.zeros(n, np.int32)  # new slot j reads old row src[j] (free slots: any row)
+        remap = np.full(self._n + 1, n, np.int32)  # old slot -> new slot (old N -> new N)
+        for k, r in enumerate(live):
+            j = (k % ways) * per + k // ways
+            src[j], remap[r.slot] = r.slot, j
+        old_pool, old_mesh, old_n = self._pool, self.mesh, self._n
+        live_kv = self.kv_bytes()
+        self.mesh, self._n = mesh, n
+        self._shardings = self._sharding_for(mesh, n)
+        old_s, self._s = self._s, self._empty_slots(n)
+        self._slot_req = [None] * n
+        for r in live:
+            j = int(remap[r.slot])
+            for k, v in old_s.items():
+                self._s[k][j] = v[r.slot]
+            self._slot_req[j] = r
+            r.slot = j
+        self._table = remap[self._table]
+        # Programs of the target (compiled now unless cached): decode, and for recompute
+        # the prefill and extend buckets it runs.
+        t0 = time.perf_counter()
+        self._compile_target(new_weights, mode, live)
+        compile_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if mode == "migrate":
+            kv_moved, kv_peak = self._migrate(old_pool, (old_mesh, old_n), src)
+        else:
+            kv_moved, kv_peak = self._recompute(old_pool, new_weights, live)
+        kv_s = time.perf_counter() - t0
+        self._own_weights = [weakref.ref(x) for x in jax.tree.leaves(new_weights)]
+        info = dict(
+            mode=mode,
+            dp=dp,
+            tp=tp,
+            slots=n,
+            live=len(live),
+            weights_s=weights_s,
+            kv_s=kv_s,
+            compile_s=compile_s,
+            seconds=time.perf_counter() - t_start,
+            compiled=self.trace_count - traces,
+            moved_weight_bytes=w_moved,
+            moved_kv_bytes=kv_moved,
+            live_kv_bytes=live_kv,
+            weights_peak_extra_bytes=w_peak,
+            kv_peak_extra_bytes=kv_peak,
+            peak_extra_bytes=max(w_peak, kv_peak),
+        )
+        self._stats["switches"].append(info)
+        return new_weights, info
+
+    def _move_weights(self, weights, mesh: Mesh, donate: bool) -> tuple[Any, int, int]:
+        """device_put per leaf onto the rule table's NamedSharding, one layer (one
+        ``layers/i`` subtree, or one top-level parameter) at a time; the old leaves of a
+        layer are freed once its new ones exist (engine-owned or ``donate``)."""
+        target = jax.tree.leaves(param_shardings(weights, mesh, self.rules))
+        flat, treedef = jax.tree_util.tree_flatten_with_path(weights)
+        if len(target) != len(flat):
+            raise EngineError("reshard: weights do not match the model's parameters")
+        owned = {id(x) for ref in self._own_weights if (x := ref()) is not None}
+        groups: dict[tuple, list[int]] = {}
+        for i, (path, _) in enumerate(flat):
+            names = [getattr(k, "key", getattr(k, "name", k)) for k in path]
+            cut = names.index("layers") + 2 if "layers" in names[:-1] else 1
+            groups.setdefault(tuple(names[:cut]), []).append(i)
+        out: list[Any] = [None] * len(flat)
+        extra = peak = moved = 0
+        for idx in groups.values():
+            for i in idx:
+                x = flat[i][1]
+                out[i] = y = jax.device_put(x, target[i])
+                fresh = _new_bytes(y, x)
+                extra += fresh
+                moved += fresh
+            jax.block_until_ready([out[i] for i in idx])
+            peak = max(peak, extra)
+            for i in idx:
+                x = flat[i][1]
+                if donate or id(x) in owned:
+                    extra -= _free(x, out[i])
+        return jax.tree_util.tree_unflatten(treedef, out), moved, peak
+
+    def _compile_target(self, weights, mode: str, live: list[Request]):
+        args = (weights, self._pool_abstract(), self._slots_device(), self._table_device())
+        if self._s["active"].any():
+            self._fn("decode", *self._decode_statics()).lower(*args).compile()
+        if mode != "recompute":
+            return
+        c = self.config
+        resident = [g for g in self._pslot_group if g is not None and g not in self._to_prefill]
+        for t in sorted({self._len_bucket(g.prompt.size - 1, c.prompt_len) for g in resident}):
+            self._fn("prefill", t).lower(
+                weights,
+                args[1],
+                np.zeros(c.prefill_batch, np.int32),
+                np.zeros((c.prefill_batch, t), np.int32),
+                np.zeros(c.prefill_batch, np.int32),
+            ).compile()
+        e = c.extend_batch
+        for t in sorted({self._len_bucket(r.length, c.response_len) for r in live if r.length}):
+            z = np.zeros(e, np.int32)
+            self._fn("extend", t).lower(
+                weights, args[1], z, z, z, np.zeros((e, t), np.int32), z
+            ).compile()
+
+    def _pool_abstract(self) -> K.Pool:
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self._pool_shapes(self._n),
+            self._shardings["pool"],
+        )
+
+    def _migrate(self, old: K.Pool, old_at: tuple, src: np.ndarray) -> tuple[int, int]:
+        """Gathers rows ``src`` of each old response layer (on the old mesh) and moves them
+        onto the new shardings, then moves the prompt pool; one layer at a time, each old
+        buffer freed as soon as its copy exists."""
+        sh = self._shardings["pool"]
+        gather = self._fn("gather", int(src.size), at=old_at)
+        idx = np.asarray(src, np.int32)  # uncommitted: follows x onto its mesh
+        extra = peak = moved = 0
+
+        def move(x, target, rows):
+            nonlocal extra, peak, moved
+            y = gather(x, idx) if rows else x
+            extra += _new_bytes(y, x)
+            z = jax.device_put(y, target)
+            z.block_until_ready()
+            fresh = _new_bytes(z, y)
+            extra += fresh
+            moved += fresh
+            peak = max(peak, extra)
+            keep = [y, z] if y is not x else [z]
+            extra -= _free(x, *keep)
+            if y is not x:
+                extra -= _free(y, z)
+            return z
+
+        resp_k = tuple(move(x, s, True) for x, s in zip(old.resp_k, sh.resp_k, strict=True))
+        resp_v = tuple(move(x, s, True) for x, s in zip(old.resp_v, sh.resp_v, strict=True))
+        prompt_k = tuple(move(x, s, False) for x, s in zip(old.prompt_k, sh.prompt_k, strict=True))
+        prompt_v = tuple(move(x, s, False) for x, s in zip(old.prompt_v, sh.prompt_v, strict=True))
+        plen = move(old.prompt_len, sh.prompt_len, False)
+        self._pool = K.Pool(prompt_k, prompt_v, plen, resp_k, resp_v)
+        return moved, peak
+
+    def _recompute(self, old: K.Pool, weights, live: list[Request]) -> tuple[int, int]:
+        """Frees the old pool, then rebuilds the K/V on the new mesh: each resident
+        prompt by prefill, each live request's response rows by extend from its tokens
+        (row 0 the prompt's last token, row j > 0 ``context[j - 1]``)."""
+        freed = sum(_free(x) for x in jax.tree.leaves(old))
+        self._pool = self._zeros_pool(self._n)
+        created = sum(_phys_bytes(x) for x in jax.tree.leaves(self._pool))
+        c = self.config
+        resident = [g for g in self._pslot_group if g is not None and g not in self._to_prefill]
+        for i in range(0, len(resident), c.prefill_batch):
+            self._prefill_groups(weights, resident[i : i + c.prefill_batch])
+        items = []
+        for r in live:
+            if r.length:
+                rows = np.asarray([r.group.prompt[-1]] + r.context[: r.length - 1], np.int32)
+                items.append((r.slot, r.group.pslot, 0, rows))
+        for i in range(0, len(items), c.extend_batch):
+            self._extend_rows(weights, items[i : i + c.extend_batch])
+        jax.block_until_ready(self._pool)
+        return 0, max(0, created - freed)
+
+    def reset(self) -> None:
+        """Back to the construction mesh and config.slots slots between generations; the
+        pool is re-created empty (nothing is moved), so no request may hold a slot or a
+        prompt row (release held requests first, or use ``reshard``)."""
+        if self._mesh0 is None or (self.mesh is self._mesh0 and self._n == self.config.slots):
+            return
+        held = sum(r is not None for r in self._slot_req)
+        rows = sum(g is not None for g in self._pslot_group)
+        if held or rows or self._to_prefill or self._to_extend:
+            raise EngineError(
+                f"reset: {held} slots and {rows} prompt rows are in use; release or finish "
+                "them first, or reshard(mesh, weights, slots=config.slots) to move them"
+            )
+        for x in jax.tree.leaves(self._pool):
+            _free(x)
+        n = self.config.slots
+        self.mesh, self._n = self._mesh0, n
+        self._shardings = self._sharding_for(self._mesh0, n)
+        self._pool = self._zeros_pool(n)
+        self._s = self._empty_slots(n)
+        self._slot_req = [None] * n
+        self._table = np.full(self._table.shape, n, np.int32)
 
     # ------------------------------------------------------------ public API
 
@@ -583,26 +1068,43 @@ class RolloutEngine:
     def pending(self) -> bool:
         return bool(self._queue or self._to_extend or any(self._s["active"]))
 
-    def run(self, weights, *, max_calls: int | None = None) -> list[Request]:
-        """Steps until nothing is waiting or running; returns the requests finished meanwhile."""
+    def run(
+        self,
+        weights,
+        *,
+        max_calls: int | None = None,
+        on_call: Callable[[RolloutEngine, Any], Any] | None = None,
+    ) -> list[Request]:
+        """Steps until nothing is waiting or running; returns the requests finished meanwhile.
+
+        ``on_call(engine, weights)`` runs after every step that made a decode call (a PAT
+        controller: read ``view()``, maybe ``reshard``); a non-None result replaces the
+        weights for the following steps (the re-placed weights of a switch)."""
         calls = 0
         while self.pending():
-            self.step(weights)
+            decoded = self.step(weights)
+            if decoded and on_call is not None:
+                new = on_call(self, weights)
+                if new is not None:
+                    weights = new
             calls += 1
             if max_calls is not None and calls >= max_calls:
                 break
         out, self._finished = self._finished, []
         return out
 
-    def step(self, weights) -> None:
-        """One scheduling round: admit + prefill, extends, one decode call, retire."""
+    def step(self, weights) -> bool:
+        """One scheduling round: admit + prefill, extends, one decode call, retire.
+        Returns whether it made a decode call."""
         t0 = time.perf_counter()
         self._admit()
         self._run_prefill(weights)
         self._run_extend(weights)
-        if self._s["active"].any():
+        decoded = bool(self._s["active"].any())
+        if decoded:
             self._decode(weights)
         self._stats["seconds"] += time.perf_counter() - t0
+        return decoded
 
     # ------------------------------------------------------------ scheduling
 
@@ -631,6 +1133,7 @@ class RolloutEngine:
                     break
                 i = free.pop(0)
                 r.slot, r.status, r.length = i, Status.RUNNING, 0
+                r.context = []
                 self._slot_req[i] = r
                 self._table[g.pslot, r.index] = i
                 s["group"][i] = g.pslot
@@ -656,17 +1159,22 @@ class RolloutEngine:
                 self._to_prefill[: c.prefill_batch],
                 self._to_prefill[c.prefill_batch :],
             )
-            t = self._len_bucket(max(g.prompt.size - 1 for g in batch), c.prompt_len)
-            qs = np.full(c.prefill_batch, c.prompt_slots, np.int32)
-            toks = np.full((c.prefill_batch, t), self.pad_id, np.int32)
-            lens = np.zeros(c.prefill_batch, np.int32)
-            for j, g in enumerate(batch):
-                qs[j] = g.pslot
-                toks[j, : g.prompt.size - 1] = g.prompt[:-1]
-                lens[j] = g.prompt.size - 1
-            self._pool = self._fn("prefill", t)(weights, self._pool, qs, toks, lens)
-            self._stats["prefill_calls"] += 1
-            self._stats["prefill_tokens"] += int(lens.sum())
+            self._prefill_groups(weights, batch)
+
+    def _prefill_groups(self, weights, batch: list[Group]):
+        """One prefill call writing these groups' prompts (at most prefill_batch)."""
+        c = self.config
+        t = self._len_bucket(max(g.prompt.size - 1 for g in batch), c.prompt_len)
+        qs = np.full(c.prefill_batch, c.prompt_slots, np.int32)
+        toks = np.full((c.prefill_batch, t), self.pad_id, np.int32)
+        lens = np.zeros(c.prefill_batch, np.int32)
+        for j, g in enumerate(batch):
+            qs[j] = g.pslot
+            toks[j, : g.prompt.size - 1] = g.prompt[:-1]
+            lens[j] = g.prompt.size - 1
+        self._pool = self._fn("prefill", t)(weights, self._pool, qs, toks, lens)
+        self._stats["prefill_calls"] += 1
+        self._stats["prefill_tokens"] += int(lens.sum())
 
     def _run_extend(self, weights):
         c, s = self.config, self._s
@@ -677,19 +1185,10 @@ class RolloutEngine:
             )
             # Feed the last sampled token and every appended token but the last.
             feeds = [np.concatenate([[s["token"][r.slot]], r.pending[:-1]]) for r in batch]
-            t = self._len_bucket(max(f.size for f in feeds), c.response_len)
-            e = c.extend_batch
-            slot = np.full(e, c.slots, np.int32)
-            grp = np.zeros(e, np.int32)
-            length = np.zeros(e, np.int32)
-            toks = np.full((e, t), self.pad_id, np.int32)
-            count = np.zeros(e, np.int32)
-            for j, (r, f) in enumerate(zip(batch, feeds, strict=True)):
-                slot[j], grp[j], length[j] = r.slot, r.group.pslot, r.length
-                toks[j, : f.size] = f
-                count[j] = f.size
-            self._pool = self._fn("extend", t)(weights, self._pool, slot, grp, length, toks, count)
-            self._stats["extend_calls"] += 1
+            self._extend_rows(
+                weights,
+                [(r.slot, r.group.pslot, r.length, f) for r, f in zip(batch, feeds, strict=True)],
+            )
             for r, f in zip(batch, feeds, strict=True):
                 i = r.slot
                 r.length += f.size
@@ -697,8 +1196,26 @@ class RolloutEngine:
                 s["token"][i] = r.pending[-1]
                 s["active"][i] = True
                 s["budget"][i] = r.max_new_tokens
+                r.context.extend(r.pending.tolist())
                 r.pending = None
                 r.turns += 1
+
+    def _extend_rows(self, weights, items: list[tuple[int, int, int, np.ndarray]]):
+        """One extend call: (slot, prompt slot, first row, tokens) each, at most extend_batch."""
+        c = self.config
+        t = self._len_bucket(max(f.size for *_, f in items), c.response_len)
+        e = c.extend_batch
+        slot = np.full(e, self._n, np.int32)
+        grp = np.zeros(e, np.int32)
+        length = np.zeros(e, np.int32)
+        toks = np.full((e, t), self.pad_id, np.int32)
+        count = np.zeros(e, np.int32)
+        for j, (sl, g, first, f) in enumerate(items):
+            slot[j], grp[j], length[j] = sl, g, first
+            toks[j, : f.size] = f
+            count[j] = f.size
+        self._pool = self._fn("extend", t)(weights, self._pool, slot, grp, length, toks, count)
+        self._stats["extend_calls"] += 1
 
     def _slots_device(self) -> K.Slots:
         slots = K.Slots(**{k: jnp.asarray(v) for k, v in self._s.items()})
@@ -711,7 +1228,8 @@ class RolloutEngine:
             return jax.device_put(self._table, self._shardings["replicated"])
         return jnp.asarray(self._table)
 
-    def _decode(self, weights):
+    def _decode_statics(self) -> tuple[int, bool, int]:
+        """(steps, filtered, window) of the next decode call (some slot must be active)."""
         c, s = self.config, self._s
         filtered = bool(
             np.any(s["active"] & ((s["top_k"] > 0) | (s["top_p"] < 1)) & (s["temperature"] > 0))
@@ -719,9 +1237,13 @@ class RolloutEngine:
         # Attention reads the response rows up to the longest active one after this call.
         need = int(s["length"][s["active"]].max()) + c.steps_per_call + 1
         window = next(w for w in self._windows() if w >= need or w == c.response_len)
+        return c.steps_per_call, filtered, window
+
+    def _decode(self, weights):
+        s = self._s
         traces = self.trace_count
         t0 = time.perf_counter()
-        self._pool, slots, out = self._fn("decode", c.steps_per_call, filtered, window)(
+        self._pool, slots, out = self._fn("decode", *self._decode_statics())(
             weights, self._pool, self._slots_device(), self._table_device()
         )
         out = jax.device_get(out)
@@ -750,6 +1272,7 @@ class RolloutEngine:
                 new.token[i] = toks[-1]
             r.tokens.extend(toks)
             r.logprobs.extend(lps)
+            r.context.extend(toks)
             r.length = int(new.length[i])
             s["length"][i] = new.length[i]
             s["token"][i] = new.token[i]
@@ -855,7 +1378,7 @@ class RolloutEngine:
             self._slot_req[r.slot] = None
             self._s["active"][r.slot] = False
             if g.pslot is not None:
-                self._table[g.pslot, r.index] = self.config.slots
+                self._table[g.pslot, r.index] = self._n
             r.slot = None
         r.status = Status.RELEASED
         if g.pslot is not None and all(
@@ -881,6 +1404,7 @@ class RolloutEngine:
             # per decode call that compiled nothing: (seconds, steps, sum of active slots)
             calls=[],
             peak_kv_bytes=0,
+            switches=[],  # the info dict of every reshard
         )
 
     def _note_kv(self):
@@ -894,7 +1418,7 @@ class RolloutEngine:
 
     def allocated_kv_bytes(self) -> int:
         c = self.config
-        return (c.prompt_slots * c.prompt_len + c.slots * c.response_len) * self._token_bytes
+        return (c.prompt_slots * c.prompt_len + self._n * c.response_len) * self._token_bytes
 
     def stats(self, *, reset: bool = False) -> dict[str, Any]:
         st = dict(self._stats)
@@ -1016,7 +1540,11 @@ class ContinuousSampler:
         max_new_tokens: Sequence[int] | None = None,
         forced_lengths: Sequence[int] | None = None,
         index_offset: int = 0,
+        on_call: Callable[[RolloutEngine, Any], Any] | None = None,
     ) -> SampleResult:
+        """Samples ``num_samples`` responses per prompt. ``on_call`` is passed to
+        ``RolloutEngine.run`` (a PAT controller); the engine is back on its construction
+        mesh and slot count when this returns."""
         t0 = time.perf_counter()
         q = len(prompts)
         if q == 0:
@@ -1061,7 +1589,11 @@ class ContinuousSampler:
             )
             at += n
         self.engine.stats(reset=True)
-        self.engine.run(weights)
+        try:
+            self.engine.run(weights, on_call=on_call)
+        finally:
+            if not self.engine.pending():
+                self.engine.reset()
         reqs = [r for g in groups for r in g.requests]
         res = [r.result() for r in reqs]
         st = self.engine.stats()
@@ -1074,6 +1606,7 @@ class ContinuousSampler:
             trace_count=self.trace_count,
             slot_utilisation=st["slot_utilisation"],
             peak_kv_bytes=st["peak_kv_bytes"],
+            switches=list(st["switches"]),
         )
         return SampleResult(
             tokens=tuple(t for t, _ in res),
@@ -1089,6 +1622,7 @@ __all__ = [
     "ContinuousConfig",
     "ContinuousSampler",
     "EngineError",
+    "EngineView",
     "Group",
     "Request",
     "RolloutEngine",
