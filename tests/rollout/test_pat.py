@@ -5,10 +5,16 @@ from __future__ import annotations
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
+from dtarl.model.config import ModelConfig
+from dtarl.model.decoder import Decoder
+from dtarl.parallel.mesh import make_mesh
 from dtarl.rollout import pat
+from dtarl.rollout.engine import ContinuousConfig, RolloutEngine
 
 MODEL = dict(num_layers=2, num_kv_heads=8, head_dim=4, compute_dtype="float32")
 
@@ -227,3 +233,87 @@ def test_check_candidates():
         pat.check_candidates([1, 4], devices=8, kv_heads=2)
     with pytest.raises(pat.PatError, match="empty"):
         pat.check_candidates([], devices=8, kv_heads=8)
+
+
+def test_replay_predicts_static_and_pat():
+    p = pat.Predictor(make_profile(tp_pays_small, bs=(1, 2, 4, 8, 16, 32)))
+    active = [64] * 20 + [8] * 20 + [1] * 60
+    context = [a * (40 + k) for k, a in enumerate(active)]
+    rep = pat.replay(p, active, context, check_every_steps=8)
+    assert rep["label"] == "PREDICTION"
+    # Static: the sum of the per-step predictions at B / dp, T / dp.
+    want = sum(
+        float(p.step_seconds(2, math.ceil(a / 4), c / 4))
+        for a, c in zip(active, context, strict=True)
+    )
+    assert rep["static"][2] == pytest.approx(want, 1e-9)
+    assert rep["start_tp"] == min(rep["static"], key=rep["static"].get)
+    assert rep["switches"] and rep["pat"] < min(rep["static"].values())
+    with pytest.raises(pat.PatError, match="replay: active"):
+        pat.replay(p, [1, 2], [3])
+
+
+# ----------------------------------------------------------------------------- end to end
+
+# The engine shapes of tests/rollout/test_pat_switch.py (shared compiled programs).
+E2E_CFG = dict(slots=8, groups=4, group_size=4, prompt_len=16, response_len=32, steps_per_call=4)
+E2E_LENGTHS = [[3, 7, 26, 11], [5, 19, 2], [28]]
+
+
+def favour_tp(tp, b, t):
+    """Small batches per DP group favour a larger TP: tp 1 -> 2 with 8 live requests,
+    -> 4 once one is left (see test_e2e_controller_switches_and_keeps_greedy_tokens)."""
+    return 1e-2 / tp + 1e-3 * b * tp + 1e-9 * t
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = Decoder(ModelConfig.tiny(num_heads=8, num_kv_heads=8, head_dim=8), seed=0)
+    return model, nnx.split(model, nnx.Param)[1]
+
+
+def _generate(model, weights, on_call=None):
+    eng = RolloutEngine(model, ContinuousConfig(**E2E_CFG), mesh=make_mesh(8, 1))
+    rng = np.random.RandomState(5)
+    groups = [
+        eng.submit(
+            rng.randint(1, 256, 10).tolist(),
+            n=len(m),
+            forced_lengths=m,
+            temperature=0.0,
+            seed=i,
+        )
+        for i, m in enumerate(E2E_LENGTHS)
+    ]
+    eng.run(eng.place(weights), on_call=on_call)
+    return [r.result() for g in groups for r in g.requests]
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("mode", ["migrate", "recompute"])
+def test_e2e_controller_switches_and_keeps_greedy_tokens(tiny, mode):
+    model, weights = tiny
+    # migrate: K/V moves are nearly free; recompute: moves are slow, prefill is free.
+    kv_bw, prefill = (1e12, lambda tp, b, l: 1e3) if mode == "migrate" else (1.0, None)
+    kw = dict(kv_bytes_per_s=kv_bw, compile_s=0.0, weights_bytes_per_s=1e12)
+    if prefill is None:
+        prefill = lambda tp, b, l: 1e-6  # noqa: E731
+    prof = make_profile(
+        favour_tp,
+        prefill,
+        bs=(1, 2, 4, 8),
+        model=dict(num_layers=2, num_kv_heads=8, head_dim=8, compute_dtype="float32"),
+        **kw,
+    )
+    ctl = pat.PatController(pat.Predictor(prof), candidates=(1, 2, 4, 8), check_every=1)
+    ctl.begin()
+    got = _generate(model, weights, on_call=ctl)
+    steps = [(e["src"][1], e["dst"][1]) for e in ctl.timeline]
+    assert len(steps) >= 2 and steps[0] == (1, 2) and steps[-1][1] == 4, steps
+    assert {e["mode"] for e in ctl.timeline} == {mode}
+    assert all(e["info"]["mode"] == mode for e in ctl.timeline)
+    assert all(e["predicted_gain_s"] > 0 for e in ctl.timeline)
+    ref = _generate(model, weights)
+    for (t, lp), (t_ref, lp_ref) in zip(got, ref, strict=True):
+        assert t.tolist() == t_ref.tolist()
+        np.testing.assert_allclose(lp, lp_ref, atol=1e-5, rtol=1e-5)
