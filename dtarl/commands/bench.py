@@ -1,24 +1,29 @@
-"""``dtarl bench train|memory|partition|rollout|peer|darts`` (thin: parse arguments, call
+"""``dtarl bench train|memory|partition|rollout|peer|darts|pat`` (thin: parse arguments, call
 ``dtarl.bench``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from flax import nnx
+
 from dtarl.bench import darts as bench_darts
 from dtarl.bench import memory as bench_memory
 from dtarl.bench import partition as bench_partition
+from dtarl.bench import pat as bench_pat
 from dtarl.bench import peer as bench_peer
 from dtarl.bench import rollout as bench_rollout
 from dtarl.bench import train as bench_train
-from dtarl.model import ModelConfig
+from dtarl.model import ModelConfig, init_model
 from dtarl.parallel.partition import FlopCost
+from dtarl.rollout import pat
 
 # ----------------------------------------------------------------------------- train
 
@@ -281,7 +286,41 @@ def _add_rollout(sub) -> None:
         help="write the rows here (a list: workload, sampler, tokens_per_s, seconds, "
         "peak_kv_bytes, ...); the KV report goes to <stem>.kv.json",
     )
+    p.add_argument(
+        "--profile",
+        metavar="OUT.json",
+        help="instead of the comparison: PAT's offline profile of the engine on every device "
+        "(8 simulated CPU devices unless XLA_FLAGS sets a count): decode and prefill latency "
+        "per TP on a (B, L) grid, reshard and K/V-move bandwidths (dtarl.rollout.pat); "
+        "--quick: a CPU-sized grid",
+    )
     p.set_defaults(func=_rollout)
+
+
+def simulated_devices(n: int = 8) -> None:
+    """Asks XLA for ``n`` host (CPU) devices unless XLA_FLAGS already sets a count; it takes
+    effect only if JAX has not started its backend yet (the commands call it first)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def _profile(args: argparse.Namespace, model: ModelConfig) -> int:
+    simulated_devices()
+    grid = pat.ProfileGrid.quick() if args.quick else pat.ProfileGrid()
+    t0 = time.perf_counter()
+    m = init_model(model, seed=0)
+    prof = pat.profile_engine(m, nnx.split(m, nnx.Param)[1], grid, say=print)
+    path = prof.save(args.profile)
+    errs = pat.leave_one_out(prof)
+    mean = sum(e["rel_error"] for e in errs) / max(len(errs), 1)
+    print(
+        f"profile: {len(prof.decode)} decode points, {prof.devices} x {prof.device_kind}; "
+        f"held-out mean relative error {mean:.1%}; weights {prof.weights_bytes_per_s / 1e9:.2f} "
+        f"GB/s, K/V {prof.kv_bytes_per_s / 1e9:.2f} GB/s per rank; compile {prof.compile_s:.2f} s"
+    )
+    print(f"total {time.perf_counter() - t0:.1f} s\nwrote {path}")
+    return 0
 
 
 def _rollout(args: argparse.Namespace) -> int:
@@ -301,6 +340,8 @@ def _rollout(args: argparse.Namespace) -> int:
         "kv_prompt",
         "kv_responses",
     )
+    if args.profile:
+        return _profile(args, model)
     over = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
     if "kv_responses" in over:
         over["kv_responses"] = tuple(over["kv_responses"])
@@ -456,11 +497,94 @@ def _darts(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- pat
+
+
+def _add_pat(sub) -> None:
+    p = sub.add_parser(
+        "pat",
+        help="static TP 1/2/4/8 vs PAT's adaptive TP during generation (8 simulated devices)",
+        description=bench_pat.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d = bench_pat.PatBenchConfig()
+    for name, what in (
+        ("prompts", "prompt groups"),
+        ("group_size", "samples per prompt G"),
+        ("prompt_len", "prompt tokens"),
+        ("max_new_tokens", "longest response"),
+        ("steps_per_call", "engine decode steps per call"),
+        ("check_every", "controller check period, decode calls"),
+        ("start_tp", "PAT's initial TP"),
+        ("rounds", "timed rounds"),
+        ("seed", "lengths and prompts seed"),
+    ):
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, type=int, help=f"{what} (default {getattr(d, name)})")
+    p.add_argument("--polytrace", help="PolyTrace root (default: ../shared/polytrace)")
+    p.add_argument("--synthetic", action="store_true", help="lognormal lengths, no traces")
+    p.add_argument("--profile", help="use this saved profile instead of profiling first")
+    p.add_argument(
+        "--profile-out",
+        default="bench_out/pat_profile.json",
+        help="where the profile taken is saved (default: %(default)s)",
+    )
+    p.add_argument(
+        "--replay-profile",
+        metavar="PROFILE.json",
+        help="also PREDICT the latency on the machine of this saved profile from the tp1 "
+        "generation's (B, T) trajectory (a prediction, labelled so)",
+    )
+    p.add_argument("--quick", action="store_true", help="small run (under 5 minutes on 2 cores)")
+    p.add_argument("--png", default="bench_out/pat.png", help="timeline plot (%(default)s)")
+    p.add_argument(
+        "--json",
+        help="write objects with config (tp1, tp2, tp4, tp8, pat), latency_s, switches, "
+        "the breakdown, and {config: predictor, mean_rel_error}",
+    )
+    p.set_defaults(func=_pat)
+
+
+def _pat(args: argparse.Namespace) -> int:
+    simulated_devices()
+    fields = (
+        "prompts",
+        "group_size",
+        "prompt_len",
+        "max_new_tokens",
+        "steps_per_call",
+        "check_every",
+        "start_tp",
+        "rounds",
+        "seed",
+    )
+    over = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
+    make = bench_pat.PatBenchConfig.quick if args.quick else bench_pat.PatBenchConfig
+    t0 = time.perf_counter()
+    res = bench_pat.run(
+        make(**over),
+        profile=args.profile,
+        profile_out=None if args.profile else args.profile_out,
+        replay_profile=args.replay_profile,
+        polytrace=args.polytrace,
+        synthetic=args.synthetic,
+        png=args.png,
+    )
+    print(f"total {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(bench_pat.json_rows(res), indent=1, default=str))
+        print(f"wrote {path}")
+    return 0
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     """Adds ``bench`` with its ``train``, ``memory``, ``partition``, ``rollout``, ``peer`` and
-    ``darts`` subcommands (each sets ``func``; ``func(args)`` returns the exit code)."""
+    ``darts`` and ``pat`` subcommands (each sets ``func``; ``func(args)`` returns the exit code)."""
     bench = subparsers.add_parser(
-        "bench", help="benchmarks (train engines, memory, DP partition, rollout, vs Tunix, DARTS)"
+        "bench",
+        help="benchmarks (train engines, memory, DP partition, rollout, vs Tunix, DARTS, PAT)",
     )
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_train(sub)
@@ -469,4 +593,5 @@ def register(subparsers) -> argparse.ArgumentParser:
     _add_rollout(sub)
     _add_peer(sub)
     _add_darts(sub)
+    _add_pat(sub)
     return bench

@@ -234,6 +234,40 @@ class StreamingSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PatSection:
+    """``rollout.pat``: adaptive tensor parallelism during generation (papers/003;
+    dtarl.rollout.pat). The rollout engine starts on the run's mesh and, every
+    ``check_every`` decode calls once no request waits, switches to the TP of
+    ``tp_candidates`` (with the live requests merged into fewer slots) whose predicted
+    remaining time + switch cost is the lowest, if lower than staying. ``profile``:
+    the offline profile JSON (``dtarl bench rollout --profile OUT.json`` on the
+    training machine with the run's model); required when enabled, since profiling
+    at startup would take minutes. Needs ``rollout.engine: continuous``, a mesh of
+    several devices and one process."""
+
+    SECTION: typing.ClassVar[str] = "rollout.pat"
+    enabled: bool = False
+    tp_candidates: tuple[int, ...] = (1, 2, 4, 8)
+    check_every: int = 4
+    profile: str = ""
+
+    def __post_init__(self):
+        _positive(self, "check_every")
+        if not self.tp_candidates:
+            raise ConfigError("rollout.pat.tp_candidates=[] must list TP degrees of [1, 2, 4, 8]")
+        for i, tp in enumerate(self.tp_candidates):
+            if tp not in (1, 2, 4, 8):
+                raise ConfigError(
+                    f"rollout.pat.tp_candidates[{i}]={tp!r} must be one of [1, 2, 4, 8]"
+                )
+        if self.enabled and not self.profile:
+            raise ConfigError(
+                "rollout.pat.profile='' must name a profile JSON when rollout.pat.enabled=true "
+                "(make one with `dtarl bench rollout --profile OUT.json --model ...`)"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutSection:
     SECTION: typing.ClassVar[str] = "rollout"
     prompts_per_step: int = 16
@@ -255,6 +289,7 @@ class RolloutSection:
     # growing past a window later in the run does not compile mid-step
     warmup: bool = True
     streaming: StreamingSection = dataclasses.field(default_factory=StreamingSection)
+    pat: PatSection = dataclasses.field(default_factory=PatSection)
 
     def __post_init__(self):
         for i, s in enumerate(self.stop):
@@ -567,6 +602,14 @@ class TrainerConfig:
                 f"continuous (got {self.rollout.engine.value}); streaming a critic or the "
                 "old-logprob recompute is not built"
             )
+        r = self.rollout
+        if r.pat.enabled and (r.engine is not RolloutEngineKind.CONTINUOUS or r.streaming.enabled):
+            raise ConfigError(
+                "rollout.pat.enabled=true switches the continuous engine's mesh: it needs "
+                f"rollout.engine=continuous (got {self.rollout.engine.value}) and "
+                f"rollout.streaming.enabled=false (got {self.rollout.streaming.enabled}; the "
+                "streaming scorers are single-device)"
+            )
         if d.enabled and d.short_k > self.rollout.group_size:
             raise ConfigError(
                 f"algo.darts.short_k={d.short_k} must be <= rollout.group_size="
@@ -786,6 +829,7 @@ __all__ = [
     "MeshSection",
     "ModelSection",
     "OptimSection",
+    "PatSection",
     "RESUME_FREE_KEYS",
     "ResumeSection",
     "RolloutEngineKind",

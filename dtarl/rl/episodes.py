@@ -122,6 +122,7 @@ def rollout(
     early_stop: Sequence[bool] | None = None,
     stream: tuple[StreamingScorers, Any] | None = None,
     index_offset: int = 0,
+    on_call: Callable[[Any, Any], Any] | None = None,
 ) -> tuple[list[Trajectory], dict[str, float]]:
     """Samples ``group_size`` trajectories per problem, running tool turns (multi-turn tasks).
 
@@ -142,7 +143,13 @@ def rollout(
     ``index_offset, index_offset + 1, ...`` of a larger batch (a process's share,
     ``process_rollout``): problem i's group is keyed by ``fold_in(key, index_offset + i)``
     as in the whole batch's rollout. ``problem_index`` stays local (0, 1, ...).
+
+    ``on_call`` (continuous engine only): the engine's hook between decode calls
+    (``RolloutEngine.run``), e.g. PAT's controller (``rollout.pat``); the engine is
+    back on its construction mesh when the rollout returns.
     """
+    if on_call is not None and not isinstance(sampler, ContinuousSampler):
+        raise ConfigError("rollout.pat (an on_call hook) needs rollout.engine: continuous")
     if index_offset < 0:
         raise ValueError(f"index_offset={index_offset}: must be >= 0")
     if isinstance(sampler, ContinuousSampler):
@@ -158,6 +165,7 @@ def rollout(
             early_stop=early_stop,
             stream=stream,
             index_offset=index_offset,
+            on_call=on_call,
         )
     if index_offset:
         raise ConfigError(
@@ -238,6 +246,7 @@ def _rollout_continuous(
     early_stop: Sequence[bool] | None = None,
     stream: tuple[StreamingScorers, Any] | None = None,
     index_offset: int = 0,
+    on_call: Callable[[Any, Any], Any] | None = None,
 ) -> tuple[list[Trajectory], dict[str, float]]:
     """``rollout`` on the continuous engine: one group per problem (its prompt prefilled
     once), tool turns continued in place with ``RolloutEngine.extend``.
@@ -294,9 +303,19 @@ def _rollout_continuous(
         for g in groups:
             g.on_tokens = on_tokens
     eng.stats(reset=True)
+    hook = None
+    if on_call is not None:  # a switch re-places the weights: later calls take the new ones
+
+        def hook(engine, w):
+            nonlocal weights
+            new = on_call(engine, w)
+            if new is not None:
+                weights = new
+            return new
+
     lag, tail = 0, 0.0  # the last decode call's close-time scoring: what streaming left over
     while eng.pending():
-        done = eng.run(weights, max_calls=1)
+        done = eng.run(weights, max_calls=1, on_call=hook)
         if sc is not None:
             sc.flush(ref_w, max_calls=1)  # interleaved with decode
         lag, tail = 0, 0.0
@@ -340,6 +359,8 @@ def _rollout_continuous(
                 scored[row] = sc.close(row, ref_w)  # scores its lag, frees its slot
                 tail += time.perf_counter() - t0
     st = eng.stats()
+    if on_call is not None:
+        eng.reset()  # back to the construction mesh and slot count (nothing is live)
     trajs = _trajectories(tokenizer, prompts, parts, truncated, turns, owner)
     trajs = [
         dataclasses.replace(
@@ -687,6 +708,7 @@ def rl_batch(
     darts_state: darts.DartsState | None = None,
     stream: tuple[StreamingScorers, Any] | None = None,
     shard_processes: bool = False,
+    on_call: Callable[[Any, Any], Any] | None = None,
 ) -> tuple[RolloutBatch | None, dict[str, Any]]:
     """One RL step's batch: ``cfg.rollout.group_size`` samples of each problem under
     ``params``, scored by ``reward_fn`` and shaped, filtered by dynamic sampling
@@ -712,6 +734,8 @@ def rl_batch(
 
     Returns ``(batch, metrics)``; ``batch`` is None when dynamic sampling kept no
     group (``metrics`` then say ``skipped=1`` and why).
+
+    ``on_call``: the continuous engine's hook between decode calls (PAT's controller).
     """
     target = len(problems)
     dynamic = cfg.algo.use_dynamic_sampling
@@ -752,7 +776,14 @@ def rl_batch(
             )
         else:
             b_trajs, stats = rollout(
-                sampler, params, tokenizer, task, batch_problems, stream=stream, **common
+                sampler,
+                params,
+                tokenizer,
+                task,
+                batch_problems,
+                stream=stream,
+                on_call=on_call,
+                **common,
             )
         for name in ("stream_tokens", "stream_lag_tokens", "stream_tail_seconds"):
             if name in stats:

@@ -105,6 +105,7 @@ from dtarl.rl.rewards import RewardErrorPolicy, RewardFn, compute_rewards
 from dtarl.rl.samplers import make_samplers
 from dtarl.rl.tasks import Problem, Task, make_task
 from dtarl.rl.value import ValueModel
+from dtarl.rollout import pat as pat_lib
 from dtarl.rollout.engine import ContinuousSampler
 from dtarl.rollout.sampler import Sampler
 from dtarl.rollout.stream import StreamingScorers
@@ -279,6 +280,7 @@ class Trainer:
                 temperature=self.temperature,
                 pad_id=self.tokenizer.pad_id,
             )
+        self.pat = self._make_pat()  # rollout.pat: the switch controller (or None)
         self.ref_params = None
         self.value = None
         if cfg.algo.algorithm is Algorithm.PPO:
@@ -327,6 +329,54 @@ class Trainer:
         self.add_hook(self._log_hook)
         if cfg.checkpoint_every:
             self.add_hook(lambda info: self.save_checkpoint(), every=cfg.checkpoint_every)
+
+    def _make_pat(self) -> pat_lib.PatController | None:
+        """``rollout.pat``: PAT's controller over the rollout engine, from the saved profile;
+        refuses what cannot switch (no mesh, several processes, a static sampler, a
+        profile of another device count or without the candidates)."""
+        p = self.cfg.rollout.pat
+        if not p.enabled:
+            return None
+        mesh = self.rollout_mesh
+        if self.multiprocess:
+            raise ConfigError(
+                f"rollout.pat.enabled=true is not supported in a {jax.process_count()}-process "
+                "run (each process decodes its own share on its own devices); run PAT in one "
+                "process"
+            )
+        if mesh is None or not isinstance(self.sampler, ContinuousSampler):
+            raise ConfigError(
+                "rollout.pat.enabled=true needs rollout.engine=continuous on a mesh of several "
+                "devices (mesh.dp x mesh.tp > 1) to switch between"
+            )
+        try:
+            profile = pat_lib.Profile.load(p.profile)
+            tps = pat_lib.check_candidates(
+                p.tp_candidates, devices=mesh.size, kv_heads=self.model.cfg.num_kv_heads
+            )
+        except pat_lib.PatError as e:
+            raise ConfigError(f"rollout.pat: {e}") from None
+        if profile.devices != mesh.size:
+            raise ConfigError(
+                f"rollout.pat.profile={p.profile!r} was taken on {profile.devices} devices; "
+                f"the rollout mesh has {mesh.size}"
+            )
+        try:
+            return pat_lib.PatController(
+                pat_lib.Predictor(profile), candidates=tps, check_every=p.check_every
+            )
+        except pat_lib.PatError as e:
+            raise ConfigError(f"rollout.pat ({p.profile}): {e}") from None
+
+    def _pat_metrics(self) -> dict[str, float]:
+        """``pat_switches``, ``pat_switch_seconds`` and ``pat_final_tp`` of this step."""
+        tl = self.pat.timeline
+        start = int(self.rollout_mesh.shape[mesh_lib.TP])
+        return dict(
+            pat_switches=len(tl),
+            pat_switch_seconds=float(sum(e["seconds"] for e in tl)),
+            pat_final_tp=tl[-1]["dst"][1] if tl else start,
+        )
 
     def _check_mesh(self) -> None:
         """Refuses what does not run on the mesh, naming the combination."""
@@ -555,6 +605,8 @@ class Trainer:
             reference = functools.partial(self.scorer, self._reference_params())
         params = self._rollout_params()
         self._warm(self.sampler, params)
+        if self.pat is not None:
+            self.pat.begin()
         batch, episode_metrics = rl_batch(
             cfg,
             self._problems(_SEED_RL, step, cfg.rollout.prompts_per_step),
@@ -570,10 +622,13 @@ class Trainer:
             darts_state=self.darts,
             stream=None if self.streamers is None else (self.streamers, self.ref_params),
             shard_processes=self.multiprocess,
+            on_call=self.pat,
         )
         m = dict(phase="rl", step=step, global_step=cfg.sft.steps + step + 1)
         m["lr"] = self.rl_opt.lr(self.opt_state)  # this step's first update's
         m.update(episode_metrics)
+        if self.pat is not None:
+            m.update(self._pat_metrics())
         if self.multiprocess:  # the devices this process decoded its share on
             m["rollout_devices"] = 1 if self.rollout_mesh is None else self.rollout_mesh.size
         if batch is None:

@@ -389,7 +389,7 @@ class ProfileGrid:
     @classmethod
     def quick(cls, **overrides) -> ProfileGrid:
         """A CPU-sized grid (``--quick``)."""
-        base = dict(bs=(1, 4), ls=(16, 128, 512), token_cap=2048, repeats=2)
+        base = dict(bs=(1, 4), ls=(16, 256), token_cap=1024, repeats=2)
         base.update(overrides)
         return cls(**base)
 
