@@ -1,0 +1,89 @@
+"""``dtarl bench pat`` at a tiny size: the JSON keys, the table, the PNG."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from dtarl import cli
+from dtarl.bench import pat as bench_pat
+from dtarl.rollout import pat
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+
+
+def synthetic_profile(path):
+    """Small batches per DP group favour a large TP (so PAT switches); cheap K/V moves."""
+    cfg = bench_pat.pat_tiny()
+    dec, pre = [], []
+    for tp in pat.TP_DEGREES:
+        for b in (1, 2, 4, 8):
+            for length in (8, 64, 512):
+                t = b * (length + 16)
+                sec = 1e-2 / tp + 1e-3 * b * tp + 1e-9 * t
+                dec.append(dict(tp=tp, b=b, l=length, t=t, seconds=sec))
+                pre.append(dict(tp=tp, b=b, l=length, t=b * length, seconds=1e-3 * b))
+    model = dict(
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        compute_dtype="float32",
+    )
+    return pat.Profile(
+        model=model,
+        device_kind="synthetic",
+        platform="cpu",
+        jax_version=jax.__version__,
+        devices=8,
+        mesh_axes=("dp", "tp"),
+        token_cap=4096,
+        window=16,
+        decode=tuple(dec),
+        prefill=tuple(pre),
+        weight_bytes=10_000,
+        weights_bytes_per_s=1e12,
+        kv_bytes_per_s=1e12,
+        compile_s=0.0,
+    ).save(path)
+
+
+def test_bench_pat_cli_tiny(tmp_path, capsys):
+    prof = synthetic_profile(tmp_path / "prof.json")
+    out, png = tmp_path / "pat.json", tmp_path / "pat.png"
+    args = ["bench", "pat", "--quick", "--synthetic", "--profile", str(prof)]
+    args += ["--prompts", "2", "--group-size", "4", "--prompt-len", "8"]
+    args += ["--max-new-tokens", "16", "--steps-per-call", "2", "--check-every", "1"]
+    args += ["--replay-profile", str(prof), "--png", str(png), "--json", str(out)]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert "| config | latency s |" in text and "PREDICTION" in text
+    rows = json.loads(out.read_text())
+    by = {r["config"]: r for r in rows}
+    assert set(by) == {"tp1", "tp2", "tp4", "tp8", "pat", "predictor", "replay"}
+    for name in ("tp1", "tp2", "tp4", "tp8", "pat"):
+        r = by[name]
+        assert r["latency_s"] > 0 and r["decode_s"] > 0
+        assert r["switches"] == (0 if name != "pat" else len(r["timeline"]))
+        # Timed runs compile nothing: the warm-up run compiled every program, PAT's too.
+        assert r["compiled_after_warmup"] == 0
+    assert by["pat"]["switches"] >= 1 and by["pat"]["tokens_match_tp1"] is True
+    assert by["pat"]["timeline"][0]["src"][1] == 1
+    p = by["predictor"]
+    assert p["mean_rel_error"] < 1e-6  # the synthetic profile is linear in T per B
+    assert p["held_out_points"] == 4 * 4 * 3 and p["real_calls"] > 0
+    assert by["replay"]["label"] == "PREDICTION"
+    assert set(by["replay"]["static"]) == {"tp1", "tp2", "tp4", "tp8"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_pat_refuses_a_profile_of_other_devices(tmp_path, capsys):
+    path = synthetic_profile(tmp_path / "p.json")
+    d = json.loads(path.read_text())
+    d["devices"] = 4
+    for table in ("decode", "prefill"):
+        d[table] = [r for r in d[table] if r["tp"] <= 4]
+    path.write_text(json.dumps(d))
+    assert cli.main(["bench", "pat", "--synthetic", "--profile", str(path)]) == 2
+    assert "taken on 4 devices, this run has 8" in capsys.readouterr().err
