@@ -250,6 +250,7 @@ class Trainer:
             response_len=self.max_response + 16 * (self.task.max_turns - 1),
             mesh=self.rollout_mesh,
         )
+        self.pat = self._make_pat()  # rollout.pat: the switch controller (or None)
         # The engine's logprobs are those of logits / T, the sampler's (greedy: T = 1).
         self.temperature = training_temperature(r.temperature)
         self.engine = make_engine(
@@ -280,7 +281,6 @@ class Trainer:
                 temperature=self.temperature,
                 pad_id=self.tokenizer.pad_id,
             )
-        self.pat = self._make_pat()  # rollout.pat: the switch controller (or None)
         self.ref_params = None
         self.value = None
         if cfg.algo.algorithm is Algorithm.PPO:

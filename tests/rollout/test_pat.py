@@ -12,9 +12,14 @@ from flax import nnx
 
 from dtarl.model.config import ModelConfig
 from dtarl.model.decoder import Decoder
+from dtarl.model.tokenizer import ByteTokenizer
 from dtarl.parallel.mesh import make_mesh
+from dtarl.rl.config import ConfigError, TrainerConfig, from_dict
+from dtarl.rl.episodes import rollout
+from dtarl.rl.tasks import TaskKind, make_task
+from dtarl.rl.trainer import Trainer
 from dtarl.rollout import pat
-from dtarl.rollout.engine import ContinuousConfig, RolloutEngine
+from dtarl.rollout.engine import ContinuousConfig, ContinuousSampler, RolloutEngine
 
 MODEL = dict(num_layers=2, num_kv_heads=8, head_dim=4, compute_dtype="float32")
 
@@ -314,3 +319,78 @@ def test_e2e_controller_switches_and_keeps_greedy_tokens(tiny):
     for (t, lp), (t_ref, lp_ref) in zip(got, ref, strict=True):
         assert t.tolist() == t_ref.tolist()
         np.testing.assert_allclose(lp, lp_ref, atol=1e-5, rtol=1e-5)
+
+
+def _e2e_profile(**kw):
+    return make_profile(
+        favour_tp,
+        lambda tp, b, l: 1e3 if tp == 2 else 1e-9,
+        bs=(1, 2, 4, 8),
+        model=dict(num_layers=2, num_kv_heads=8, head_dim=8, compute_dtype="float32"),
+        kv_bytes_per_s=1e9,
+        compile_s=0.0,
+        weights_bytes_per_s=1e12,
+        **kw,
+    )
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_episodes_rollout_with_pat_matches_and_resets(tiny):
+    """The trainer's rollout path: the hook's re-placed weights are used by later calls,
+    trajectories equal those without PAT, the engine ends on its construction mesh."""
+    model, weights = tiny
+    tok, task = ByteTokenizer(), make_task(TaskKind.ARITHMETIC, max_operand=9, ops="+-")
+    problems = task.generate(np.random.default_rng(0), 2)
+    sampler = ContinuousSampler(
+        model,
+        ContinuousConfig(**E2E_CFG),
+        temperature=0.0,
+        max_new_tokens=24,
+        mesh=make_mesh(8, 1),
+    )
+    ctl = pat.PatController(pat.Predictor(_e2e_profile()), candidates=(1, 2, 4), check_every=1)
+    kw = dict(group_size=4, key=jax.random.PRNGKey(3))
+    ctl.begin()
+    got, _ = rollout(sampler, weights, tok, task, problems, on_call=ctl, **kw)
+    assert ctl.timeline and ctl.timeline[0]["src"][1] == 1
+    v = sampler.engine.view()
+    assert (v.dp, v.tp, v.slots) == (8, 1, E2E_CFG["slots"])
+    ref, _ = rollout(sampler, weights, tok, task, problems, **kw)
+    assert [t.tokens.tolist() for t in got] == [t.tokens.tolist() for t in ref]
+
+
+def _trainer_raw(tmp_path, **pat_section):
+    return dict(
+        model=dict(preset="tiny"),
+        task=dict(kind="arithmetic", max_operand=9, ops="+-"),
+        sft=dict(steps=0),
+        rollout=dict(prompts_per_step=2, group_size=2, max_new_tokens=4, pat=pat_section),
+        steps=1,
+        eval_problems=0,
+        out_dir=str(tmp_path),
+        console=False,
+        tensorboard=False,
+        mesh=dict(dp=1),
+    )
+
+
+def test_pat_config_validation(tmp_path):
+    cfg = from_dict(TrainerConfig, _trainer_raw(tmp_path))
+    assert cfg.rollout.pat.enabled is False and cfg.rollout.pat.tp_candidates == (1, 2, 4, 8)
+    with pytest.raises(ConfigError, match="rollout.pat.profile='' must name a profile"):
+        from_dict(TrainerConfig, _trainer_raw(tmp_path, enabled=True))
+    with pytest.raises(ConfigError, match=r"rollout.pat.tp_candidates\[1\]=3 must be one of"):
+        from_dict(TrainerConfig, _trainer_raw(tmp_path, tp_candidates=[1, 3]))
+    with pytest.raises(ConfigError, match="rollout.pat.check_every=0 must be > 0"):
+        from_dict(TrainerConfig, _trainer_raw(tmp_path, check_every=0))
+    raw = _trainer_raw(tmp_path, enabled=True, profile="p.json")
+    raw["rollout"]["engine"] = "static"
+    with pytest.raises(ConfigError, match="rollout.pat.enabled=true .* rollout.engine=continuous"):
+        from_dict(TrainerConfig, raw)
+
+
+def test_trainer_refuses_pat_without_a_mesh(tmp_path):
+    path = _e2e_profile().save(tmp_path / "p.json")
+    cfg = from_dict(TrainerConfig, _trainer_raw(tmp_path, enabled=True, profile=str(path)))
+    with pytest.raises(ConfigError, match="rollout.pat.enabled=true needs .* mesh"):
+        Trainer(cfg)
