@@ -13,8 +13,10 @@ Configurations, side by side: static ``tp1``, ``tp2``, ``tp4``, ``tp8`` (those
 dividing D and the kv heads) and ``pat``: starts at ``start_tp`` and lets the
 controller (Algorithm 1, every ``check_every`` decode calls) switch the mesh and
 compact the live requests. Every configuration runs one untimed generation first
-(compiles; PAT's switch targets too), then ``rounds`` timed ones in alternating
-order; the median wall-clock seconds is ``latency_s``. The per-stage breakdown:
+(compiles; PAT's switch targets too; the controller counts a target's compile
+seconds / ``compile_reuse``, the generations of a run expected to reuse it), then
+``rounds`` timed ones in alternating order; the median wall-clock seconds is
+``latency_s``. The per-stage breakdown:
 ``decode_s`` (the engine's decode calls), ``switch_s`` (weight reshard),
 ``kv_s`` (K/V migrate or recompute), ``other_s`` (prefill, host scheduling, the
 rest). PAT's greedy tokens are checked against ``tp1``'s (``tokens_match``).
@@ -76,6 +78,7 @@ class PatBenchConfig:
     tp_candidates: tuple[int, ...] = pat.TP_DEGREES
     rounds: int = 3
     seed: int = 0
+    compile_reuse: int = 100
     grid: pat.ProfileGrid = dataclasses.field(default_factory=pat.ProfileGrid)
 
     def __post_init__(self):
@@ -87,6 +90,7 @@ class PatBenchConfig:
             "steps_per_call",
             "check_every",
             "rounds",
+            "compile_reuse",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -225,7 +229,7 @@ def run(
         say(f"pat bench: profile {profile} ({prof.device_kind}, {len(prof.decode)} points)")
     else:
         say(f"pat bench: profiling {d} devices, TP {tps}, grid {cfg.grid.points()}")
-        grid = dataclasses.replace(cfg.grid, tps=tuple(tps))
+        grid = dataclasses.replace(cfg.grid, tps=tuple(tps), steps_per_call=cfg.steps_per_call)
         prof = pat.profile_engine(model, weights, grid, say=say)
         if profile_out is not None:
             say(f"  wrote {prof.save(profile_out)}")
@@ -253,7 +257,11 @@ def run(
         samplers[f"tp{t}"] = s
         recorders[f"tp{t}"] = hooks[f"tp{t}"] = CallRecorder(s.engine.config)
     samplers["pat"] = _sampler(model, cfg, make_mesh(d // cfg.start_tp, cfg.start_tp))
-    controller = pat.PatController(predictor, candidates=tps, check_every=cfg.check_every)
+    # Compiles happen in PAT's untimed warm-up generation (as in an RL run's first
+    # iteration); the timed generations reuse them.
+    controller = pat.PatController(
+        predictor, candidates=tps, check_every=cfg.check_every, compile_reuse=cfg.compile_reuse
+    )
     hooks["pat"] = controller
 
     samples: dict[str, list[dict[str, Any]]] = {n: [] for n in names}

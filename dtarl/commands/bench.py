@@ -292,7 +292,7 @@ def _add_rollout(sub) -> None:
         help="instead of the comparison: PAT's offline profile of the engine on every device "
         "(8 simulated CPU devices unless XLA_FLAGS sets a count): decode and prefill latency "
         "per TP on a (B, L) grid, reshard and K/V-move bandwidths (dtarl.rollout.pat); "
-        "--quick: a CPU-sized grid",
+        "--quick: a CPU-sized grid; --steps-per-call: the engine's steps per call to profile",
     )
     p.set_defaults(func=_rollout)
 
@@ -307,7 +307,9 @@ def simulated_devices(n: int = 8) -> None:
 
 def _profile(args: argparse.Namespace, model: ModelConfig) -> int:
     simulated_devices()
-    grid = pat.ProfileGrid.quick() if args.quick else pat.ProfileGrid()
+    grid = (pat.ProfileGrid.quick if args.quick else pat.ProfileGrid)(
+        steps_per_call=args.steps_per_call or bench_rollout.RolloutBenchConfig().steps_per_call
+    )
     t0 = time.perf_counter()
     m = init_model(model, seed=0)
     prof = pat.profile_engine(m, nnx.split(m, nnx.Param)[1], grid, say=print)

@@ -363,7 +363,10 @@ class Trainer:
             )
         try:
             return pat_lib.PatController(
-                pat_lib.Predictor(profile), candidates=tps, check_every=p.check_every
+                pat_lib.Predictor(profile),
+                candidates=tps,
+                check_every=p.check_every,
+                compile_reuse=max(self.cfg.steps, 1),  # the RL steps reuse a compiled target
             )
         except pat_lib.PatError as e:
             raise ConfigError(f"rollout.pat ({p.profile}): {e}") from None

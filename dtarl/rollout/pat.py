@@ -99,6 +99,7 @@ class Profile:
     weights_bytes_per_s: float
     kv_bytes_per_s: float
     compile_s: float
+    steps_per_call: int = 0  # decode steps per call of the profiled programs (0: unknown)
     notes: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,6 +186,9 @@ class Profile:
             tables[table] = tuple(out)
         fields = {f.name for f in dataclasses.fields(cls)}
         known = {k: data[k] for k in fields if k in data}
+        spc = data.get("steps_per_call", 0)
+        if not isinstance(spc, int) or isinstance(spc, bool) or spc < 0:
+            fail("steps_per_call", f"must be an int >= 0, got {spc!r}")
         known.update(tables, mesh_axes=tuple(axes), notes=str(data.get("notes", "")))
         return cls(**known)
 
@@ -364,13 +368,14 @@ def switch_cost(
 class ProfileGrid:
     """The profiler's sparse grid: B (requests per DP group) x L (prompt tokens per
     request), points with B * L <= ``token_cap``; ``window`` decode steps per point
-    (``steps_per_call`` per call); ``repeats`` timed runs per point."""
+    (``steps_per_call`` per call: use the engine's own, since a call's fixed host and
+    dispatch cost is spread over its steps); ``repeats`` timed runs per point."""
 
     bs: tuple[int, ...] = (1, 2, 4, 8, 16)
     ls: tuple[int, ...] = (16, 64, 256, 1024)
     token_cap: int = 4096
-    window: int = 16
-    steps_per_call: int = 4
+    window: int = 32
+    steps_per_call: int = 8
     repeats: int = 3
     tps: tuple[int, ...] = TP_DEGREES
 
@@ -389,7 +394,7 @@ class ProfileGrid:
     @classmethod
     def quick(cls, **overrides) -> ProfileGrid:
         """A CPU-sized grid (``--quick``)."""
-        base = dict(bs=(1, 4), ls=(16, 256), token_cap=1024, repeats=2)
+        base = dict(bs=(1, 4, 16), ls=(16, 128), token_cap=2048, repeats=2)
         base.update(overrides)
         return cls(**base)
 
@@ -539,6 +544,7 @@ def profile_engine(
         weights_bytes_per_s=weights_bw,
         kv_bytes_per_s=kv_bw,
         compile_s=float(np.median(compiles)),
+        steps_per_call=grid.steps_per_call,
         notes=f"grid {dataclasses.asdict(grid)}",
     )
 
@@ -639,9 +645,17 @@ class Decision:
         return self.cost is not None
 
 
-def decide(predictor: Predictor, state: EngineState, candidates: Sequence[int]) -> Decision:
+def decide(
+    predictor: Predictor,
+    state: EngineState,
+    candidates: Sequence[int],
+    *,
+    compile_reuse: int = 1,
+) -> Decision:
     """Algorithm 1 on one engine state: the candidate with the least remaining time +
-    switch cost; a switch only when that beats the remaining time now."""
+    switch cost; a switch only when that beats the remaining time now. An uncached
+    target's compile seconds count ``1 / compile_reuse`` (the generations expected to
+    reuse its programs: the engine keeps them, PAT's communication-group cache)."""
     now = engine_rem_time(predictor, state, state.tp, state.slots)
     best = Decision(state.tp, state.slots, "none", now, now, None, {state.tp: now})
     live = int(state.lengths.size if state.live < 0 else state.live)
@@ -661,6 +675,8 @@ def decide(predictor: Predictor, state: EngineState, candidates: Sequence[int]) 
             contexts=contexts,
             cached=state.cached(dp, tp, slots),
         )
+        if compile_reuse > 1:
+            cost = dataclasses.replace(cost, compile_s=cost.compile_s / compile_reuse)
         total = rem + cost.total
         best.candidates[tp] = total
         if total < best.best_s:
@@ -704,8 +720,10 @@ class PatController:
 
     Compiled programs: a target (dp, tp, slots) counts as cached once this
     controller has switched into it (the engine keeps its programs) or it is the
-    shape the engine started in; otherwise the profile's compile seconds are added
-    to its cost. Keep one controller per engine across iterations for that memory.
+    shape the engine started in; otherwise the profile's compile seconds, divided
+    by ``compile_reuse`` (the generations expected to reuse the compiled programs,
+    e.g. the RL steps of a run), are added to its cost. Keep one controller per
+    engine across iterations for that memory.
     """
 
     def __init__(
@@ -714,9 +732,13 @@ class PatController:
         *,
         candidates: Sequence[int] = TP_DEGREES,
         check_every: int = 4,
+        compile_reuse: int = 1,
     ):
         if not isinstance(check_every, int) or check_every < 1:
             raise PatError(f"check_every={check_every!r} must be an int >= 1")
+        if not isinstance(compile_reuse, int) or compile_reuse < 1:
+            raise PatError(f"compile_reuse={compile_reuse!r} must be an int >= 1")
+        self.compile_reuse = compile_reuse
         self.predictor = predictor
         missing = [tp for tp in candidates if tp not in predictor.tps]
         if missing:
@@ -749,7 +771,7 @@ class PatController:
         state = engine_state(engine, self.cached)
         self._cached.add((state.dp, state.tp, state.slots))
         self.checks += 1
-        d = decide(self.predictor, state, self.candidates)
+        d = decide(self.predictor, state, self.candidates, compile_reuse=self.compile_reuse)
         if not d.switch:
             return None
         dp = state.devices // d.tp
