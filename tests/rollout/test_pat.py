@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -164,6 +165,9 @@ def test_controller_switches_when_tp_pays_and_not_when_it_does_not():
     costly = pat.Predictor(make_profile(tp_pays_small, compile_s=1e6))
     assert not pat.decide(costly, _state(1, 64, [40], [20], cached=False), (1, 8)).switch
     assert pat.decide(costly, _state(1, 64, [40], [20], cached=True), (1, 8)).switch
+    # ... unless its compile is spread over the generations that reuse the program.
+    reuse = pat.decide(costly, _state(1, 64, [40], [20], cached=False), (1, 8), compile_reuse=10**8)
+    assert reuse.switch and reuse.cost.compile_s == pytest.approx(1e6 / 10**8)
 
 
 def test_controller_switches_several_times():
@@ -394,3 +398,26 @@ def test_trainer_refuses_pat_without_a_mesh(tmp_path):
     cfg = from_dict(TrainerConfig, _trainer_raw(tmp_path, enabled=True, profile=str(path)))
     with pytest.raises(ConfigError, match="rollout.pat.enabled=true needs .* mesh"):
         Trainer(cfg)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_profile_engine_tiny_grid(tiny, tmp_path):
+    model, weights = tiny
+    grid = pat.ProfileGrid(bs=(1,), ls=(16,), window=16, steps_per_call=4, repeats=1, tps=(1, 2))
+    prof = pat.profile_engine(model, weights, grid)
+    assert [(r["tp"], r["b"], r["l"], r["t"]) for r in prof.decode] == [
+        (1, 1, 16, 32),
+        (2, 1, 16, 32),
+    ]
+    assert [(r["tp"], r["b"], r["l"], r["t"]) for r in prof.prefill] == [
+        (1, 1, 16, 16),
+        (2, 1, 16, 16),
+    ]
+    assert all(r["seconds"] > 0 for r in prof.decode + prof.prefill)
+    assert prof.devices == 8 and prof.mesh_axes == ("dp", "tp") and prof.steps_per_call == 4
+    assert prof.weights_bytes_per_s > 0 and prof.kv_bytes_per_s > 0 and prof.compile_s >= 0
+    assert prof.weight_bytes == sum(x.nbytes for x in jax.tree.leaves(weights))
+    assert prof.model["num_kv_heads"] == 8 and prof.platform == jax.devices()[0].platform
+    assert pat.Profile.load(prof.save(tmp_path / "p.json")) == prof
+    with pytest.raises(pat.PatError, match="no TP of"):
+        pat.profile_engine(model, weights, dataclasses.replace(grid, tps=(3,)))
