@@ -394,7 +394,7 @@ class ProfileGrid:
     @classmethod
     def quick(cls, **overrides) -> ProfileGrid:
         """A CPU-sized grid (``--quick``)."""
-        base = dict(bs=(1, 4, 16), ls=(16, 128), token_cap=2048, repeats=2)
+        base = dict(bs=(1, 16), ls=(16, 128), token_cap=2048, repeats=2)
         base.update(overrides)
         return cls(**base)
 
