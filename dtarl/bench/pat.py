@@ -139,6 +139,10 @@ class CallRecorder:
 
     def __init__(self, engine_config: ContinuousConfig):
         self.config = engine_config
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets the recorded calls (before a generation)."""
         self.rows: list[dict[str, Any]] = []
         self._longest = 0  # before the next call
         self._seen = 0
@@ -272,7 +276,7 @@ def run(
         if name == "pat":
             controller.begin()
         else:
-            recorders[name].__init__(s.engine.config)
+            recorders[name].reset()
         res = s.generate(weights, prompts, on_call=hooks[name], **kwargs)
         st = s.engine.stats()
         tl = controller.timeline if name == "pat" else []

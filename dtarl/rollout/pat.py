@@ -753,6 +753,7 @@ class PatController:
         self._calls = 0
         self._t0 = time.perf_counter()
         self._cached: set[tuple[int, int, int]] = set()
+        self._engine = None  # the engine whose compiled programs ``_cached`` describes
 
     def begin(self) -> None:
         """Starts a generation: call count and clock from zero, a new timeline."""
@@ -766,6 +767,8 @@ class PatController:
 
     def __call__(self, engine, weights):
         self._calls += 1
+        if engine is not self._engine:  # e.g. a sampler rebuilt its engine: nothing compiled
+            self._engine, self._cached = engine, set()
         if self._calls % self.check_every:
             return None
         state = engine_state(engine, self.cached)
