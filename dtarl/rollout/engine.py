@@ -464,13 +464,15 @@ class RolloutEngine:
                     return K.prefill(self._model(weights), pool, qslot, tokens, lens)
 
                 self._fns[key] = self._jit(fn, "pool", mesh, n)
-            elif kind == "gather":  # rows ``idx`` of a response-pool layer (reshard)
+            elif kind == "gather":  # rows ``idx`` of a response layer, out: ``rows`` slots
+                (rows,) = statics
 
                 def fn(x, idx):
                     self.trace_count += 1
                     return x[idx]
 
-                self._fns[key] = jax.jit(fn)
+                out = self._sharding_for(mesh, rows)["pool"].resp_k[0]
+                self._fns[key] = jax.jit(fn, out_shardings=out)
             else:
 
                 def fn(weights, pool, slot, group, length, tokens, count):
@@ -668,10 +670,11 @@ class RolloutEngine:
 
         mesh: a ('dp', 'tp') Mesh over the engine's devices or a (dp, tp) pair (see
           ``switch_targets``). slots: the new slot count (default: the smallest dp * 2^k
-          holding every live request, capped at config.slots); below config.slots only
-          when no request waits. mode: "migrate" (gather the live response rows and
-          move them, layer by layer) or "recompute" (rebuild every resident prompt by
-          prefill and every live request's rows by extend from its tokens).
+          holding every live request, capped at config.slots; config.slots while a request
+          waits); below config.slots only when no request waits. mode: "migrate" (gather
+          the live response rows and move them, layer by layer) or "recompute" (rebuild
+          every resident prompt by prefill and every live request's rows by extend from
+          its tokens).
           donate: also free the caller's weight buffers as they move (weights a
           previous ``reshard`` returned are the engine's own and are always freed).
 
@@ -690,7 +693,10 @@ class RolloutEngine:
         live = [r for r in self._slot_req if r is not None]
         dp, tp = (int(x) for x in mesh.devices.shape)
         cap = self.config.slots
-        if slots is None:
+        waiting = self._waiting()
+        if slots is None and waiting:
+            n = cap  # requests wait: keep every slot
+        elif slots is None:
             n = dp
             while n < len(live):
                 n *= 2
@@ -702,7 +708,6 @@ class RolloutEngine:
                     f"{len(live)} live requests .. ContinuousConfig.slots)"
                 )
             n = int(slots)
-        waiting = self._waiting()
         if n < cap and waiting:
             raise EngineError(
                 f"slots={n} < ContinuousConfig.slots={cap} while {waiting} requests wait for "
@@ -829,23 +834,36 @@ class RolloutEngine:
         )
 
     def _migrate(self, old: K.Pool, old_at: tuple, src: np.ndarray) -> tuple[int, int]:
-        """Gathers rows ``src`` of each old response layer (on the old mesh) and moves them
-        onto the new shardings, then moves the prompt pool; one layer at a time, each old
-        buffer freed as soon as its copy exists."""
+        """Moves the live response rows (rows ``src`` of each old layer) and the prompt
+        pool onto the new shardings, one layer at a time, each old buffer freed as soon as
+        its copy exists. The rows are gathered on the old mesh and then moved when the old
+        dp divides the new slot count (nothing is replicated), else the layer is moved
+        whole and gathered on the new mesh: at most one old and one new layer in flight."""
         sh = self._shardings["pool"]
-        gather = self._fn("gather", int(src.size), at=old_at)
+        old_mesh, old_n = old_at
+        n = int(src.size)
+        first = n % old_mesh.shape["dp"] == 0
+        if first:
+            gather = self._fn("gather", n, at=old_at)
+        else:
+            gather = self._fn("gather", n, at=(self.mesh, old_n))
+            whole = self._sharding_for(self.mesh, old_n)["pool"].resp_k[0]
         idx = np.asarray(src, np.int32)  # uncommitted: follows x onto its mesh
         extra = peak = moved = 0
 
         def move(x, target, rows):
             nonlocal extra, peak, moved
-            y = gather(x, idx) if rows else x
-            extra += _new_bytes(y, x)
-            z = jax.device_put(y, target)
-            z.block_until_ready()
-            fresh = _new_bytes(z, y)
-            extra += fresh
-            moved += fresh
+            if not rows or first:
+                y = gather(x, idx) if rows else x
+                z = jax.device_put(y, target)
+                z.block_until_ready()
+                moved += _new_bytes(z, y)
+            else:
+                y = jax.device_put(x, whole)
+                z = gather(y, idx)
+                z.block_until_ready()
+                moved += _new_bytes(y, x)
+            extra += _new_bytes(y, x) + _new_bytes(z, y)
             peak = max(peak, extra)
             keep = [y, z] if y is not x else [z]
             extra -= _free(x, *keep)
