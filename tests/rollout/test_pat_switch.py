@@ -120,6 +120,9 @@ def reference(shared, weights):
 # Several switches in one generation; the other tests reuse these (mesh, slots) pairs, so
 # they find their programs compiled (live requests after calls 1, 2, 3: 5, 3, 2).
 CHAIN = {1: (4, 2), 2: (2, 4), 3: (1, 8)}
+INFO_KEYS = """mode dp tp slots live weights_s kv_s compile_s seconds compiled moved_weight_bytes
+moved_kv_bytes live_kv_bytes weights_peak_extra_bytes kv_peak_extra_bytes
+peak_extra_bytes""".split()
 
 
 def test_warmup_targets_then_switch_compiles_no_decode(eng, weights, reference):
@@ -145,6 +148,8 @@ def test_several_switches_keep_tokens_and_logprobs(eng, weights, reference, mode
     assert all(i["mode"] == mode for i in infos)
     # Default slot count: the smallest dp * 2^k holding the live requests.
     assert [(i["dp"], i["tp"], i["live"], i["slots"]) for i in infos] == expect
+    assert set(infos[0]) == set(INFO_KEYS)
+    assert all(i["kv_s"] > 0 and i["weights_s"] > 0 and i["moved_weight_bytes"] > 0 for i in infos)
     assert eng.stats()["switches"] == infos
 
 
@@ -280,6 +285,8 @@ def test_bad_meshes_and_shrinking_with_a_waiting_queue(eng, weights, model):
         eng.reshard((4, 2), w, mode="copy")
     with pytest.raises(EngineError, match=r"slots=9 must be an int in \[1, 8\]"):
         eng.reshard((4, 2), w, slots=9)
+    same, info = eng.reshard(eng.mesh, w)  # the current (mesh, slots): nothing to do
+    assert same is w and info["slots"] == 8 and info["moved_kv_bytes"] == 0
     gs = [eng.submit(p, n=4, max_new_tokens=4) for p in PROMPTS]  # 12 requests > 8 slots
     eng.step(w)  # 8 run and finish, 4 wait
     with pytest.raises(EngineError, match="4 requests wait for a slot"):
