@@ -52,6 +52,48 @@ history (one extend call, nothing prefilled again) and continues decoding;
 tokens generated past a match (at most ``steps_per_call - 1``) are dropped and
 the slot's K/V length is rolled back, so a continuation sees exactly the kept
 tokens.
+
+*PAT switching* (papers/003: adaptive tensor parallelism during generation). An
+engine built on a ('dp', 'tp') mesh can change its mesh shape and its slot count
+between two decode calls::
+
+    def on_call(engine, weights):          # after every decode call
+        v = engine.view()                  # dp, tp, slots, active, live, waiting,
+                                           # per-request prompt/response tokens,
+                                           # remaining budget, forced, decode_calls
+        if v.waiting == 0 and v.tp == 1 and v.active <= 4:
+            weights, info = engine.reshard((1, 8), weights, mode="migrate")
+            return weights                 # used by the following calls
+        return None                        # keep going as is
+
+    engine.run(weights, on_call=on_call)   # or ContinuousSampler.generate(..., on_call=)
+
+``reshard(mesh, weights, slots=, mode=)`` merges the DP groups' live requests
+(running ones, and held ones with their K/V) into ``slots`` slots spread evenly
+over the new dp shards: every decode program computes all of its slots, so the
+gain of a wider TP in the tail comes with compacting the live requests into fewer
+slots (default: the smallest dp * 2^k that holds them; fewer than config.slots
+only when nothing waits). The host mirror (slot arrays, the group table,
+``request.slot``) is remapped; the prompt pool keeps its Q rows (split over the
+new dp when dp divides Q, else replicated over dp by the rule table's fallback).
+Weights move one layer (one ``layers/i`` subtree) at a time by ``device_put`` onto
+the rule table's NamedSharding for the new mesh; an old layer is freed as soon as
+its copy exists when the engine owns it (weights a previous ``reshard`` returned;
+the caller's weights are never deleted unless ``donate=True``), so from the second
+switch on the extra memory is one layer. K/V: "migrate" gathers the live response
+rows and moves them layer by layer (the old layer freed after each), "recompute"
+frees the old pool and rebuilds each resident prompt by prefill and each live
+request's rows by the extend program from its tokens. ``info`` reports the
+seconds of each stage (weights_s, kv_s, compile_s), the bytes moved and the peak
+extra bytes (host bookkeeping of jax buffers: the bytes of every buffer the
+switch created minus those of the old buffers it freed, summed over all devices
+and taken after each layer's transfer completes; buffers a ``device_put`` kept in
+place count as neither). Programs are cached per (mesh, slots, kind, statics) for
+the engine's life: a switch back to a shape seen before, and a second generation
+with the same switches, compile nothing (``trace_count``); ``warmup(targets=)``
+compiles a target's programs ahead. ``reset()`` (called by
+``ContinuousSampler.generate`` after each generation) returns an idle engine to
+its construction mesh and slot count without moving anything.
 """
 
 from __future__ import annotations
@@ -246,6 +288,26 @@ class EngineView:
     def context_tokens(self) -> int:
         """Tokens the running requests attend at the next step (PAT's T)."""
         return int((self.prompt_tokens + self.response_tokens).sum())
+
+
+_INFO_KEYS = (
+    "mode",
+    "dp",
+    "tp",
+    "slots",
+    "live",
+    "weights_s",
+    "kv_s",
+    "compile_s",
+    "seconds",
+    "compiled",
+    "moved_weight_bytes",
+    "moved_kv_bytes",
+    "live_kv_bytes",
+    "weights_peak_extra_bytes",
+    "kv_peak_extra_bytes",
+    "peak_extra_bytes",
+)
 
 
 def _phys_bytes(x) -> int:
@@ -464,13 +526,15 @@ class RolloutEngine:
                     return K.prefill(self._model(weights), pool, qslot, tokens, lens)
 
                 self._fns[key] = self._jit(fn, "pool", mesh, n)
-            elif kind == "gather":  # rows ``idx`` of a response-pool layer (reshard)
+            elif kind == "gather":  # rows ``idx`` of a response layer, out: ``rows`` slots
+                (rows,) = statics
 
                 def fn(x, idx):
                     self.trace_count += 1
                     return x[idx]
 
-                self._fns[key] = jax.jit(fn)
+                out = self._sharding_for(mesh, rows)["pool"].resp_k[0]
+                self._fns[key] = jax.jit(fn, out_shardings=out)
             else:
 
                 def fn(weights, pool, slot, group, length, tokens, count):
@@ -668,10 +732,11 @@ class RolloutEngine:
 
         mesh: a ('dp', 'tp') Mesh over the engine's devices or a (dp, tp) pair (see
           ``switch_targets``). slots: the new slot count (default: the smallest dp * 2^k
-          holding every live request, capped at config.slots); below config.slots only
-          when no request waits. mode: "migrate" (gather the live response rows and
-          move them, layer by layer) or "recompute" (rebuild every resident prompt by
-          prefill and every live request's rows by extend from its tokens).
+          holding every live request, capped at config.slots; config.slots while a request
+          waits); below config.slots only when no request waits. mode: "migrate" (gather
+          the live response rows and move them, layer by layer) or "recompute" (rebuild
+          every resident prompt by prefill and every live request's rows by extend from
+          its tokens). A switch to the current (mesh, slots) does nothing.
           donate: also free the caller's weight buffers as they move (weights a
           previous ``reshard`` returned are the engine's own and are always freed).
 
@@ -690,7 +755,10 @@ class RolloutEngine:
         live = [r for r in self._slot_req if r is not None]
         dp, tp = (int(x) for x in mesh.devices.shape)
         cap = self.config.slots
-        if slots is None:
+        waiting = self._waiting()
+        if slots is None and waiting:
+            n = cap  # requests wait: keep every slot
+        elif slots is None:
             n = dp
             while n < len(live):
                 n *= 2
@@ -702,12 +770,17 @@ class RolloutEngine:
                     f"{len(live)} live requests .. ContinuousConfig.slots)"
                 )
             n = int(slots)
-        waiting = self._waiting()
         if n < cap and waiting:
             raise EngineError(
                 f"slots={n} < ContinuousConfig.slots={cap} while {waiting} requests wait for "
                 "a slot: shrink only in the tail (empty queue), or keep slots=config.slots"
             )
+        if mesh == self.mesh and n == self._n:  # nothing to do
+            info = dict.fromkeys(_INFO_KEYS, 0)
+            info.update(mode=mode, dp=dp, tp=tp, slots=n, live=len(live), seconds=0.0)
+            info.update(live_kv_bytes=self.kv_bytes(), weights_s=0.0, kv_s=0.0, compile_s=0.0)
+            self._stats["switches"].append(info)
+            return weights, info
         traces = self.trace_count
         # Weights, one layer at a time.
         t0 = time.perf_counter()
@@ -829,23 +902,36 @@ class RolloutEngine:
         )
 
     def _migrate(self, old: K.Pool, old_at: tuple, src: np.ndarray) -> tuple[int, int]:
-        """Gathers rows ``src`` of each old response layer (on the old mesh) and moves them
-        onto the new shardings, then moves the prompt pool; one layer at a time, each old
-        buffer freed as soon as its copy exists."""
+        """Moves the live response rows (rows ``src`` of each old layer) and the prompt
+        pool onto the new shardings, one layer at a time, each old buffer freed as soon as
+        its copy exists. The rows are gathered on the old mesh and then moved when the old
+        dp divides the new slot count (nothing is replicated), else the layer is moved
+        whole and gathered on the new mesh: at most one old and one new layer in flight."""
         sh = self._shardings["pool"]
-        gather = self._fn("gather", int(src.size), at=old_at)
+        old_mesh, old_n = old_at
+        n = int(src.size)
+        first = n % old_mesh.shape["dp"] == 0
+        if first:
+            gather = self._fn("gather", n, at=old_at)
+        else:
+            gather = self._fn("gather", n, at=(self.mesh, old_n))
+            whole = self._sharding_for(self.mesh, old_n)["pool"].resp_k[0]
         idx = np.asarray(src, np.int32)  # uncommitted: follows x onto its mesh
         extra = peak = moved = 0
 
         def move(x, target, rows):
             nonlocal extra, peak, moved
-            y = gather(x, idx) if rows else x
-            extra += _new_bytes(y, x)
-            z = jax.device_put(y, target)
-            z.block_until_ready()
-            fresh = _new_bytes(z, y)
-            extra += fresh
-            moved += fresh
+            if not rows or first:
+                y = gather(x, idx) if rows else x
+                z = jax.device_put(y, target)
+                z.block_until_ready()
+                moved += _new_bytes(z, y)
+            else:
+                y = jax.device_put(x, whole)
+                z = gather(y, idx)
+                z.block_until_ready()
+                moved += _new_bytes(y, x)
+            extra += _new_bytes(y, x) + _new_bytes(z, y)
             peak = max(peak, extra)
             keep = [y, z] if y is not x else [z]
             extra -= _free(x, *keep)
@@ -1079,12 +1165,17 @@ class RolloutEngine:
 
         ``on_call(engine, weights)`` runs after every step that made a decode call (a PAT
         controller: read ``view()``, maybe ``reshard``); a non-None result replaces the
-        weights for the following steps (the re-placed weights of a switch)."""
+        weights for the following steps (the re-placed weights of a switch). Its time
+        counts in ``stats()["seconds"]`` and, separately, in ``control_seconds``."""
         calls = 0
         while self.pending():
             decoded = self.step(weights)
             if decoded and on_call is not None:
+                t0 = time.perf_counter()
                 new = on_call(self, weights)
+                seconds = time.perf_counter() - t0
+                self._stats["seconds"] += seconds
+                self._stats["control_seconds"] += seconds
                 if new is not None:
                     weights = new
             calls += 1
@@ -1405,6 +1496,7 @@ class RolloutEngine:
             calls=[],
             peak_kv_bytes=0,
             switches=[],  # the info dict of every reshard
+            control_seconds=0.0,  # in ``run``'s on_call (switches included)
         )
 
     def _note_kv(self):

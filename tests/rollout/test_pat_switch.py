@@ -1,5 +1,8 @@
 """PAT switching inside the rollout engine: ``reshard`` between decode calls keeps every
-token and logprob of the generation (both K/V modes), compiles nothing the second time."""
+token and logprob of a generation (both K/V modes) and compiles nothing the second time.
+
+One engine is shared by the tests (its program cache is what makes them cheap); each
+test leaves it idle on its construction mesh."""
 
 from __future__ import annotations
 
@@ -11,13 +14,20 @@ from flax import nnx
 from dtarl.model.config import ModelConfig
 from dtarl.model.decoder import Decoder
 from dtarl.parallel.mesh import make_mesh
-from dtarl.rollout.engine import ContinuousConfig, RolloutEngine
+from dtarl.rollout.engine import (
+    ContinuousConfig,
+    ContinuousSampler,
+    EngineError,
+    RolloutEngine,
+    Status,
+)
+from dtarl.rollout.sampler import FinishReason
 
 # kv heads = 8, so every tp in {1, 2, 4, 8} splits them.
 CFG = ModelConfig.tiny(num_heads=8, num_kv_heads=8, head_dim=8)
 SMALL = ContinuousConfig(
-    slots=8, groups=4, group_size=4, prompt_len=16, response_len=32, steps_per_call=4
-)
+    slots=8, groups=4, group_size=4, prompt_len=16, response_len=16, steps_per_call=4
+)  # one decode window, one prefill and one extend bucket: few programs per (mesh, slots)
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
@@ -32,39 +42,65 @@ def weights(model):
     return nnx.split(model, nnx.Param)[1]
 
 
+@pytest.fixture(scope="module")
+def shared(model):
+    return RolloutEngine(model, SMALL, mesh=make_mesh(8, 1))
+
+
+@pytest.fixture
+def eng(shared):
+    shared.stats(reset=True)
+    yield shared
+    for r in [r for r in shared._slot_req if r is not None]:
+        shared.release(r)
+    shared.reset()
+    assert shared.view().slots == SMALL.slots and shared.mesh is shared._mesh0
+
+
+def _phys(x):
+    return sum(s.data.nbytes for s in x.addressable_shards)
+
+
 def _prompts(n, seed=0, lo=3, hi=16):
     rng = np.random.RandomState(seed)
     return [rng.randint(1, CFG.vocab_size, rng.randint(lo, hi)).tolist() for _ in range(n)]
 
 
 PROMPTS = _prompts(3, seed=5)
-LENGTHS = [[3, 7, 26, 11], [5, 19, 2], [28]]  # a long tail
+LENGTHS = [[2, 5, 14, 8], [3, 11, 1], [15]]  # a long tail; decode calls 1-4 (4 steps each)
 
 
-def _submit(eng, **kw):
+def _submit(eng, temperature=0.0, **kw):
     return [
-        eng.submit(p, n=len(m), max_new_tokens=m, temperature=0.0, seed=i, **kw)
+        eng.submit(p, n=len(m), max_new_tokens=m, temperature=temperature, seed=i, **kw)
         for i, (p, m) in enumerate(zip(PROMPTS, LENGTHS, strict=True))
     ]
 
 
-def _switcher(plan, mode, infos):
-    """on_call: at decode call k (1-based) switch to plan[k] = (dp, tp)."""
+def _switcher(plan, mode, infos, before=None):
+    """on_call: at decode call k (1-based) reshard to plan[k] = (dp, tp[, slots[, mode]])."""
     calls = [0]
 
     def on_call(eng, w):
         calls[0] += 1
-        if calls[0] in plan:
-            w, info = eng.reshard(plan[calls[0]], w, mode=mode)
-            infos.append(info)
-            return w
-        return None
+        if calls[0] not in plan:
+            return None
+        if before is not None:
+            before(eng, calls[0])
+        dp, tp, n, m = (plan[calls[0]] + (None, None))[:4]
+        w, info = eng.reshard((dp, tp), w, mode=m or mode, slots=n)
+        infos.append(info)
+        return w
 
     return on_call
 
 
-def _results(groups):
-    return [r.result() for g in groups for r in g.requests]
+def _generate(eng, weights, plan=None, mode="migrate", temperature=0.0, **kw):
+    infos = []
+    groups = _submit(eng, temperature=temperature, **kw)
+    on_call = None if plan is None else _switcher(plan, mode, infos)
+    eng.run(eng.place(weights), on_call=on_call)
+    return [r.result() for g in groups for r in g.requests], infos
 
 
 def _assert_same(got, ref):
@@ -74,20 +110,207 @@ def _assert_same(got, ref):
 
 
 @pytest.fixture(scope="module")
-def reference(model, weights):
-    eng = RolloutEngine(model, SMALL, mesh=make_mesh(8, 1))
-    groups = _submit(eng)
-    eng.run(eng.place(weights))
-    return _results(groups)
+def reference(shared, weights):
+    """Greedy tokens and logprobs without a switch (checked against one device by
+    tests/rollout/test_rollout_engine.py::test_mesh_equals_single_device)."""
+    got, _ = _generate(shared, weights)
+    return got
 
 
-@pytest.mark.parametrize("mode", ["migrate", "recompute"])
-def test_several_switches_keep_tokens_and_logprobs(model, weights, reference, mode):
-    eng = RolloutEngine(model, SMALL, mesh=make_mesh(8, 1))
+# Several switches in one generation; the other tests reuse these (mesh, slots) pairs, so
+# they find their programs compiled (live requests after calls 1, 2, 3: 5, 3, 2).
+CHAIN = {1: (4, 2), 2: (2, 4), 3: (1, 8)}
+INFO_KEYS = """mode dp tp slots live weights_s kv_s compile_s seconds compiled moved_weight_bytes
+moved_kv_bytes live_kv_bytes weights_peak_extra_bytes kv_peak_extra_bytes
+peak_extra_bytes""".split()
+
+
+def test_warmup_targets_then_switch_compiles_no_decode(eng, weights, reference):
+    w = eng.place(weights)
+    eng.warmup(w, filtered=False, targets=[(4, 2, 8)])
+    before = eng.trace_count
+    got, infos = _generate(eng, weights, {1: (4, 2, 8)})
+    _assert_same(got, reference)
+    assert infos[0]["compiled"] <= 1  # at most the row gather of the migration
+    assert eng.trace_count - before == infos[0]["compiled"]  # the decode calls: cached
+
+
+@pytest.mark.parametrize(
+    "mode, plan, expect",
+    [
+        ("migrate", CHAIN, [(4, 2, 5, 8), (2, 4, 3, 4), (1, 8, 2, 2)]),
+        ("recompute", {1: (4, 2), 3: (1, 8)}, [(4, 2, 5, 8), (1, 8, 2, 2)]),
+    ],
+)
+def test_several_switches_keep_tokens_and_logprobs(eng, weights, reference, mode, plan, expect):
+    got, infos = _generate(eng, weights, plan, mode)
+    _assert_same(got, reference)
+    assert all(i["mode"] == mode for i in infos)
+    # Default slot count: the smallest dp * 2^k holding the live requests.
+    assert [(i["dp"], i["tp"], i["live"], i["slots"]) for i in infos] == expect
+    assert set(infos[0]) == set(INFO_KEYS)
+    assert all(i["kv_s"] > 0 and i["weights_s"] > 0 and i["moved_weight_bytes"] > 0 for i in infos)
+    assert eng.stats()["switches"] == infos
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [{1: (4, 2, 8)}, {2: (2, 4, 4)}, {3: (1, 8, 2)}],
+    ids=["early", "middle", "late"],
+)
+def test_one_switch_at_several_points(eng, weights, reference, plan):
+    got, infos = _generate(eng, weights, plan, "migrate")
+    _assert_same(got, reference)
+    assert len(infos) == 1 and infos[0]["slots"] == next(iter(plan.values()))[2]
+
+
+def test_second_generation_with_the_same_switches_compiles_nothing(eng, weights, reference):
+    _generate(eng, weights, CHAIN, "migrate")  # compiles what the chain needs (if anything)
+    eng.reset()
+    before = eng.trace_count
+    got, infos = _generate(eng, weights, CHAIN, "migrate")
+    _assert_same(got, reference)
+    assert eng.trace_count == before
+    assert [i["compiled"] for i in infos] == [0, 0, 0]
+
+
+def test_sampled_tokens_identical_under_per_request_keys(eng, weights):
+    # T = 1 without top-k/top-p: the unfiltered programs the other tests compiled (a
+    # filter changes the draw's distribution, not the per-request key rule).
+    ref, _ = _generate(eng, weights, temperature=1.0)
+    eng.reset()
+    got, infos = _generate(eng, weights, {1: (4, 2, 8)}, "recompute", 1.0)
+    assert len(infos) == 1
+    _assert_same(got, ref)
+
+
+def test_held_request_extended_after_a_switch(eng, weights):
+    tool = [9, 8, 7]
+
+    def turns(switch):
+        g = eng.submit(PROMPTS[0], n=2, max_new_tokens=[4, 6], temperature=0.0, hold=True)
+        w = eng.place(weights)
+        eng.run(w)
+        first = [r.result() for r in g.requests]
+        assert all(r.status is Status.FINISHED and r.slot is not None for r in g.requests)
+        infos = []
+        if switch:  # nothing decodes, two held requests keep their K/V through the switch
+            w, info = eng.reshard((1, 8), w, slots=2, mode=switch)
+            infos.append(info)
+            assert info["live"] == 2 and info["slots"] == 2
+        eng.extend(g.requests[1], tool, max_new_tokens=5)
+        eng.run(w)
+        out = first + [g.requests[1].result()]
+        for r in g.requests:
+            eng.release(r)
+        return out, infos
+
+    ref, _ = turns(None)
+    for mode in ("migrate", "recompute"):
+        eng.reset()
+        got, infos = turns(mode)
+        _assert_same(got, ref)
+
+
+def test_cancel_in_a_switch_window(eng, weights, reference):
     infos = []
     groups = _submit(eng)
-    plan = {1: (4, 2), 3: (2, 4), 5: (1, 8)}
-    eng.run(eng.place(weights), on_call=_switcher(plan, mode, infos))
-    _assert_same(_results(groups), reference)
-    assert [(i["dp"], i["tp"]) for i in infos] == [(4, 2), (2, 4), (1, 8)]
-    assert all(i["mode"] == mode for i in infos)
+    victim = groups[0].requests[2]  # 14 tokens: still running at call 2
+
+    def cancel(e, call):
+        e.cancel(victim)
+
+    eng.run(
+        eng.place(weights),
+        on_call=_switcher({2: (2, 4, 4), 3: (1, 8, 2, "recompute")}, "migrate", infos, cancel),
+    )
+    got = [r.result() for g in groups for r in g.requests]
+    flat = [r for g in groups for r in g.requests]
+    for r, (t, lp), (t_ref, lp_ref) in zip(flat, got, reference, strict=True):
+        if r is victim:
+            assert r.finish is FinishReason.ABORTED
+            assert 0 < len(t) < len(t_ref) and t.tolist() == t_ref[: len(t)].tolist()
+        else:
+            assert t.tolist() == t_ref.tolist()
+            np.testing.assert_allclose(lp, lp_ref, atol=1e-5, rtol=1e-5)
+    assert [i["live"] for i in infos] == [2, 1]  # the cancelled request's slot is free
+
+
+def test_layout_and_memory_bookkeeping(eng, weights):
+    _submit(eng)
+    w = eng.place(weights)
+    eng.step(w)
+    eng.step(w)
+    live = [r for r in eng._slot_req if r is not None]
+    with pytest.raises(EngineError, match=rf"slots=2 must be an int in \[{len(live)}, 8\]"):
+        eng.reshard((4, 2), w, slots=2)
+    w, first = eng.reshard((4, 2), w, slots=8)
+    old = jax.tree.leaves(w)
+    old_layer = _phys(eng._pool.resp_k[0])
+    w, second = eng.reshard((2, 4), w, slots=4)
+    # The caller's weights stay (the first switch holds a whole copy); the engine's own
+    # copy is freed layer by layer (leaves split over tp all moved and were deleted).
+    assert first["weights_peak_extra_bytes"] == first["moved_weight_bytes"] > 0
+    assert not any(x.is_deleted() for x in jax.tree.leaves(weights))
+    split = [x for x, y in zip(old, jax.tree.leaves(w), strict=True) if "tp" in y.sharding.spec]
+    assert split and all(x.is_deleted() for x in split)
+    groups = [w["embed_tokens"], w["norm"]] + [w["layers"][i] for i in range(CFG.num_layers)]
+    layer = max(sum(_phys(x) for x in jax.tree.leaves(g)) for g in groups)
+    assert 0 < second["weights_peak_extra_bytes"] <= layer < second["moved_weight_bytes"]
+    # K/V: one layer in flight (an old layer's rows and their copy on the new mesh).
+    rows = eng._pool.resp_k[0]
+    assert 0 < second["kv_peak_extra_bytes"] <= old_layer + _phys(rows)
+    assert rows.sharding.spec[0] == "dp" and rows.sharding.spec[2] == "tp"
+    # Live requests spread evenly over the dp shards (2 slots per shard).
+    assert sorted(r.slot // 2 for r in live) == [0, 0, 1][: len(live)] or len(live) != 3
+    per_shard = np.bincount([r.slot // 2 for r in live], minlength=2)
+    assert per_shard.max() - per_shard.min() <= 1
+    view = eng.view()
+    assert (view.dp, view.tp, view.slots) == (2, 4, 4)
+    assert view.active == len(live) and view.waiting == 0
+    assert view.context_tokens == sum(r.group.prompt.size + r.length for r in live)
+    eng.run(w)
+
+
+def test_bad_meshes_and_shrinking_with_a_waiting_queue(eng, weights, model):
+    w = eng.place(weights)
+    with pytest.raises(EngineError, match=r"mesh: \(dp, tp\) = \(2, 2\) is not a switch target"):
+        eng.reshard((2, 2), w)
+    with pytest.raises(EngineError, match=r"accepted \(dp, tp\): \[\(8, 1\), \(4, 2\)"):
+        eng.reshard((3, 3), w)
+    other = jax.make_mesh((8, 1), ("data", "model"))
+    with pytest.raises(EngineError, match="axis names"):
+        eng.reshard(other, w)
+    with pytest.raises(EngineError, match="mode="):
+        eng.reshard((4, 2), w, mode="copy")
+    with pytest.raises(EngineError, match=r"slots=9 must be an int in \[1, 8\]"):
+        eng.reshard((4, 2), w, slots=9)
+    same, info = eng.reshard(eng.mesh, w)  # the current (mesh, slots): nothing to do
+    assert same is w and info["slots"] == 8 and info["moved_kv_bytes"] == 0
+    gs = [eng.submit(p, n=4, max_new_tokens=4) for p in PROMPTS]  # 12 requests > 8 slots
+    eng.step(w)  # 8 run and finish, 4 wait
+    with pytest.raises(EngineError, match="4 requests wait for a slot"):
+        eng.reshard((1, 8), w, slots=2)
+    w, info = eng.reshard((4, 2), w)  # full slot count: allowed with a queue
+    assert info["slots"] == 8
+    eng.run(w)
+    assert all(r.done for g in gs for r in g.requests)
+    no_mesh = RolloutEngine(model, SMALL)
+    with pytest.raises(EngineError, match="built without a mesh"):
+        no_mesh.reshard((8, 1), weights)
+
+
+def test_sampler_generate_with_a_controller_returns_to_its_mesh(eng, model, weights, reference):
+    cs = ContinuousSampler(model, SMALL, temperature=0.0, mesh=eng._mesh0)
+    cs.engine = eng  # share the compiled programs
+    infos = []
+    res = cs.generate(
+        weights,
+        PROMPTS,
+        num_samples=[len(m) for m in LENGTHS],
+        max_new_tokens=[x for m in LENGTHS for x in m],
+        on_call=_switcher(CHAIN, "migrate", infos),
+    )
+    assert [t.tolist() for t in res.tokens] == [t.tolist() for t, _ in reference]
+    assert res.stats["switches"] == infos and len(infos) == 3
+    assert eng.mesh is eng._mesh0 and eng.view().slots == SMALL.slots
