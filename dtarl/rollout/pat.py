@@ -413,49 +413,59 @@ def _tree_bytes(tree) -> int:
     )
 
 
-def _profile_point(model, weights, mesh, b: int, length: int, grid: ProfileGrid, seed: int):
-    """(decode seconds per step, prefill seconds, compile seconds) of one grid point."""
-    dp = mesh.shape["dp"]
-    slots = b * dp
-    cfg = ContinuousConfig(
-        slots=slots,
-        groups=slots,
-        group_size=1,
-        prompt_len=length,
-        response_len=grid.window,
-        steps_per_call=grid.steps_per_call,
-        prefill_batch=slots,
-    )
-    engine = RolloutEngine(model, cfg, mesh=mesh)
-    w = engine.place(weights)
-    rng = np.random.default_rng([seed, b, length])
-    vocab = model.cfg.vocab_size
-    prompts = [rng.integers(1, vocab, length).tolist() for _ in range(slots)]
+class _Point:
+    """One grid point's engine: B * dp slots, one member per prompt, prompt rows = L."""
 
-    def one_run():
-        for p in prompts:
-            engine.submit(p, n=1, forced_lengths=[grid.window], temperature=0.0)
-        engine.stats(reset=True)
+    def __init__(self, model, weights, mesh, b: int, length: int, grid: ProfileGrid, seed: int):
+        slots = b * mesh.shape["dp"]
+        cfg = ContinuousConfig(
+            slots=slots,
+            groups=slots,
+            group_size=1,
+            prompt_len=length,
+            response_len=grid.window,
+            steps_per_call=grid.steps_per_call,
+            prefill_batch=slots,
+        )
+        self.b, self.length, self.grid = b, length, grid
+        self.engine = RolloutEngine(model, cfg, mesh=mesh)
+        self.weights = self.engine.place(weights)
+        rng = np.random.default_rng([seed, b, length])
+        vocab = model.cfg.vocab_size
+        self.prompts = [rng.integers(1, vocab, length).tolist() for _ in range(slots)]
+        self.prefill: list[float] = []
+        self.steps: list[float] = []
+        c0 = compile_seconds()
+        self.run()  # compiles the prefill bucket and the decode window
+        self.compile_s = compile_seconds() - c0
+
+    def run(self) -> tuple[float, list[float]]:
+        """One prefill and ``window`` decode steps: (prefill seconds, seconds per step of
+        every full call)."""
+        eng, g = self.engine, self.grid
+        for p in self.prompts:
+            eng.submit(p, n=1, forced_lengths=[g.window], temperature=0.0)
+        eng.stats(reset=True)
         t0 = time.perf_counter()
-        engine.step(w)  # admission, the prefill, the first decode call
+        eng.step(self.weights)  # admission, the prefill, the first decode call
         first = time.perf_counter() - t0
-        engine.run(w)
-        st = engine.stats()
-        calls = st["calls"]
+        eng.run(self.weights)
+        calls = eng.stats()["calls"]
         pre = first - calls[0][0] if calls else first
-        return pre, [sec / steps for sec, steps, _ in calls if steps == grid.steps_per_call]
+        return pre, [sec / steps for sec, steps, _ in calls if steps == g.steps_per_call]
 
-    c0 = compile_seconds()
-    one_run()  # compiles the prefill bucket and the decode window
-    compile_s = compile_seconds() - c0
-    pres, steps = [], []
-    for _ in range(grid.repeats):
-        pre, per_step = one_run()
-        pres.append(pre)
-        steps.extend(per_step)
-    if not steps:
-        raise PatError(f"profile: no full decode call at b={b}, l={length} (window {grid.window})")
-    return float(np.median(steps)), float(np.median(pres)), compile_s
+    def timed(self) -> None:
+        pre, per_step = self.run()
+        self.prefill.append(pre)
+        self.steps.extend(per_step)
+
+    def result(self) -> tuple[float, float]:
+        if not self.steps:
+            raise PatError(
+                f"profile: no full decode call at b={self.b}, l={self.length} "
+                f"(window {self.grid.window}, steps_per_call {self.grid.steps_per_call})"
+            )
+        return float(np.median(self.steps)), float(np.median(self.prefill))
 
 
 def _bandwidths(weights, model_cfg, meshes: dict[int, Any]) -> tuple[float, float]:
@@ -498,11 +508,13 @@ def profile_engine(
     """Profiles the rollout engine on ``devices`` (default: all) for every TP of
     ``grid.tps`` that divides the devices and the kv heads (module docstring).
 
-    Per point: an engine of B * dp slots (one member per prompt, prompt rows = L),
-    one untimed run (its compile seconds are recorded), then ``repeats`` runs of
-    one prefill and ``window`` forced decode steps; decode = the median seconds per
-    step of the calls that ran ``steps_per_call`` steps, prefill = the first
-    scheduling round's seconds less its decode call's."""
+    Per point: an engine of B * dp slots (one member per prompt, prompt rows = L)
+    and one untimed run (its compile seconds are recorded). Then ``repeats`` rounds,
+    each timing every point once (the order alternates between rounds, so a slow
+    stretch of the machine is spread over all points): one prefill and ``window``
+    forced decode steps. Decode = the median seconds per step of the calls that ran
+    ``steps_per_call`` steps; prefill = the first scheduling round's seconds less
+    its decode call's."""
     grid = grid or ProfileGrid()
     devs = list(jax.devices() if devices is None else devices)
     d, kv_heads = len(devs), model.cfg.num_kv_heads
@@ -512,18 +524,26 @@ def profile_engine(
             f"profile: no TP of {grid.tps} divides the {d} devices and the {kv_heads} kv heads"
         )
     meshes = {tp: make_mesh(d // tp, tp, devices=devs) for tp in tps}
-    dec, pre, compiles = [], [], []
-    for tp in tps:
+    points = {}
+    for tp in tps:  # compile every point first ...
         for b, length in grid.points():
-            step_s, pre_s, comp = _profile_point(model, weights, meshes[tp], b, length, grid, seed)
-            dec.append(dict(tp=tp, b=b, l=length, t=b * (length + grid.window), seconds=step_s))
-            pre.append(dict(tp=tp, b=b, l=length, t=b * length, seconds=pre_s))
-            compiles.append(comp)
-            if say:
-                say(
-                    f"  tp={tp} B={b} L={length}: decode {step_s * 1e3:.3f} ms/step, "
-                    f"prefill {pre_s * 1e3:.2f} ms, compile {comp:.2f} s"
-                )
+            points[tp, b, length] = _Point(model, weights, meshes[tp], b, length, grid, seed)
+    keys = list(points)
+    for r in range(grid.repeats):  # ... then time them in rounds (the order alternates)
+        for k in keys if r % 2 == 0 else keys[::-1]:
+            points[k].timed()
+    dec, pre = [], []
+    for (tp, b, length), pt in points.items():
+        step_s, pre_s = pt.result()
+        dec.append(dict(tp=tp, b=b, l=length, t=b * (length + grid.window), seconds=step_s))
+        pre.append(dict(tp=tp, b=b, l=length, t=b * length, seconds=pre_s))
+        if say:
+            say(
+                f"  tp={tp} B={b} L={length}: decode {step_s * 1e3:.3f} ms/step, "
+                f"prefill {pre_s * 1e3:.2f} ms, compile {pt.compile_s:.2f} s"
+            )
+    compiles = [pt.compile_s for pt in points.values()]
+    del points
     weights_bw, kv_bw = _bandwidths(weights, model.cfg, meshes)
     dev = devs[0]
     return Profile(
