@@ -45,6 +45,7 @@ import dataclasses
 import functools
 import os
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -360,6 +361,16 @@ class Trainer:
             raise ConfigError(
                 f"rollout.pat.profile={p.profile!r} was taken on {profile.devices} devices; "
                 f"the rollout mesh has {mesh.size}"
+            )
+        spc = self.cfg.rollout.steps_per_call
+        if profile.steps_per_call and profile.steps_per_call != spc:
+            warnings.warn(
+                f"rollout.pat.profile={p.profile!r} timed {profile.steps_per_call} decode steps "
+                f"per call, the engine runs rollout.steps_per_call={spc}: the per-call cost "
+                "is spread differently, so predictions are biased (profile again with "
+                f"`dtarl bench rollout --profile OUT.json --steps-per-call {spc}`)",
+                RuntimeWarning,
+                stacklevel=2,
             )
         try:
             return pat_lib.PatController(
