@@ -535,6 +535,15 @@ class RolloutEngine:
 
                 out = self._sharding_for(mesh, rows)["pool"].resp_k[0]
                 self._fns[key] = jax.jit(fn, out_shardings=out)
+            elif kind == "cut":  # the first ``rows`` rows of a response layer
+                (rows,) = statics
+
+                def fn(x):
+                    self.trace_count += 1
+                    return x[:rows]
+
+                out = self._sharding_for(mesh, rows)["pool"].resp_k[0]
+                self._fns[key] = jax.jit(fn, out_shardings=out)
             else:
 
                 def fn(weights, pool, slot, group, length, tokens, count):
@@ -904,39 +913,37 @@ class RolloutEngine:
     def _migrate(self, old: K.Pool, old_at: tuple, src: np.ndarray) -> tuple[int, int]:
         """Moves the live response rows (rows ``src`` of each old layer) and the prompt
         pool onto the new shardings, one layer at a time, each old buffer freed as soon as
-        its copy exists. The rows are gathered on the old mesh and then moved when the old
-        dp divides the new slot count (nothing is replicated), else the layer is moved
-        whole and gathered on the new mesh: at most one old and one new layer in flight."""
+        its copy exists. The rows are gathered on the old mesh into a row count its dp
+        divides (so nothing is replicated there), moved, and cut to ``slots`` rows on the
+        new mesh when that count was padded: one layer's buffers in flight at a time."""
         sh = self._shardings["pool"]
-        old_mesh, old_n = old_at
+        old_mesh, _ = old_at
         n = int(src.size)
-        first = n % old_mesh.shape["dp"] == 0
-        if first:
-            gather = self._fn("gather", n, at=old_at)
-        else:
-            gather = self._fn("gather", n, at=(self.mesh, old_n))
-            whole = self._sharding_for(self.mesh, old_n)["pool"].resp_k[0]
-        idx = np.asarray(src, np.int32)  # uncommitted: follows x onto its mesh
+        dp0 = old_mesh.shape["dp"]
+        pad = -(-n // dp0) * dp0
+        gather = self._fn("gather", pad, at=old_at)
+        idx = np.zeros(pad, np.int32)  # uncommitted: follows x onto its mesh
+        idx[:n] = src
+        if pad != n:
+            mid = self._sharding_for(self.mesh, pad)["pool"].resp_k[0]
+            cut = self._fn("cut", n, at=(self.mesh, pad))
         extra = peak = moved = 0
 
         def move(x, target, rows):
             nonlocal extra, peak, moved
-            if not rows or first:
-                y = gather(x, idx) if rows else x
-                z = jax.device_put(y, target)
-                z.block_until_ready()
-                moved += _new_bytes(z, y)
-            else:
-                y = jax.device_put(x, whole)
-                z = gather(y, idx)
-                z.block_until_ready()
-                moved += _new_bytes(y, x)
-            extra += _new_bytes(y, x) + _new_bytes(z, y)
+            chain = [x]
+            if rows:
+                chain.append(gather(x, idx))
+            chain.append(jax.device_put(chain[-1], mid if rows and pad != n else target))
+            moved += _new_bytes(chain[-1], chain[-2])
+            if rows and pad != n:
+                chain.append(cut(chain[-1]))
+            z = chain[-1]
+            z.block_until_ready()
+            extra += sum(_new_bytes(b, a) for a, b in zip(chain, chain[1:], strict=False))
             peak = max(peak, extra)
-            keep = [y, z] if y is not x else [z]
-            extra -= _free(x, *keep)
-            if y is not x:
-                extra -= _free(y, z)
+            for i, a in enumerate(chain[:-1]):  # oldest first: x, then the intermediates
+                extra -= _free(a, *chain[i + 1 :])
             return z
 
         resp_k = tuple(move(x, s, True) for x, s in zip(old.resp_k, sh.resp_k, strict=True))
