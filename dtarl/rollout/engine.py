@@ -849,6 +849,16 @@ class RolloutEngine:
         self._stats["switches"].append(info)
         return new_weights, info
 
+    def _adopt(self, placed, original) -> None:
+        """Marks the leaves of ``placed`` that share no buffer with ``original`` (copies
+        made for the engine, e.g. by ``place`` in ``ContinuousSampler.generate``) as the
+        engine's own: a later ``reshard`` frees them layer by layer."""
+        self._own_weights = [
+            weakref.ref(p)
+            for p, o in zip(jax.tree.leaves(placed), jax.tree.leaves(original), strict=True)
+            if p is not o and not (_buffers(p) & _buffers(o) if isinstance(o, jax.Array) else 0)
+        ]
+
     def _move_weights(self, weights, mesh: Mesh, donate: bool) -> tuple[Any, int, int]:
         """device_put per leaf onto the rule table's NamedSharding, one layer (one
         ``layers/i`` subtree, or one top-level parameter) at a time; the old leaves of a
@@ -1667,7 +1677,10 @@ class ContinuousSampler:
             group_size=max(counts),
             response_len=int(longest),
         )
-        weights = self.engine.place(weights)
+        placed = self.engine.place(weights)
+        if on_call is not None:  # copies place() made are ours: a switch may free them
+            self.engine._adopt(placed, weights)
+        weights = placed
         base = _key(seed)
         groups, at = [], 0
         for i, prompt in enumerate(prompts):

@@ -13,7 +13,7 @@ from flax import nnx
 
 from dtarl.model.config import ModelConfig
 from dtarl.model.decoder import Decoder
-from dtarl.parallel.mesh import make_mesh
+from dtarl.parallel.mesh import make_mesh, shard_params
 from dtarl.rollout.engine import (
     ContinuousConfig,
     ContinuousSampler,
@@ -304,8 +304,9 @@ def test_sampler_generate_with_a_controller_returns_to_its_mesh(eng, model, weig
     cs = ContinuousSampler(model, SMALL, temperature=0.0, mesh=eng._mesh0)
     cs.engine = eng  # share the compiled programs
     infos = []
+    trainer = shard_params(weights, make_mesh(4, 2))  # the caller's layout: tp-split leaves
     res = cs.generate(
-        weights,
+        trainer,
         PROMPTS,
         num_samples=[len(m) for m in LENGTHS],
         max_new_tokens=[x for m in LENGTHS for x in m],
@@ -313,4 +314,8 @@ def test_sampler_generate_with_a_controller_returns_to_its_mesh(eng, model, weig
     )
     assert [t.tolist() for t in res.tokens] == [t.tolist() for t, _ in reference]
     assert res.stats["switches"] == infos and len(infos) == 3
+    # The copy place() made for the engine is freed layer by layer from the first switch
+    # on; the caller's weights are untouched.
+    assert infos[0]["weights_peak_extra_bytes"] < infos[0]["moved_weight_bytes"]
+    assert not any(x.is_deleted() for x in jax.tree.leaves(trainer))
     assert eng.mesh is eng._mesh0 and eng.view().slots == SMALL.slots
