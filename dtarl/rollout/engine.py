@@ -989,7 +989,7 @@ class RolloutEngine:
         """Back to the construction mesh and config.slots slots between generations; the
         pool is re-created empty (nothing is moved), so no request may hold a slot or a
         prompt row (release held requests first, or use ``reshard``)."""
-        if self._mesh0 is None or (self.mesh is self._mesh0 and self._n == self.config.slots):
+        if self._mesh0 is None or (self.mesh == self._mesh0 and self._n == self.config.slots):
             return
         held = sum(r is not None for r in self._slot_req)
         rows = sum(g is not None for g in self._pslot_group)
@@ -1606,13 +1606,16 @@ class ContinuousSampler:
             max_new_tokens=self.max_new_tokens,
         )
 
-    def warmup(self, weights, *, extend: bool = False) -> None:
+    def warmup(self, weights, *, extend: bool = False, targets: Sequence[tuple] = ()) -> None:
         """Compiles every program ``generate`` can need with these sampling settings
         (each decode window, each prefill bucket and, with ``extend``, each extend
-        bucket), so that no later call compiles unless ``ensure`` rebuilds the engine."""
+        bucket; also on the (dp, tp, slots) switch ``targets``), so that no later call
+        compiles unless ``ensure`` rebuilds the engine."""
         sp = self.sampling
         filtered = bool(sp["temperature"] > 0 and (sp["top_k"] > 0 or sp["top_p"] < 1))
-        self.engine.warmup(self.engine.place(weights), filtered=filtered, extend=extend)
+        self.engine.warmup(
+            self.engine.place(weights), filtered=filtered, extend=extend, targets=targets
+        )
 
     def ensure(self, *, prompt_len: int, group_size: int, response_len: int = 0):
         """The engine, rebuilt larger if a prompt, a group or a response does not fit it."""
