@@ -78,12 +78,13 @@ only when nothing waits). The host mirror (slot arrays, the group table,
 new dp when dp divides Q, else replicated over dp by the rule table's fallback).
 Weights move one layer (one ``layers/i`` subtree) at a time by ``device_put`` onto
 the rule table's NamedSharding for the new mesh; an old layer is freed as soon as
-its copy exists when the engine owns it (weights a previous ``reshard`` returned;
-the caller's weights are never deleted unless ``donate=True``), so from the second
-switch on the extra memory is one layer. K/V: "migrate" gathers the live response
-rows and moves them layer by layer (the old layer freed after each), "recompute"
-frees the old pool and rebuilds each resident prompt by prefill and each live
-request's rows by the extend program from its tokens. ``info`` reports the
+its copy exists when the engine owns it (weights a previous ``reshard`` returned,
+and the copies ``ContinuousSampler.generate`` made with ``place``; the caller's
+weights are never deleted unless ``donate=True``), so then the extra memory is one
+layer (plus any growth of the total, e.g. towards a smaller tp). K/V: "migrate"
+gathers the live response rows and moves them layer by layer (the old layer freed
+after each), "recompute" frees the old pool and rebuilds each resident prompt by
+prefill and each live request's rows by the extend program from its tokens. ``info`` reports the
 seconds of each stage (weights_s, kv_s, compile_s), the bytes moved and the peak
 extra bytes (host bookkeeping of jax buffers: the bytes of every buffer the
 switch created minus those of the old buffers it freed, summed over all devices
@@ -398,7 +399,7 @@ class RolloutEngine:
         self._mesh0 = mesh  # the construction mesh (``reset`` returns to it)
         self._n = n  # slots now (``reshard`` may shrink it below config.slots)
         self._sh_cache: dict[tuple, dict[str, Any]] = {}
-        self._own_weights: list[weakref.ref] = []  # leaves a reshard created (engine-owned)
+        self._own_weights: list[weakref.ref] = []  # engine-owned weight leaves (see _adopt)
         self._s = self._empty_slots(n)  # host mirror of the slot state
         self._shardings = self._sharding_for(mesh, n) if mesh is not None else None
         self._pool = self._zeros_pool(n)
@@ -486,7 +487,7 @@ class RolloutEngine:
             resp_k=tuple(kv(a) for a in shapes.resp_k),
             resp_v=tuple(kv(a) for a in shapes.resp_v),
         )
-        slots = K.Slots(**{k: rows(v.shape[:0] + (n,) + v.shape[1:]) for k, v in self._s.items()})
+        slots = K.Slots(**{k: rows((n,) + v.shape[1:]) for k, v in self._s.items()})
         out = dict(pool=pool, slots=slots, replicated=NamedSharding(mesh, P()))
         self._sh_cache[key] = out
         return out
@@ -655,11 +656,7 @@ class RolloutEngine:
     def mesh_for(self, dp: int, tp: int) -> Mesh:
         """The ('dp', 'tp') mesh of shape (dp, tp) over the engine's devices (in the
         construction mesh's order, so equal shapes give equal meshes: one program cache)."""
-        if self._mesh0 is None:
-            raise EngineError(
-                "mesh: the engine was built without a mesh; pass RolloutEngine(..., "
-                "mesh=make_mesh(dp, tp)) to switch meshes"
-            )
+        self._need_mesh()
         if (dp, tp) == tuple(self._mesh0.devices.shape):
             return self._mesh0
         return make_mesh(dp, tp, devices=list(self._mesh0.devices.flat))
@@ -674,9 +671,15 @@ class RolloutEngine:
         first = tuple(int(x) for x in self._mesh0.devices.shape)
         return sorted(set(out) | {first}, key=lambda s: s[1])
 
-    def _target_mesh(self, mesh, field: str = "mesh") -> Mesh:
+    def _need_mesh(self):
         if self._mesh0 is None:
-            self.mesh_for(1, 1)  # raises the no-mesh error
+            raise EngineError(
+                "mesh: the engine was built without a mesh; pass RolloutEngine(..., "
+                "mesh=make_mesh(dp, tp)) to switch meshes"
+            )
+
+    def _target_mesh(self, mesh, field: str = "mesh") -> Mesh:
+        self._need_mesh()
         ok = self.switch_targets()
         if isinstance(mesh, Mesh):
             if tuple(mesh.axis_names) != MESH_AXES:
