@@ -1522,6 +1522,11 @@ class RolloutEngine:
     def _note_kv(self):
         self._stats["peak_kv_bytes"] = max(self._stats["peak_kv_bytes"], self.kv_bytes())
 
+    @property
+    def token_kv_bytes(self) -> int:
+        """K/V bytes of one token over all layers (unsharded): live K/V = tokens x this."""
+        return self._token_bytes
+
     def kv_bytes(self) -> int:
         """Live K/V bytes: each resident prompt once + each slot's response rows."""
         rows = sum(g.prompt.size - 1 for g in self._pslot_group if g is not None)

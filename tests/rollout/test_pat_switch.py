@@ -269,6 +269,8 @@ def test_layout_and_memory_bookkeeping(eng, weights):
     assert (view.dp, view.tp, view.slots) == (2, 4, 4)
     assert view.active == len(live) and view.waiting == 0
     assert view.context_tokens == sum(r.group.prompt.size + r.length for r in live)
+    rows = sum(r.group.prompt.size - 1 for r in {id(r.group): r for r in live}.values())
+    assert eng.kv_bytes() == (rows + sum(r.length for r in live)) * eng.token_kv_bytes
     eng.run(w)
 
 
