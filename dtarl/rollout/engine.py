@@ -78,12 +78,13 @@ only when nothing waits). The host mirror (slot arrays, the group table,
 new dp when dp divides Q, else replicated over dp by the rule table's fallback).
 Weights move one layer (one ``layers/i`` subtree) at a time by ``device_put`` onto
 the rule table's NamedSharding for the new mesh; an old layer is freed as soon as
-its copy exists when the engine owns it (weights a previous ``reshard`` returned;
-the caller's weights are never deleted unless ``donate=True``), so from the second
-switch on the extra memory is one layer. K/V: "migrate" gathers the live response
-rows and moves them layer by layer (the old layer freed after each), "recompute"
-frees the old pool and rebuilds each resident prompt by prefill and each live
-request's rows by the extend program from its tokens. ``info`` reports the
+its copy exists when the engine owns it (weights a previous ``reshard`` returned,
+and the copies ``ContinuousSampler.generate`` made with ``place``; the caller's
+weights are never deleted unless ``donate=True``), so then the extra memory is one
+layer (plus any growth of the total, e.g. towards a smaller tp). K/V: "migrate"
+gathers the live response rows and moves them layer by layer (the old layer freed
+after each), "recompute" frees the old pool and rebuilds each resident prompt by
+prefill and each live request's rows by the extend program from its tokens. ``info`` reports the
 seconds of each stage (weights_s, kv_s, compile_s), the bytes moved and the peak
 extra bytes (host bookkeeping of jax buffers: the bytes of every buffer the
 switch created minus those of the old buffers it freed, summed over all devices
@@ -398,7 +399,7 @@ class RolloutEngine:
         self._mesh0 = mesh  # the construction mesh (``reset`` returns to it)
         self._n = n  # slots now (``reshard`` may shrink it below config.slots)
         self._sh_cache: dict[tuple, dict[str, Any]] = {}
-        self._own_weights: list[weakref.ref] = []  # leaves a reshard created (engine-owned)
+        self._own_weights: list[weakref.ref] = []  # engine-owned weight leaves (see _adopt)
         self._s = self._empty_slots(n)  # host mirror of the slot state
         self._shardings = self._sharding_for(mesh, n) if mesh is not None else None
         self._pool = self._zeros_pool(n)
@@ -486,7 +487,7 @@ class RolloutEngine:
             resp_k=tuple(kv(a) for a in shapes.resp_k),
             resp_v=tuple(kv(a) for a in shapes.resp_v),
         )
-        slots = K.Slots(**{k: rows(v.shape[:0] + (n,) + v.shape[1:]) for k, v in self._s.items()})
+        slots = K.Slots(**{k: rows((n,) + v.shape[1:]) for k, v in self._s.items()})
         out = dict(pool=pool, slots=slots, replicated=NamedSharding(mesh, P()))
         self._sh_cache[key] = out
         return out
@@ -532,6 +533,15 @@ class RolloutEngine:
                 def fn(x, idx):
                     self.trace_count += 1
                     return x[idx]
+
+                out = self._sharding_for(mesh, rows)["pool"].resp_k[0]
+                self._fns[key] = jax.jit(fn, out_shardings=out)
+            elif kind == "cut":  # the first ``rows`` rows of a response layer
+                (rows,) = statics
+
+                def fn(x):
+                    self.trace_count += 1
+                    return x[:rows]
 
                 out = self._sharding_for(mesh, rows)["pool"].resp_k[0]
                 self._fns[key] = jax.jit(fn, out_shardings=out)
@@ -646,11 +656,7 @@ class RolloutEngine:
     def mesh_for(self, dp: int, tp: int) -> Mesh:
         """The ('dp', 'tp') mesh of shape (dp, tp) over the engine's devices (in the
         construction mesh's order, so equal shapes give equal meshes: one program cache)."""
-        if self._mesh0 is None:
-            raise EngineError(
-                "mesh: the engine was built without a mesh; pass RolloutEngine(..., "
-                "mesh=make_mesh(dp, tp)) to switch meshes"
-            )
+        self._need_mesh()
         if (dp, tp) == tuple(self._mesh0.devices.shape):
             return self._mesh0
         return make_mesh(dp, tp, devices=list(self._mesh0.devices.flat))
@@ -665,9 +671,15 @@ class RolloutEngine:
         first = tuple(int(x) for x in self._mesh0.devices.shape)
         return sorted(set(out) | {first}, key=lambda s: s[1])
 
-    def _target_mesh(self, mesh, field: str = "mesh") -> Mesh:
+    def _need_mesh(self):
         if self._mesh0 is None:
-            self.mesh_for(1, 1)  # raises the no-mesh error
+            raise EngineError(
+                "mesh: the engine was built without a mesh; pass RolloutEngine(..., "
+                "mesh=make_mesh(dp, tp)) to switch meshes"
+            )
+
+    def _target_mesh(self, mesh, field: str = "mesh") -> Mesh:
+        self._need_mesh()
         ok = self.switch_targets()
         if isinstance(mesh, Mesh):
             if tuple(mesh.axis_names) != MESH_AXES:
@@ -840,6 +852,16 @@ class RolloutEngine:
         self._stats["switches"].append(info)
         return new_weights, info
 
+    def _adopt(self, placed, original) -> None:
+        """Marks the leaves of ``placed`` that share no buffer with ``original`` (copies
+        made for the engine, e.g. by ``place`` in ``ContinuousSampler.generate``) as the
+        engine's own: a later ``reshard`` frees them layer by layer."""
+        self._own_weights = [
+            weakref.ref(p)
+            for p, o in zip(jax.tree.leaves(placed), jax.tree.leaves(original), strict=True)
+            if p is not o and not (_buffers(p) & _buffers(o) if isinstance(o, jax.Array) else 0)
+        ]
+
     def _move_weights(self, weights, mesh: Mesh, donate: bool) -> tuple[Any, int, int]:
         """device_put per leaf onto the rule table's NamedSharding, one layer (one
         ``layers/i`` subtree, or one top-level parameter) at a time; the old leaves of a
@@ -904,39 +926,37 @@ class RolloutEngine:
     def _migrate(self, old: K.Pool, old_at: tuple, src: np.ndarray) -> tuple[int, int]:
         """Moves the live response rows (rows ``src`` of each old layer) and the prompt
         pool onto the new shardings, one layer at a time, each old buffer freed as soon as
-        its copy exists. The rows are gathered on the old mesh and then moved when the old
-        dp divides the new slot count (nothing is replicated), else the layer is moved
-        whole and gathered on the new mesh: at most one old and one new layer in flight."""
+        its copy exists. The rows are gathered on the old mesh into a row count its dp
+        divides (so nothing is replicated there), moved, and cut to ``slots`` rows on the
+        new mesh when that count was padded: one layer's buffers in flight at a time."""
         sh = self._shardings["pool"]
-        old_mesh, old_n = old_at
+        old_mesh, _ = old_at
         n = int(src.size)
-        first = n % old_mesh.shape["dp"] == 0
-        if first:
-            gather = self._fn("gather", n, at=old_at)
-        else:
-            gather = self._fn("gather", n, at=(self.mesh, old_n))
-            whole = self._sharding_for(self.mesh, old_n)["pool"].resp_k[0]
-        idx = np.asarray(src, np.int32)  # uncommitted: follows x onto its mesh
+        dp0 = old_mesh.shape["dp"]
+        pad = -(-n // dp0) * dp0
+        gather = self._fn("gather", pad, at=old_at)
+        idx = np.zeros(pad, np.int32)  # uncommitted: follows x onto its mesh
+        idx[:n] = src
+        if pad != n:
+            mid = self._sharding_for(self.mesh, pad)["pool"].resp_k[0]
+            cut = self._fn("cut", n, at=(self.mesh, pad))
         extra = peak = moved = 0
 
         def move(x, target, rows):
             nonlocal extra, peak, moved
-            if not rows or first:
-                y = gather(x, idx) if rows else x
-                z = jax.device_put(y, target)
-                z.block_until_ready()
-                moved += _new_bytes(z, y)
-            else:
-                y = jax.device_put(x, whole)
-                z = gather(y, idx)
-                z.block_until_ready()
-                moved += _new_bytes(y, x)
-            extra += _new_bytes(y, x) + _new_bytes(z, y)
+            chain = [x]
+            if rows:
+                chain.append(gather(x, idx))
+            chain.append(jax.device_put(chain[-1], mid if rows and pad != n else target))
+            moved += _new_bytes(chain[-1], chain[-2])
+            if rows and pad != n:
+                chain.append(cut(chain[-1]))
+            z = chain[-1]
+            z.block_until_ready()
+            extra += sum(_new_bytes(b, a) for a, b in zip(chain, chain[1:], strict=False))
             peak = max(peak, extra)
-            keep = [y, z] if y is not x else [z]
-            extra -= _free(x, *keep)
-            if y is not x:
-                extra -= _free(y, z)
+            for i, a in enumerate(chain[:-1]):  # oldest first: x, then the intermediates
+                extra -= _free(a, *chain[i + 1 :])
             return z
 
         resp_k = tuple(move(x, s, True) for x, s in zip(old.resp_k, sh.resp_k, strict=True))
@@ -972,7 +992,7 @@ class RolloutEngine:
         """Back to the construction mesh and config.slots slots between generations; the
         pool is re-created empty (nothing is moved), so no request may hold a slot or a
         prompt row (release held requests first, or use ``reshard``)."""
-        if self._mesh0 is None or (self.mesh is self._mesh0 and self._n == self.config.slots):
+        if self._mesh0 is None or (self.mesh == self._mesh0 and self._n == self.config.slots):
             return
         held = sum(r is not None for r in self._slot_req)
         rows = sum(g is not None for g in self._pslot_group)
@@ -1502,6 +1522,11 @@ class RolloutEngine:
     def _note_kv(self):
         self._stats["peak_kv_bytes"] = max(self._stats["peak_kv_bytes"], self.kv_bytes())
 
+    @property
+    def token_kv_bytes(self) -> int:
+        """K/V bytes of one token over all layers (unsharded): live K/V = tokens x this."""
+        return self._token_bytes
+
     def kv_bytes(self) -> int:
         """Live K/V bytes: each resident prompt once + each slot's response rows."""
         rows = sum(g.prompt.size - 1 for g in self._pslot_group if g is not None)
@@ -1589,13 +1614,16 @@ class ContinuousSampler:
             max_new_tokens=self.max_new_tokens,
         )
 
-    def warmup(self, weights, *, extend: bool = False) -> None:
+    def warmup(self, weights, *, extend: bool = False, targets: Sequence[tuple] = ()) -> None:
         """Compiles every program ``generate`` can need with these sampling settings
         (each decode window, each prefill bucket and, with ``extend``, each extend
-        bucket), so that no later call compiles unless ``ensure`` rebuilds the engine."""
+        bucket; also on the (dp, tp, slots) switch ``targets``), so that no later call
+        compiles unless ``ensure`` rebuilds the engine."""
         sp = self.sampling
         filtered = bool(sp["temperature"] > 0 and (sp["top_k"] > 0 or sp["top_p"] < 1))
-        self.engine.warmup(self.engine.place(weights), filtered=filtered, extend=extend)
+        self.engine.warmup(
+            self.engine.place(weights), filtered=filtered, extend=extend, targets=targets
+        )
 
     def ensure(self, *, prompt_len: int, group_size: int, response_len: int = 0):
         """The engine, rebuilt larger if a prompt, a group or a response does not fit it."""
@@ -1660,7 +1688,10 @@ class ContinuousSampler:
             group_size=max(counts),
             response_len=int(longest),
         )
-        weights = self.engine.place(weights)
+        placed = self.engine.place(weights)
+        if on_call is not None:  # copies place() made are ours: a switch may free them
+            self.engine._adopt(placed, weights)
+        weights = placed
         base = _key(seed)
         groups, at = [], 0
         for i, prompt in enumerate(prompts):
