@@ -93,9 +93,19 @@ class ValueModel:
         kl_coef: float,
         gamma: float,
         lam: float,
+        values: Sequence[np.ndarray] | None = None,
     ) -> tuple[list[np.ndarray], dict[str, float]]:
-        """Whitened per-token GAE advantages; remembers returns for ``train``."""
-        values = self.values(tokens)
+        """Whitened per-token GAE advantages; remembers returns for ``train``.
+
+        ``values``: the current params' ``values(tokens)`` when already computed (a
+        streamed critic, ``dtarl.rollout.stream``; only the action positions are read)."""
+        if values is None:
+            values = self.values(tokens)
+        elif [len(v) for v in values] != [len(t) for t in tokens]:
+            raise ValueError(
+                f"values of lengths {[len(v) for v in values]} do not match the tokens' "
+                f"{[len(t) for t in tokens]}"
+            )
         advs, rets = [], []
         for i, (v, m, lp) in enumerate(zip(values, masks, logprobs, strict=True)):
             ref = lp if ref_logprobs is None else ref_logprobs[i]
