@@ -250,7 +250,8 @@ def _rollout_continuous(
     between decode calls (one call of each scorer per decode call), so that when
     generation ends only the lag is left: ``stream_lag_tokens`` (tokens some streamed
     model had not scored when the last decode call returned), scored in
-    ``stream_tail_seconds``. The trajectories carry the results (``ref_logprobs``,
+    ``stream_tail_seconds``; ``stream_seconds`` is every scorer call of the rollout
+    (interleaved and tail). The trajectories carry the results (``ref_logprobs``,
     ``values``; 0 on the prompt).
     """
     tool_seqs = tool_stop_sequences(tokenizer, task)
@@ -288,7 +289,7 @@ def _rollout_continuous(
     kinds = [s.kind for s in stream]
     if len(set(kinds)) != len(kinds):
         raise ConfigError(f"rollout streams {[k.value for k in kinds]}: one of each kind at most")
-    scs = [(s.scorers.get(eng.config), s.weights) for s in stream]
+    scs = [(s.scorers.get(eng.config, s.weights), s.weights) for s in stream]
     scored: dict[ScoreKind, dict[int, np.ndarray]] = {k: {} for k in kinds}
     if scs:
         group_of = {id(r): i for i, g in enumerate(groups) for r in g.requests}
@@ -304,10 +305,13 @@ def _rollout_continuous(
             g.on_tokens = on_tokens
     eng.stats(reset=True)
     lag, tail = 0, 0.0  # the last decode call's close-time scoring: what streaming left over
+    stream_s = 0.0  # every scorer call of the rollout (interleaved + close-time)
     while eng.pending():
         done = eng.run(weights, max_calls=1)
+        t0 = time.perf_counter()
         for sc, w in scs:
             sc.flush(w, max_calls=1)  # interleaved with decode
+        stream_s += time.perf_counter() - t0
         lag, tail = 0, 0.0
         for r in done:
             row = row_of[id(r)]
@@ -349,6 +353,7 @@ def _rollout_continuous(
                 for (sc, w), kind in zip(scs, kinds, strict=True):
                     scored[kind][row] = sc.close(row, w)  # scores its lag, frees its slot
                 tail += time.perf_counter() - t0
+                stream_s += time.perf_counter() - t0
     st = eng.stats()
     trajs = _trajectories(tokenizer, prompts, parts, truncated, turns, owner)
 
@@ -393,6 +398,7 @@ def _rollout_continuous(
             stream_tokens=float(sum(s.size for s in scored[kinds[0]].values())),
             stream_lag_tokens=float(lag),
             stream_tail_seconds=tail,
+            stream_seconds=stream_s,
         )
     return trajs, stats
 
@@ -445,7 +451,7 @@ def _merge_rollout_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
             decode_calls=[c for p in parts for c in p["decode_calls"]],
             decode_seconds_per_step=max(p["decode_seconds_per_step"] for p in parts),
         )
-    for name in ("stream_tokens", "stream_lag_tokens", "stream_tail_seconds"):
+    for name in ("stream_tokens", "stream_lag_tokens", "stream_tail_seconds", "stream_seconds"):
         if name in parts[0]:
             out[name] = sum(p[name] for p in parts)
     return out
@@ -781,7 +787,7 @@ def rl_batch(
             b_trajs, stats = rollout(
                 sampler, params, tokenizer, task, batch_problems, stream=stream, **common
             )
-        for name in ("stream_tokens", "stream_lag_tokens", "stream_tail_seconds"):
+        for name in ("stream_tokens", "stream_lag_tokens", "stream_tail_seconds", "stream_seconds"):
             if name in stats:
                 roll[name] = roll.get(name, 0.0) + stats[name]
         if "decode_seconds_per_step" in stats:  # the step's last generation batch's

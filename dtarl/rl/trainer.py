@@ -280,6 +280,7 @@ class Trainer:
                 temperature=self.temperature,
                 pad_id=self.tokenizer.pad_id,
                 kind=ScoreKind.VALUES if m is StreamedModel.CRITIC else ScoreKind.LOGPROBS,
+                warmup=r.warmup,
             )
             for m in cfg.streamed_models()
         }

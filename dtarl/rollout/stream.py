@@ -21,7 +21,8 @@ The policy itself is not streamed: the sampler already returns its logprobs at
 the rollout weights, and ``algo.recompute_old_logprobs`` exists to replace those
 with the *training engine's* numbers (its kernels and dtype); an incremental
 forward over a prompt-shared K/V is the sampler's computation again, so a
-streamed recompute would give the sampler's numbers back and fix nothing.
+streamed recompute would give the sampler's numbers back and fix nothing (and the
+recompute of the first minibatch costs no pass: it is its update's own forward).
 
 Shapes are fixed (``rows`` trajectories x ``chunk`` tokens per call, prefill
 lengths bucketed as in the engine), so after warm-up nothing compiles. The
@@ -300,7 +301,8 @@ class StreamingScorer:
 
 class StreamingScorers:
     """One ``StreamingScorer`` per engine shape (the rollout engine may grow), built on
-    first use and kept (its programs compile once)."""
+    first use and kept (its programs compile once; with ``warmup``, all of them when
+    it is built, so that a longer prompt later does not compile mid-rollout)."""
 
     def __init__(
         self,
@@ -310,14 +312,16 @@ class StreamingScorers:
         temperature: float = 1.0,
         pad_id: int = 0,
         kind: ScoreKind = ScoreKind.LOGPROBS,
+        warmup: bool = False,
     ):
         self.model, self.chunk, self.temperature, self.pad_id = model, chunk, temperature, pad_id
-        self.kind = ScoreKind(kind)
+        self.kind, self.warmup = ScoreKind(kind), warmup
         self._by_config: dict[ContinuousConfig, StreamingScorer] = {}
 
-    def get(self, config: ContinuousConfig) -> StreamingScorer:
+    def get(self, config: ContinuousConfig, weights=None) -> StreamingScorer:
+        """The scorer of ``config`` (``weights``: what a new one warms up with)."""
         if config not in self._by_config:
-            self._by_config[config] = StreamingScorer(
+            sc = self._by_config[config] = StreamingScorer(
                 self.model,
                 config,
                 chunk=self.chunk,
@@ -326,6 +330,8 @@ class StreamingScorers:
                 pad_id=self.pad_id,
                 kind=self.kind,
             )
+            if self.warmup and weights is not None:
+                sc.warmup(weights)
         return self._by_config[config]
 
 
