@@ -234,15 +234,23 @@ class StreamingSection:
     ``ref`` (needs ``algo.kl_coef > 0``) and ``critic`` (needs ``algo.algorithm: ppo``);
     empty = every one the algorithm has. Needs ``rollout.engine: continuous``. The
     policy's old logprobs are not streamed (``dtarl.rollout.stream``: the sampler's
-    own logprobs already are the policy's at the rollout weights)."""
+    own logprobs already are the policy's at the rollout weights). ``device``: index
+    (in ``jax.devices()``) of a device the scorers run on, beside the rollout's
+    decode (-1: the rollout's own device); single-device runs only (no mesh)."""
 
     SECTION: typing.ClassVar[str] = "rollout.streaming"
     enabled: bool = False
     chunk: int = 16
     models: tuple[StreamedModel, ...] = ()
+    device: int = -1
 
     def __post_init__(self):
         _positive(self, "chunk")
+        if self.device < -1:
+            raise ConfigError(
+                f"rollout.streaming.device={self.device} must be -1 (the rollout's device) "
+                "or a device index >= 0"
+            )
         if len(set(self.models)) != len(self.models):
             raise ConfigError(
                 f"rollout.streaming.models={[m.value for m in self.models]} names a model twice"

@@ -289,7 +289,10 @@ def _rollout_continuous(
     kinds = [s.kind for s in stream]
     if len(set(kinds)) != len(kinds):
         raise ConfigError(f"rollout streams {[k.value for k in kinds]}: one of each kind at most")
-    scs = [(s.scorers.get(eng.config, s.weights), s.weights) for s in stream]
+    scs = []  # (scorer, its weights placed on its device)
+    for s in stream:
+        sc = s.scorers.get(eng.config, s.weights)
+        scs.append((sc, sc.place(s.weights)))
     scored: dict[ScoreKind, dict[int, np.ndarray]] = {k: {} for k in kinds}
     if scs:
         group_of = {id(r): i for i, g in enumerate(groups) for r in g.requests}

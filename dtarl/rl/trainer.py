@@ -273,6 +273,15 @@ class Trainer:
             Scorer(self.model, temperature=self.temperature) if cfg.algo.kl_coef > 0 else None
         )
         # rollout.streaming: the reference policy / critic scored while decoding
+        device = None
+        if r.streaming.enabled and r.streaming.device >= 0:
+            if r.streaming.device >= jax.device_count():
+                raise ConfigError(
+                    f"rollout.streaming.device={r.streaming.device} is not a device index: "
+                    f"this run has {jax.device_count()} devices (0..{jax.device_count() - 1}); "
+                    "-1 runs the scorers on the rollout's device"
+                )
+            device = jax.devices()[r.streaming.device]
         self.streamers = {
             m: StreamingScorers(
                 self.model,
@@ -281,6 +290,7 @@ class Trainer:
                 pad_id=self.tokenizer.pad_id,
                 kind=ScoreKind.VALUES if m is StreamedModel.CRITIC else ScoreKind.LOGPROBS,
                 warmup=r.warmup,
+                device=device,
             )
             for m in cfg.streamed_models()
         }
@@ -340,9 +350,9 @@ class Trainer:
         if cfg.rollout.streaming.enabled:
             raise ConfigError(
                 f"rollout.streaming.enabled=true is not supported on a mesh ({where}): the "
-                "streaming scorers (reference policy, critic) are single-device and a "
-                "separate device slice for them is not built; disable streaming or use "
-                "mesh.dp=1, mesh.tp=1"
+                "streaming scorers (reference policy, critic) run on one device, beside a "
+                "single-device rollout (rollout.streaming.device), not beside a mesh; disable "
+                "streaming or use mesh.dp=1, mesh.tp=1"
             )
         a, r = cfg.algo, cfg.rollout
         if self.multiprocess and a.algorithm is Algorithm.PPO:

@@ -25,7 +25,10 @@ streamed recompute would give the sampler's numbers back and fix nothing (and th
 recompute of the first minibatch costs no pass: it is its update's own forward).
 
 Shapes are fixed (``rows`` trajectories x ``chunk`` tokens per call, prefill
-lengths bucketed as in the engine), so after warm-up nothing compiles. The
+lengths bucketed as in the engine), so after warm-up nothing compiles. With
+``device`` the scorer's K/V pool and its weights (``place``) live on that device,
+so its calls run there, beside the rollout's decode on another device (a separate
+device slice of one device; ``rollout.streaming.device``). The
 result equals the dense forward over the whole sequence (the ``Scorer``) to fp32
 rounding.
 
@@ -89,10 +92,11 @@ class StreamingScorer:
         temperature: float = 1.0,
         pad_id: int = 0,
         kind: ScoreKind = ScoreKind.LOGPROBS,
+        device: jax.Device | None = None,
     ):
         if chunk < 1 or rows < 1:
             raise EngineError(f"chunk={chunk} and rows={rows} must be >= 1")
-        self.kind = ScoreKind(kind)
+        self.kind, self.device = ScoreKind(kind), device
         self.config, self.cfg = config, model.cfg
         self.chunk, self.rows = int(chunk), min(int(rows), config.slots)
         self.temperature = 1.0 if temperature <= 0 else float(temperature)
@@ -106,6 +110,8 @@ class StreamingScorer:
             slots=config.slots,
             response_len=config.response_len,
         )
+        if device is not None:
+            self._pool = jax.device_put(self._pool, device)
         self._free_slots = list(range(n))
         self._free_rows = list(range(q))
         self._groups: dict[Hashable, list] = {}  # group -> [prompt row, open trajectories]
@@ -145,6 +151,11 @@ class StreamingScorer:
 
             self._fns[(kind, t)] = jax.jit(fn, donate_argnums=(1,))
         return self._fns[(kind, t)]
+
+    def place(self, weights):
+        """``weights`` on the scorer's device (as they are without one): pass the placed
+        weights to ``flush`` / ``close``, placed once, not at every call."""
+        return weights if self.device is None else jax.device_put(weights, self.device)
 
     def _trunk(self, weights):
         return weights["trunk"] if self.kind is ScoreKind.VALUES else weights
@@ -313,9 +324,10 @@ class StreamingScorers:
         pad_id: int = 0,
         kind: ScoreKind = ScoreKind.LOGPROBS,
         warmup: bool = False,
+        device: jax.Device | None = None,
     ):
         self.model, self.chunk, self.temperature, self.pad_id = model, chunk, temperature, pad_id
-        self.kind, self.warmup = ScoreKind(kind), warmup
+        self.kind, self.warmup, self.device = ScoreKind(kind), warmup, device
         self._by_config: dict[ContinuousConfig, StreamingScorer] = {}
 
     def get(self, config: ContinuousConfig, weights=None) -> StreamingScorer:
@@ -329,9 +341,10 @@ class StreamingScorers:
                 temperature=self.temperature,
                 pad_id=self.pad_id,
                 kind=self.kind,
+                device=self.device,
             )
             if self.warmup and weights is not None:
-                sc.warmup(weights)
+                sc.warmup(sc.place(weights))
         return self._by_config[config]
 
 

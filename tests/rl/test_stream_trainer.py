@@ -35,13 +35,13 @@ PPO = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One PPO + KL step run without and with rollout.streaming (ref and critic)."""
+    """One PPO + KL step run without and with rollout.streaming (ref and critic; the
+    scorers on device 1, beside the rollout's decode on device 0)."""
     out = {}
     for on in (False, True):
         d = tmp_path_factory.mktemp(f"stream_{on}")
-        cfg = load_config(
-            None, [*PPO, f"out_dir={d}", f"rollout.streaming={{enabled: {on}, chunk: 4}}"]
-        )
+        stream = f"rollout.streaming={{enabled: {on}, chunk: 4, device: 1}}"
+        cfg = load_config(None, [*PPO, f"out_dir={d}", stream])
         tr = Trainer(cfg)
         out[on] = (tr, tr.run().history[-1])
     return out
@@ -53,6 +53,7 @@ def test_ppo_step_streamed_equals_not_streamed(runs):
     flips where a gradient entry is ~0.)"""
     (plain, a), (streamed, b) = runs[False], runs[True]
     assert set(streamed.streamers) == {StreamedModel.REF, StreamedModel.CRITIC}
+    assert all(sc.device == jax.devices()[1] for sc in streamed.streamers.values())
     assert not plain.streamers and "stream_tokens" not in a
     assert b["stream_tokens"] > 0 and b["stream_lag_tokens"] >= 0
     for name in ("reward_mean", "num_tokens", "value_mean", "value_loss", "kl", "loss"):
@@ -114,11 +115,18 @@ def test_streaming_config_errors(tmp_path):
         (dict(kl_coef=0.1), dict(models=["ref", "ref"]), "names a model twice"),
         (dict(kl_coef=0.1), dict(models=["policy"]), r"models\[0\]='policy' is not valid"),
         (dict(kl_coef=0.1), dict(chunk=0), "chunk"),
+        (dict(kl_coef=0.1), dict(device=-2), r"rollout.streaming.device=-2 must be -1"),
     ]
     for algo, st, match in bad:
         raw = {**base, "algo": algo, "rollout": dict(streaming=dict(enabled=True, **st))}
         with pytest.raises(ConfigError, match=match):
             from_dict(TrainerConfig, raw)
+    with pytest.raises(ConfigError, match=r"rollout.streaming.device=99 is not a device index"):
+        Trainer(
+            load_config(
+                None, [*PPO, f"out_dir={tmp_path}", "rollout.streaming={enabled: true, device: 99}"]
+            )
+        )
     with pytest.raises(ConfigError, match="rollout.engine=continuous"):
         from_dict(
             TrainerConfig,

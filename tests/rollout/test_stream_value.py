@@ -75,10 +75,15 @@ def test_streamed_values_equal_value_model(model, critic):
 
 
 def test_streamed_values_multi_turn_and_cancel(model, critic):
-    """Driven by the engine's on_tokens: a tool output in the context, a cancelled request."""
+    """Driven by the engine's on_tokens: a tool output in the context, a cancelled request;
+    the scorer on its own device (a separate slice), decode on the default one."""
     eng = RolloutEngine(model, ContinuousConfig(**{**SHAPE.__dict__, "stream_chunk": 3}))
-    sc = StreamingScorer(model, SHAPE, chunk=4, rows=4, kind=ScoreKind.VALUES)
+    dev = jax.devices()[1]
+    sc = StreamingScorer(model, SHAPE, chunk=4, rows=4, kind=ScoreKind.VALUES, device=dev)
+    cw = sc.place(critic.params)
+    assert {d for x in jax.tree.leaves(cw) for d in x.devices()} == {dev}
     weights = eng.place(jax.tree.map(lambda x: x, critic.params["trunk"]))
+    assert jax.tree.leaves(weights)[0].devices() == {jax.devices()[0]}
     prompt = np.random.RandomState(3).randint(1, 256, 12)
     seqs = {j: list(prompt) for j in range(3)}
 
@@ -91,7 +96,7 @@ def test_streamed_values_multi_turn_and_cancel(model, critic):
     g = eng.submit(prompt, n=3, forced_lengths=[7, 9, 30], hold=True, on_tokens=on_tokens)
     while eng.pending():
         eng.step(weights)
-        sc.flush(critic.params, max_calls=1)  # interleaved with decode
+        sc.flush(cw, max_calls=1)  # interleaved with decode
         if len(g.requests[2].tokens) >= 10 and eng.pending():
             eng.cancel(g.requests[2])
     tool = [5, 6, 7]
@@ -101,6 +106,6 @@ def test_streamed_values_multi_turn_and_cancel(model, critic):
     eng.run(weights)
     assert len(seqs[0]) == 12 + 7 + 3 + 4 and 10 <= len(seqs[2]) - 12 < 30
     for j in range(3):
-        got = sc.close(j, critic.params)  # scores what is still queued, frees the slot
+        got = sc.close(j, cw)  # scores what is still queued, frees the slot
         np.testing.assert_allclose(got, _dense(critic, seqs[j])[12:], atol=1e-5, rtol=1e-5)
     assert sc.lag == 0 and not sc.is_open(0)
