@@ -62,7 +62,7 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
     "grpo_kl": ("algo.algorithm=grpo", "algo.kl_coef=0.05"),
     "ppo": ("algo.algorithm=ppo", "algo.kl_coef=0.05"),
 }
-# Per-step metrics kept (history keys; absent ones are NaN).
+# Per-step metrics kept (history keys; absent ones are None).
 SERIES = (
     "step_seconds",
     "rollout_seconds",
@@ -174,9 +174,13 @@ def run(bench: StreamBenchConfig, *, out_dir: str | os.PathLike) -> dict[str, An
         )
         arms = {}
         for arm in ARMS:
-            series = {k: [float(r.get(k, np.nan)) for r in records[arm]] for k in SERIES}
-            med = {k: float(np.nanmedian(v)) if not np.all(np.isnan(v)) else None
-                   for k, v in series.items()}  # fmt: skip
+            series = {
+                k: [None if r.get(k) is None else float(r[k]) for r in records[arm]] for k in SERIES
+            }
+            med = {}
+            for k, v in series.items():
+                got = [x for x in v if x is not None]
+                med[k] = float(np.median(got)) if got else None
             med["step_seconds"] = float(np.median(timed[arm].seconds))
             med["steps"] = len(records[arm])
             med["skipped"] = int(sum(r.get("skipped", 0) for r in records[arm]))
@@ -257,7 +261,8 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 def json_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per (workload, arm): the medians plus the workload's differences."""
+    """One row per (workload, arm): the medians, the workload's differences and the
+    per-step ``series`` (None where a metric is absent)."""
     rows = []
     for w, r in res["workloads"].items():
         for arm in ARMS:
@@ -269,6 +274,7 @@ def json_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
                     **r["arms"][arm]["median"],
                     moved_seconds=r["moved_seconds"],
                     step_saving_seconds=r["step_saving_seconds"],
+                    series=r["arms"][arm]["series"],
                 )
             )
     return rows

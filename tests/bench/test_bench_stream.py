@@ -27,6 +27,7 @@ def test_bench_stream_cli_tiny(tmp_path, capsys):
         for key in ("step_seconds", "rollout_seconds", "post_rollout_forward_seconds"):
             assert isinstance(r[key], float) and r[key] >= 0, key
         assert r["steps"] == 1 and r["skipped"] == 0 and 1 <= r["response_len_mean"] <= 8
+        assert len(r["series"]["step_seconds"]) == 1
         assert (
             r["moved_seconds"]
             == off["post_rollout_forward_seconds"] - (on["post_rollout_forward_seconds"])
