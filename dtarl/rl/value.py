@@ -14,6 +14,10 @@ Value loss (clipped, as PPO2):
 
 The policy loss is ``ClippedSurrogateLoss.ppo()`` with the GAE advantages in the
 batch's ``token_advantages``; the KL term lives in the reward instead of the loss.
+
+With ``rollout.streaming`` the values are computed during the rollout instead, by
+an incremental forward of the same trunk and head (``dtarl.rollout.stream``,
+``ScoreKind.VALUES``), and handed to ``advantages(values=...)``.
 """
 
 from __future__ import annotations

@@ -40,6 +40,15 @@ def test_bench_stream_cli_tiny(tmp_path, capsys):
     assert "share the same cores" in text and "No speedup is claimed" in text
 
 
+def test_step_verdict_needs_separated_ranges():
+    def res(off, on):
+        return {"arms": {a: {"series": {"step_seconds": v}} for a, v in (("off", off), ("on", on))}}
+
+    assert bench_stream.step_verdict(res([1.0, 1.2], [0.5, 0.9])).startswith("faster")
+    assert bench_stream.step_verdict(res([1.0, 1.2], [1.3, 1.4])).startswith("slower")
+    assert bench_stream.step_verdict(res([1.0, 1.2], [0.9, 1.1])).startswith("no difference")
+
+
 def test_bench_stream_config_errors():
     with pytest.raises(ValueError, match="workloads=\\['sft'\\]"):
         bench_stream.StreamBenchConfig(workloads=("sft",))
