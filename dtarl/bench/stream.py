@@ -23,8 +23,10 @@ each. Both arms take the same problems at the same step (same seed) and, since
 the streamed scores equal the batch ones to fp32 rounding, train alike.
 
 Per arm (medians over the timed steps): ``step_seconds`` (the step alone: rollout
-+ rewards + forward passes + update), ``rollout_seconds`` (the engine's decode
-calls), ``post_rollout_forward_seconds`` (forward-only work left after the last
++ rewards + forward passes + update), ``step_cpu_seconds`` (CPU seconds of this
+process, all threads, during the step: on a machine shared with other jobs the
+wall clock also counts the waiting, the CPU seconds much less), ``rollout_seconds``
+(the engine's decode calls), ``post_rollout_forward_seconds`` (forward-only work left after the last
 decode call: the whole batch forward ``off``, the streamed tail ``on``),
 ``stream_seconds`` (every scorer call during the rollout ``on``),
 ``decode_seconds_per_step``, ``stream_lag_tokens`` (unscored when the last decode
@@ -56,7 +58,7 @@ import numpy as np
 
 from dtarl.rl.config import load_config
 from dtarl.rl.trainer import Trainer
-from dtarl.timing import Rounds, alternating, interleaved_rounds, self_timed
+from dtarl.timing import Rounds, alternating, interleaved_rounds, self_cpu_s, self_timed
 
 ARMS = ("off", "on")
 WORKLOADS: dict[str, tuple[str, ...]] = {
@@ -66,6 +68,7 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
 # Per-step metrics kept (history keys; absent ones are None).
 SERIES = (
     "step_seconds",
+    "step_cpu_seconds",
     "rollout_seconds",
     "post_rollout_forward_seconds",
     "stream_seconds",
@@ -164,7 +167,9 @@ def run(bench: StreamBenchConfig, *, out_dir: str | os.PathLike) -> dict[str, An
             trainers[arm], records[arm] = tr, []
 
         def step(arm, trainers=trainers, records=records):
+            c0 = self_cpu_s()
             m = trainers[arm].train_step().metrics
+            m["step_cpu_seconds"] = self_cpu_s() - c0
             records[arm].append(m)
             return m["step_seconds"]
 
@@ -206,10 +211,10 @@ def _fmt(v, unit: str = "") -> str:
     return f"{v:.3f}" if isinstance(v, float) and abs(v) < 100 else f"{v:.0f}"
 
 
-def step_verdict(r: dict[str, Any]) -> str:
-    """What the two arms' step times allow to say: a difference only when their ranges
-    (min..max over the timed steps) do not overlap."""
-    off, on = (r["arms"][a]["series"]["step_seconds"] for a in ARMS)
+def step_verdict(r: dict[str, Any], key: str = "step_seconds") -> str:
+    """What the two arms' step times (``key``) allow to say: a difference only when
+    their ranges (min..max over the timed steps) do not overlap."""
+    off, on = (r["arms"][a]["series"][key] for a in ARMS)
     span = f"off {min(off):.3f}..{max(off):.3f} s, on {min(on):.3f}..{max(on):.3f} s"
     if max(on) < min(off):
         return f"faster with streaming on this CPU: {span}"
@@ -222,6 +227,7 @@ def format_table(res: dict[str, Any]) -> str:
     """The side-by-side table and what it does and does not show."""
     cols = [
         ("step_seconds", "step s", ""),
+        ("step_cpu_seconds", "step cpu s", ""),
         ("rollout_seconds", "rollout s", ""),
         ("post_rollout_forward_seconds", "post-fwd s", ""),
         ("stream_seconds", "stream s", ""),
@@ -245,7 +251,9 @@ def format_table(res: dict[str, Any]) -> str:
         off, on = r["arms"]["off"]["median"], r["arms"]["on"]["median"]
         notes.append(
             f"{w} (streams {', '.join(r['streamed'])}): step {off['step_seconds']:.3f} s off vs "
-            f"{on['step_seconds']:.3f} s on (median; {step_verdict(r)}). "
+            f"{on['step_seconds']:.3f} s on (median; {step_verdict(r)}); CPU seconds of the "
+            f"step {off['step_cpu_seconds']:.3f} off vs {on['step_cpu_seconds']:.3f} on "
+            f"({step_verdict(r, 'step_cpu_seconds')}). "
             "Forward-only work after the last decode call: "
             f"{_fmt(off['post_rollout_forward_seconds'])} s off, "
             f"{_fmt(on['post_rollout_forward_seconds'])} s on (moved off the critical "

@@ -24,7 +24,8 @@ def test_bench_stream_cli_tiny(tmp_path, capsys):
     off, on = rows
     assert on["streamed"] == ["ref"] and off["streamed"] == []
     for r in rows:
-        for key in ("step_seconds", "rollout_seconds", "post_rollout_forward_seconds"):
+        keys = ("step_seconds", "step_cpu_seconds", "rollout_seconds")
+        for key in (*keys, "post_rollout_forward_seconds"):
             assert isinstance(r[key], float) and r[key] >= 0, key
         assert r["steps"] == 1 and r["skipped"] == 0 and 1 <= r["response_len_mean"] <= 8
         assert len(r["series"]["step_seconds"]) == 1
