@@ -1,4 +1,5 @@
-"""``dtarl bench train|memory|partition|rollout|peer|darts|pat`` (thin: parse arguments, call
+"""``dtarl bench train|memory|partition|rollout|peer|darts|pat|stream`` (thin: parse arguments,
+call ``dtarl.bench``)."""
 ``dtarl.bench``)."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dtarl.bench import partition as bench_partition
 from dtarl.bench import pat as bench_pat
 from dtarl.bench import peer as bench_peer
 from dtarl.bench import rollout as bench_rollout
+from dtarl.bench import stream as bench_stream
 from dtarl.bench import train as bench_train
 from dtarl.model import ModelConfig, init_model
 from dtarl.parallel.partition import FlopCost
@@ -577,16 +579,84 @@ def _pat(args: argparse.Namespace) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(bench_pat.json_rows(res), indent=1, default=str))
+# ----------------------------------------------------------------------------- stream
+
+
+def _add_stream(sub) -> None:
+    p = sub.add_parser(
+        "stream",
+        help="RL steps with and without token-level streaming (GRPO + KL, PPO), side by side",
+        description=bench_stream.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d = bench_stream.StreamBenchConfig()
+    p.add_argument(
+        "--workloads", nargs="+", help=f"subset of {list(bench_stream.WORKLOADS)} (default: all)"
+    )
+    p.add_argument("--rounds", type=int, help=f"timed steps per arm (default {d.rounds}; quick 3)")
+    p.add_argument("--prompts", type=int, help=f"prompts per step (default {d.prompts_per_step})")
+    p.add_argument("--group-size", type=int, help=f"samples per prompt (default {d.group_size})")
+    p.add_argument(
+        "--max-new-tokens", type=int, help=f"response cap (default {d.max_new_tokens}; quick 96)"
+    )
+    p.add_argument("--chunk", type=int, help=f"rollout.streaming.chunk (default {d.chunk})")
+    p.add_argument("--layers", type=int, help=f"tiny model layers (default {d.num_layers})")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="trainer config override for every run (repeatable)",
+    )
+    p.add_argument("--quick", action="store_true", help="3 timed steps per arm (~5 min, 2 cores)")
+    p.add_argument("--out-dir", help="run directories (default: a temporary one)")
+    p.add_argument("--json", help="write one object per (workload, arm)")
+    p.set_defaults(func=_stream)
+
+
+def _stream(args: argparse.Namespace) -> int:
+    names = dict(
+        rounds="rounds",
+        prompts="prompts_per_step",
+        group_size="group_size",
+        max_new_tokens="max_new_tokens",
+        chunk="chunk",
+        layers="num_layers",
+    )
+    over = {f: getattr(args, a) for a, f in names.items() if getattr(args, a) is not None}
+    over.update(
+        workloads=bench_stream.workload_names(args.workloads), overrides=tuple(args.overrides)
+    )
+    make = bench_stream.StreamBenchConfig.quick if args.quick else bench_stream.StreamBenchConfig
+    try:
+        cfg = make(**over)
+    except ValueError as e:
+        print(f"dtarl bench stream: {e}", file=sys.stderr)
+        return 2
+    out = args.out_dir or tempfile.mkdtemp(prefix="dtarl-stream-")
+    try:
+        res = bench_stream.run(cfg, out_dir=out)
+    finally:
+        if args.out_dir is None:
+            shutil.rmtree(out, ignore_errors=True)
+    print(bench_stream.format_table(res))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(bench_stream.json_rows(res), indent=1))
         print(f"wrote {path}")
     return 0
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    """Adds ``bench`` with its ``train``, ``memory``, ``partition``, ``rollout``, ``peer`` and
-    ``darts`` and ``pat`` subcommands (each sets ``func``; ``func(args)`` returns the exit code)."""
+    """Adds ``bench`` with its ``train``, ``memory``, ``partition``, ``rollout``, ``peer``,
+    ``darts``, ``pat`` and ``stream`` subcommands (each sets ``func``; ``func(args)`` returns
+    the exit code)."""
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks (train engines, memory, DP partition, rollout, vs Tunix, DARTS, PAT)",
+        help="benchmarks (train engines, memory, DP partition, rollout, vs Tunix, DARTS, PAT, "
+        "streaming)",
     )
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_train(sub)
@@ -596,4 +666,5 @@ def register(subparsers) -> argparse.ArgumentParser:
     _add_peer(sub)
     _add_darts(sub)
     _add_pat(sub)
+    _add_stream(sub)
     return bench

@@ -76,6 +76,14 @@ class RolloutEngineKind(enum.Enum):
     STATIC = "static"  # dtarl.rollout.sampler: one static batch per call (the reference)
 
 
+class StreamedModel(enum.Enum):
+    """A forward-only model of an RL step that ``rollout.streaming`` can score while
+    decoding goes on (verl's role names)."""
+
+    REF = "ref"  # the reference policy's logprobs (the KL term; algo.kl_coef > 0)
+    CRITIC = "critic"  # the PPO value model's values (GAE; algo.algorithm=ppo)
+
+
 class Schedule(enum.Enum):
     CONSTANT = "constant"  # linear warm-up then constant
     COSINE = "cosine"  # linear warm-up then cosine decay to 0.1 x lr
@@ -220,17 +228,33 @@ class TaskSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StreamingSection:
-    """``rollout.streaming``: score generated tokens with the reference policy every
-    ``chunk`` tokens while decoding goes on (papers/002 §4.3; dtarl.rollout.stream),
-    instead of one forward over the finished batch. Needs ``algo.kl_coef > 0`` (the
-    reference policy is the streamed model) and ``rollout.engine: continuous``."""
+    """``rollout.streaming``: score generated tokens with the step's forward-only models
+    every ``chunk`` tokens while decoding goes on (papers/002 §4.3; dtarl.rollout.stream),
+    instead of one forward over the finished batch. ``models``: which ones, from
+    ``ref`` (needs ``algo.kl_coef > 0``) and ``critic`` (needs ``algo.algorithm: ppo``);
+    empty = every one the algorithm has. Needs ``rollout.engine: continuous``. The
+    policy's old logprobs are not streamed (``dtarl.rollout.stream``: the sampler's
+    own logprobs already are the policy's at the rollout weights). ``device``: index
+    (in ``jax.devices()``) of a device the scorers run on, beside the rollout's
+    decode (-1: the rollout's own device); single-device runs only (no mesh)."""
 
     SECTION: typing.ClassVar[str] = "rollout.streaming"
     enabled: bool = False
     chunk: int = 16
+    models: tuple[StreamedModel, ...] = ()
+    device: int = -1
 
     def __post_init__(self):
         _positive(self, "chunk")
+        if self.device < -1:
+            raise ConfigError(
+                f"rollout.streaming.device={self.device} must be -1 (the rollout's device) "
+                "or a device index >= 0"
+            )
+        if len(set(self.models)) != len(self.models):
+            raise ConfigError(
+                f"rollout.streaming.models={[m.value for m in self.models]} names a model twice"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -593,15 +617,7 @@ class TrainerConfig:
                 "algo.darts.enabled=true needs rollout.engine=continuous (early stop and "
                 f"per-prompt candidate counts), got rollout.engine={self.rollout.engine.value}"
             )
-        if self.rollout.streaming.enabled and (
-            self.algo.kl_coef <= 0 or self.rollout.engine is not RolloutEngineKind.CONTINUOUS
-        ):
-            raise ConfigError(
-                "rollout.streaming.enabled=true streams the reference policy's logprobs: it "
-                f"needs algo.kl_coef > 0 (got {self.algo.kl_coef}) and rollout.engine="
-                f"continuous (got {self.rollout.engine.value}); streaming a critic or the "
-                "old-logprob recompute is not built"
-            )
+        self._check_streaming()
         r = self.rollout
         if r.pat.enabled and (r.engine is not RolloutEngineKind.CONTINUOUS or r.streaming.enabled):
             raise ConfigError(
@@ -620,6 +636,45 @@ class TrainerConfig:
                 f"algo.overlong_buffer={self.algo.overlong_buffer} must be <= the response "
                 f"budget rollout.max_new_tokens x turns = "
                 f"{self.rollout.max_new_tokens * self._turns()}"
+            )
+
+    def streamed_models(self) -> tuple[StreamedModel, ...]:
+        """The models ``rollout.streaming`` scores while decoding (none when it is off):
+        ``rollout.streaming.models``, or every forward-only model the algorithm has."""
+        st = self.rollout.streaming
+        if not st.enabled:
+            return ()
+        if st.models:
+            return st.models
+        has = [(StreamedModel.REF, self.algo.kl_coef > 0)]
+        has.append((StreamedModel.CRITIC, self.algo.algorithm is Algorithm.PPO))
+        return tuple(m for m, on in has if on)
+
+    def _check_streaming(self) -> None:
+        st, a = self.rollout.streaming, self.algo
+        if not st.enabled:
+            return
+        if self.rollout.engine is not RolloutEngineKind.CONTINUOUS:
+            raise ConfigError(
+                "rollout.streaming.enabled=true needs rollout.engine=continuous (the engine's "
+                f"token callbacks), got rollout.engine={self.rollout.engine.value}"
+            )
+        names = [m.value for m in st.models]
+        if StreamedModel.REF in st.models and a.kl_coef <= 0:
+            raise ConfigError(
+                f"rollout.streaming.models={names} streams the reference policy ('ref'): it "
+                f"needs algo.kl_coef > 0 (got {a.kl_coef}); drop 'ref' or set a KL coefficient"
+            )
+        if StreamedModel.CRITIC in st.models and a.algorithm is not Algorithm.PPO:
+            raise ConfigError(
+                f"rollout.streaming.models={names} streams the critic ('critic'): only "
+                f"algo.algorithm=ppo has one (got {a.algorithm.value}); drop 'critic'"
+            )
+        if not self.streamed_models():
+            raise ConfigError(
+                "rollout.streaming.enabled=true has no forward-only model to stream: it needs "
+                f"algo.kl_coef > 0 (the reference policy; got {a.kl_coef}) or "
+                f"algo.algorithm=ppo (the critic; got {a.algorithm.value})"
             )
 
     def _turns(self) -> int:
@@ -835,6 +890,7 @@ __all__ = [
     "RolloutEngineKind",
     "RolloutSection",
     "SFTSection",
+    "StreamedModel",
     "StreamingSection",
     "Schedule",
     "TaskSection",

@@ -34,7 +34,7 @@ from dtarl.rl.value import ValueModel
 from dtarl.rollout.engine import ContinuousSampler, Status
 from dtarl.rollout.engine import complete as complete_responses
 from dtarl.rollout.sampler import FinishReason, Sampler
-from dtarl.rollout.stream import StreamingScorers
+from dtarl.rollout.stream import ScoreKind, Stream
 from dtarl.tree.plan import bucket
 
 # The reference policy's per-token logprobs of a list of sequences.
@@ -66,6 +66,7 @@ class Trajectory:
     cancelled: bool = False  # stopped by a group's early stop (DARTS tail pruning)
     finish_rank: int = -1  # order in which the engine finished it (-1: not recorded)
     ref_logprobs: np.ndarray | None = None  # streamed reference logprobs (0 on the prompt)
+    values: np.ndarray | None = None  # streamed critic values V[t] (0 on the prompt)
 
 
 def encode_prompt(tokenizer, text: str) -> np.ndarray:
@@ -120,7 +121,7 @@ def rollout(
     key: jax.Array,
     counts: Sequence[int] | None = None,
     early_stop: Sequence[bool] | None = None,
-    stream: tuple[StreamingScorers, Any] | None = None,
+    stream: Sequence[Stream] = (),
     index_offset: int = 0,
     on_call: Callable[[Any, Any], Any] | None = None,
 ) -> tuple[list[Trajectory], dict[str, float]]:
@@ -175,6 +176,8 @@ def rollout(
         )
     if counts is not None or early_stop is not None:
         raise ConfigError("DARTS candidate counts need rollout.engine: continuous")
+    if stream:
+        raise ConfigError("rollout.streaming needs rollout.engine: continuous")
     tool_seqs = tool_stop_sequences(tokenizer, task)
     prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
     n = len(problems) * group_size
@@ -244,17 +247,21 @@ def _rollout_continuous(
     key: jax.Array,
     counts: Sequence[int] | None = None,
     early_stop: Sequence[bool] | None = None,
-    stream: tuple[StreamingScorers, Any] | None = None,
+    stream: Sequence[Stream] = (),
     index_offset: int = 0,
     on_call: Callable[[Any, Any], Any] | None = None,
 ) -> tuple[list[Trajectory], dict[str, float]]:
     """``rollout`` on the continuous engine: one group per problem (its prompt prefilled
     once), tool turns continued in place with ``RolloutEngine.extend``.
 
-    With ``stream = (scorers, reference weights)`` every ``stream_chunk`` generated
-    tokens (and every tool output) are scored by the reference policy between
-    decode calls (one scorer call per decode call), so that when generation ends
-    only the lag is left (``stream_lag_tokens``, scored in ``stream_tail_seconds``).
+    Each ``Stream`` of ``stream`` (the reference policy's logprobs, the critic's
+    values) scores every ``stream_chunk`` generated tokens (and every tool output)
+    between decode calls (one call of each scorer per decode call), so that when
+    generation ends only the lag is left: ``stream_lag_tokens`` (tokens some streamed
+    model had not scored when the last decode call returned), scored in
+    ``stream_tail_seconds``; ``stream_seconds`` is every scorer call of the rollout
+    (interleaved and tail). The trajectories carry the results (``ref_logprobs``,
+    ``values``; 0 on the prompt).
     """
     tool_seqs = tool_stop_sequences(tokenizer, task)
     multi = task.max_turns > 1
@@ -288,17 +295,23 @@ def _rollout_continuous(
     cancelled = np.zeros(n, bool)
     rank = np.full(n, -1, np.int64)
     finished = 0
-    sc = stream[0].get(eng.config) if stream is not None else None
-    ref_w = stream[1] if stream is not None else None
-    scored: dict[int, np.ndarray] = {}
-    if sc is not None:
+    kinds = [s.kind for s in stream]
+    if len(set(kinds)) != len(kinds):
+        raise ConfigError(f"rollout streams {[k.value for k in kinds]}: one of each kind at most")
+    scs = []  # (scorer, its weights placed on its device)
+    for s in stream:
+        sc = s.scorers.get(eng.config, s.weights)
+        scs.append((sc, sc.place(s.weights)))
+    scored: dict[ScoreKind, dict[int, np.ndarray]] = {k: {} for k in kinds}
+    if scs:
         group_of = {id(r): i for i, g in enumerate(groups) for r in g.requests}
 
         def on_tokens(req, toks, lps):
             row = row_of[id(req)]
-            if not sc.is_open(row):
-                sc.open(row, group_of[id(req)], prompts[group_of[id(req)]])
-            sc.add(row, toks)
+            for sc, _ in scs:
+                if not sc.is_open(row):
+                    sc.open(row, group_of[id(req)], prompts[group_of[id(req)]])
+                sc.add(row, toks)
 
         for g in groups:
             g.on_tokens = on_tokens
@@ -314,10 +327,13 @@ def _rollout_continuous(
             return new
 
     lag, tail = 0, 0.0  # the last decode call's close-time scoring: what streaming left over
+    stream_s = 0.0  # every scorer call of the rollout (interleaved + close-time)
     while eng.pending():
         done = eng.run(weights, max_calls=1, on_call=hook)
-        if sc is not None:
-            sc.flush(ref_w, max_calls=1)  # interleaved with decode
+        t0 = time.perf_counter()
+        for sc, w in scs:
+            sc.flush(w, max_calls=1)  # interleaved with decode
+        stream_s += time.perf_counter() - t0
         lag, tail = 0, 0.0
         for r in done:
             row = row_of[id(r)]
@@ -347,29 +363,48 @@ def _rollout_continuous(
                     if ids.size and room >= 1:
                         eng.extend(r, ids, max_new_tokens=min(sampler.max_new_tokens, room))
                         go_on = True
-                        if sc is not None:
+                        for sc, _ in scs:
                             sc.add(row, ids)
                     else:  # no room left for another turn: the sample ends truncated
                         truncated[row] = True
             if multi and not go_on and r.status is not Status.RELEASED:
                 eng.release(r)
-            if sc is not None and not go_on and sc.is_open(row):
+            if scs and not go_on and scs[0][0].is_open(row):
                 t0 = time.perf_counter()
-                lag += sc.pending(row)
-                scored[row] = sc.close(row, ref_w)  # scores its lag, frees its slot
+                lag += max(sc.pending(row) for sc, _ in scs)
+                for (sc, w), kind in zip(scs, kinds, strict=True):
+                    scored[kind][row] = sc.close(row, w)  # scores its lag, frees its slot
                 tail += time.perf_counter() - t0
+                stream_s += time.perf_counter() - t0
     st = eng.stats()
     if on_call is not None:
         eng.reset()  # back to the construction mesh and slot count (nothing is live)
     trajs = _trajectories(tokenizer, prompts, parts, truncated, turns, owner)
+
+    def streamed(kind: ScoreKind, i: int, t: Trajectory) -> np.ndarray | None:
+        if kind not in scored:
+            return None
+        # A request cancelled before its first token was never opened: nothing to score.
+        got = scored[kind].get(i, np.zeros(0, np.float32))
+        end = t.prompt_len + got.size
+        # A last tool output with no room for another turn is not streamed: it is
+        # never an action (loss mask 0), so its scores are never read; they are 0.
+        if end > t.tokens.size or t.loss_mask[end:].any():
+            raise RuntimeError(
+                f"streamed {kind.value} of trajectory {i}: {got.size} tokens scored of the "
+                f"{t.tokens.size - t.prompt_len} after the prompt"
+            )
+        out = np.zeros(t.tokens.size, np.float32)
+        out[t.prompt_len : end] = got
+        return out
+
     trajs = [
         dataclasses.replace(
             t,
             cancelled=bool(cancelled[i]),
             finish_rank=int(rank[i]),
-            ref_logprobs=None
-            if sc is None
-            else np.concatenate([np.zeros(t.prompt_len, np.float32), scored[i]]),
+            ref_logprobs=streamed(ScoreKind.LOGPROBS, i, t),
+            values=streamed(ScoreKind.VALUES, i, t),
         )
         for i, t in enumerate(trajs)
     ]
@@ -382,11 +417,12 @@ def _rollout_continuous(
         decode_calls=st["calls"],
         decode_seconds_per_step=sum(c[0] for c in st["calls"]) / max(st["decode_steps"], 1),
     )
-    if sc is not None:
+    if scs:
         stats.update(
-            stream_tokens=float(sum(s.size for s in scored.values())),
+            stream_tokens=float(sum(s.size for s in scored[kinds[0]].values())),
             stream_lag_tokens=float(lag),
             stream_tail_seconds=tail,
+            stream_seconds=stream_s,
         )
     return trajs, stats
 
@@ -439,7 +475,7 @@ def _merge_rollout_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
             decode_calls=[c for p in parts for c in p["decode_calls"]],
             decode_seconds_per_step=max(p["decode_seconds_per_step"] for p in parts),
         )
-    for name in ("stream_tokens", "stream_lag_tokens", "stream_tail_seconds"):
+    for name in ("stream_tokens", "stream_lag_tokens", "stream_tail_seconds", "stream_seconds"):
         if name in parts[0]:
             out[name] = sum(p[name] for p in parts)
     return out
@@ -706,7 +742,7 @@ def rl_batch(
     value: ValueModel | None = None,
     more_problems: Callable[[int], Sequence[Problem]] | None = None,
     darts_state: darts.DartsState | None = None,
-    stream: tuple[StreamingScorers, Any] | None = None,
+    stream: Sequence[Stream] = (),
     shard_processes: bool = False,
     on_call: Callable[[Any, Any], Any] | None = None,
 ) -> tuple[RolloutBatch | None, dict[str, Any]]:
@@ -762,10 +798,10 @@ def rl_batch(
             early_stop=None if plan is None else plan.early_stop,
         )
         if shard_processes:
-            if stream is not None:
+            if stream:
                 raise ConfigError(
                     "rollout.streaming is not supported with a process-sharded rollout "
-                    "(the streaming reference scorers are single-process)"
+                    "(the streaming scorers are single-process)"
                 )
             b_trajs, stats = process_rollout(
                 sampler, params, tokenizer, task, batch_problems, **common
@@ -785,7 +821,7 @@ def rl_batch(
                 on_call=on_call,
                 **common,
             )
-        for name in ("stream_tokens", "stream_lag_tokens", "stream_tail_seconds"):
+        for name in ("stream_tokens", "stream_lag_tokens", "stream_tail_seconds", "stream_seconds"):
             if name in stats:
                 roll[name] = roll.get(name, 0.0) + stats[name]
         if "decode_seconds_per_step" in stats:  # the step's last generation batch's
@@ -863,14 +899,26 @@ def rl_batch(
     masks = [t.loss_mask for t in trajs]
     olds = [t.old_logprobs for t in trajs]
 
-    t_ref = time.perf_counter()
+    # The forward-only passes left after generation: the streamed models' tail (scored
+    # in the rollout) plus the forward over the finished batch of any model not streamed.
+    forward_s, has_forward = roll.get("stream_tail_seconds", 0.0), False
+    t0 = time.perf_counter()
     if all(t.ref_logprobs is not None for t in trajs):  # streamed during the rollout
-        ref = [t.ref_logprobs for t in trajs]
-        m["post_rollout_forward_seconds"] = roll.get("stream_tail_seconds", 0.0)
+        ref, has_forward = [t.ref_logprobs for t in trajs], True
     else:
         ref = reference(toks) if reference is not None else None
         if ref is not None:
-            m["post_rollout_forward_seconds"] = time.perf_counter() - t_ref
+            forward_s, has_forward = forward_s + time.perf_counter() - t0, True
+    if value is not None:
+        t0 = time.perf_counter()
+        if all(t.values is not None for t in trajs):  # streamed during the rollout
+            values = [t.values for t in trajs]
+        else:
+            values = value.values(toks)
+            forward_s += time.perf_counter() - t0
+        has_forward = True
+    if has_forward:
+        m["post_rollout_forward_seconds"] = forward_s
     if value is not None:
         advs = np.zeros(len(trajs), np.float32)
         token_adv, value_stats = value.advantages(
@@ -882,6 +930,7 @@ def rl_batch(
             kl_coef=cfg.algo.kl_coef,
             gamma=cfg.algo.gamma,
             lam=cfg.algo.lam,
+            values=values,
         )
         m.update(value_stats)
     else:

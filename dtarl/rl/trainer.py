@@ -72,6 +72,7 @@ from dtarl.rl.config import (
     ConfigError,
     MeshSection,
     Schedule,
+    StreamedModel,
     TrainerConfig,
     config_changes,
     to_dict,
@@ -109,7 +110,7 @@ from dtarl.rl.value import ValueModel
 from dtarl.rollout import pat as pat_lib
 from dtarl.rollout.engine import ContinuousSampler
 from dtarl.rollout.sampler import Sampler
-from dtarl.rollout.stream import StreamingScorers
+from dtarl.rollout.stream import ScoreKind, Stream, StreamingScorers
 from dtarl.timing import compile_seconds
 
 # Seeds of the problem streams: np.random.default_rng([seed, stream, step]).
@@ -274,14 +275,28 @@ class Trainer:
         self.scorer = (
             Scorer(self.model, temperature=self.temperature) if cfg.algo.kl_coef > 0 else None
         )
-        self.streamers = None  # rollout.streaming: the reference policy scored while decoding
-        if r.streaming.enabled:
-            self.streamers = StreamingScorers(
+        # rollout.streaming: the reference policy / critic scored while decoding
+        device = None
+        if r.streaming.enabled and r.streaming.device >= 0:
+            if r.streaming.device >= jax.device_count():
+                raise ConfigError(
+                    f"rollout.streaming.device={r.streaming.device} is not a device index: "
+                    f"this run has {jax.device_count()} devices (0..{jax.device_count() - 1}); "
+                    "-1 runs the scorers on the rollout's device"
+                )
+            device = jax.devices()[r.streaming.device]
+        self.streamers = {
+            m: StreamingScorers(
                 self.model,
                 chunk=r.streaming.chunk,
                 temperature=self.temperature,
                 pad_id=self.tokenizer.pad_id,
+                kind=ScoreKind.VALUES if m is StreamedModel.CRITIC else ScoreKind.LOGPROBS,
+                warmup=r.warmup,
+                device=device,
             )
+            for m in cfg.streamed_models()
+        }
         self.ref_params = None
         self.value = None
         if cfg.algo.algorithm is Algorithm.PPO:
@@ -399,8 +414,9 @@ class Trainer:
         if cfg.rollout.streaming.enabled:
             raise ConfigError(
                 f"rollout.streaming.enabled=true is not supported on a mesh ({where}): the "
-                "streaming reference scorers are single-device; disable streaming or use "
-                "mesh.dp=1, mesh.tp=1"
+                "streaming scorers (reference policy, critic) run on one device, beside a "
+                "single-device rollout (rollout.streaming.device), not beside a mesh; disable "
+                "streaming or use mesh.dp=1, mesh.tp=1"
             )
         a, r = cfg.algo, cfg.rollout
         if self.multiprocess and a.algorithm is Algorithm.PPO:
@@ -634,7 +650,7 @@ class Trainer:
             value=self.value,
             more_problems=functools.partial(self._refill_problems, step),
             darts_state=self.darts,
-            stream=None if self.streamers is None else (self.streamers, self.ref_params),
+            stream=self._streams(),
             shard_processes=self.multiprocess,
             on_call=self.pat,
         )
@@ -665,6 +681,14 @@ class Trainer:
         m.update(mesh_metrics(updates[-1].aux.stats))
         self.skipped += m["skipped"]
         return m
+
+    def _streams(self) -> list[Stream]:
+        """This step's ``rollout.streaming`` models with the weights they score with."""
+        weights = {
+            StreamedModel.REF: lambda: self.ref_params,
+            StreamedModel.CRITIC: lambda: self.value.params,
+        }
+        return [Stream(sc, weights[m]()) for m, sc in self.streamers.items()]
 
     def train_step(self) -> StepInfo:
         """The next global step: SFT, or RL (entering the RL phase after the warm-up)."""

@@ -14,6 +14,10 @@ Value loss (clipped, as PPO2):
 
 The policy loss is ``ClippedSurrogateLoss.ppo()`` with the GAE advantages in the
 batch's ``token_advantages``; the KL term lives in the reward instead of the loss.
+
+With ``rollout.streaming`` the values are computed during the rollout instead, by
+an incremental forward of the same trunk and head (``dtarl.rollout.stream``,
+``ScoreKind.VALUES``), and handed to ``advantages(values=...)``.
 """
 
 from __future__ import annotations
@@ -93,9 +97,19 @@ class ValueModel:
         kl_coef: float,
         gamma: float,
         lam: float,
+        values: Sequence[np.ndarray] | None = None,
     ) -> tuple[list[np.ndarray], dict[str, float]]:
-        """Whitened per-token GAE advantages; remembers returns for ``train``."""
-        values = self.values(tokens)
+        """Whitened per-token GAE advantages; remembers returns for ``train``.
+
+        ``values``: the current params' ``values(tokens)`` when already computed (a
+        streamed critic, ``dtarl.rollout.stream``; only the action positions are read)."""
+        if values is None:
+            values = self.values(tokens)
+        elif [len(v) for v in values] != [len(t) for t in tokens]:
+            raise ValueError(
+                f"values of lengths {[len(v) for v in values]} do not match the tokens' "
+                f"{[len(t) for t in tokens]}"
+            )
         advs, rets = [], []
         for i, (v, m, lp) in enumerate(zip(values, masks, logprobs, strict=True)):
             ref = lp if ref_logprobs is None else ref_logprobs[i]

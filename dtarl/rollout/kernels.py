@@ -326,6 +326,18 @@ def extend_score(
     return pool, jnp.where(valid, picked, 0.0)
 
 
+def extend_values(
+    model: Decoder, pool: Pool, slot_E, group_E, length_E, tokens_ExT, count_E, w_H, b
+):
+    """``extend`` that also returns a linear value head on the final hidden state at
+    every fed position, ``h_t . w + b`` ([E, T] f32; 0 past ``count``): the incremental
+    forward of a streamed critic (dtarl.rl.value: fed token t - 1 gives V[t])."""
+    pool, h = _extend(model, pool, slot_E, group_E, length_E, tokens_ExT, count_E)
+    v = h.astype(jnp.float32) @ w_H + b
+    valid = jnp.arange(tokens_ExT.shape[1])[None, :] < count_E[:, None]
+    return pool, jnp.where(valid, v, 0.0)
+
+
 def _extend(model: Decoder, pool: Pool, slot_E, group_E, length_E, tokens_ExT, count_E):
     e, t = tokens_ExT.shape
     nslots, r = pool.resp_k[0].shape[:2]

@@ -1,29 +1,47 @@
 """Token-level streaming: forward-only scoring while generation goes on (papers/002 §4.3, App. E).
 
-A ``StreamingScorer`` keeps, for another model's weights (the reference policy),
-the same prompt-shared K/V layout as the rollout engine: each prompt's K/V once
-per group, and per trajectory only its own tokens' K/V. As a trajectory produces
-tokens (the engine's ``on_tokens`` callback, every ``stream_chunk`` tokens), they
-are queued with ``add``; ``flush`` runs the queued chunks of many trajectories
-together through one incremental forward (``kernels.extend_score``: only the new
-tokens, attending to the prompt and the trajectory's history), returning their
-log softmax(logits / T). Tool tokens of a multi-turn trajectory are added the
-same way (they are context; their logprobs are computed and later masked).
+A ``StreamingScorer`` keeps, for another model's weights (the reference policy,
+or the PPO critic), the same prompt-shared K/V layout as the rollout engine: each
+prompt's K/V once per group, and per trajectory only its own tokens' K/V. As a
+trajectory produces tokens (the engine's ``on_tokens`` callback, every
+``stream_chunk`` tokens), they are queued with ``add``; ``flush`` runs the queued
+chunks of many trajectories together through one incremental forward (only the
+new tokens, attending to the prompt and the trajectory's history). Tool tokens of
+a multi-turn trajectory are added the same way (they are context; their scores
+are computed and later masked). What a token's score is depends on ``kind``:
+
+- ``ScoreKind.LOGPROBS`` (the reference policy; weights = the decoder's params):
+  log softmax(logits / T)[token] (``kernels.extend_score``).
+- ``ScoreKind.VALUES`` (the critic; weights = ``ValueModel.params``, ``{"trunk":
+  decoder params, "head": {"w": [E], "b": []}}``): V[t] = head(hidden at t - 1),
+  the ``dtarl.rl.value`` convention (``kernels.extend_values``). The prompt's
+  values are never actions, so they are not streamed.
+
+The policy itself is not streamed: the sampler already returns its logprobs at
+the rollout weights, and ``algo.recompute_old_logprobs`` exists to replace those
+with the *training engine's* numbers (its kernels and dtype); an incremental
+forward over a prompt-shared K/V is the sampler's computation again, so a
+streamed recompute would give the sampler's numbers back and fix nothing (and the
+recompute of the first minibatch costs no pass: it is its update's own forward).
 
 Shapes are fixed (``rows`` trajectories x ``chunk`` tokens per call, prefill
-lengths bucketed as in the engine), so after warm-up nothing compiles. The
+lengths bucketed as in the engine), so after warm-up nothing compiles. With
+``device`` the scorer's K/V pool and its weights (``place``) live on that device,
+so its calls run there, beside the rollout's decode on another device (a separate
+device slice of one device; ``rollout.streaming.device``). The
 result equals the dense forward over the whole sequence (the ``Scorer``) to fp32
 rounding.
 
     scorer.open(key, group, prompt)    # a trajectory of group ``group``
     scorer.add(key, tokens)            # as they are generated (or appended)
     scorer.flush(weights)              # score what is queued (interleave with decode)
-    scorer.result(key) -> [n] logprobs of every added token; scorer.close(key)
+    scorer.result(key) -> [n] scores of every added token; scorer.close(key)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -38,6 +56,13 @@ from dtarl.rollout.engine import ContinuousConfig, EngineError
 from dtarl.tree.plan import bucket
 
 
+class ScoreKind(enum.Enum):
+    """What a ``StreamingScorer`` returns per token (see the module docstring)."""
+
+    LOGPROBS = "logprobs"
+    VALUES = "values"
+
+
 @dataclasses.dataclass(eq=False)
 class _Traj:
     group: Hashable
@@ -49,11 +74,12 @@ class _Traj:
 
 
 class StreamingScorer:
-    """Incremental forward-only logprobs of streamed tokens (see the module docstring).
+    """Incremental forward-only scores of streamed tokens (see the module docstring).
 
     config: slots = trajectories open at once, groups = prompts resident at once,
     prompt_len / response_len as the rollout engine's; ``chunk`` tokens per
-    trajectory per call and ``rows`` trajectories per call.
+    trajectory per call and ``rows`` trajectories per call; ``kind``: logprobs
+    (``model``'s weights) or values (a ``ValueModel``'s params on ``model``'s graph).
     """
 
     def __init__(
@@ -65,9 +91,12 @@ class StreamingScorer:
         rows: int = 8,
         temperature: float = 1.0,
         pad_id: int = 0,
+        kind: ScoreKind = ScoreKind.LOGPROBS,
+        device: jax.Device | None = None,
     ):
         if chunk < 1 or rows < 1:
             raise EngineError(f"chunk={chunk} and rows={rows} must be >= 1")
+        self.kind, self.device = ScoreKind(kind), device
         self.config, self.cfg = config, model.cfg
         self.chunk, self.rows = int(chunk), min(int(rows), config.slots)
         self.temperature = 1.0 if temperature <= 0 else float(temperature)
@@ -81,6 +110,8 @@ class StreamingScorer:
             slots=config.slots,
             response_len=config.response_len,
         )
+        if device is not None:
+            self._pool = jax.device_put(self._pool, device)
         self._free_slots = list(range(n))
         self._free_rows = list(range(q))
         self._groups: dict[Hashable, list] = {}  # group -> [prompt row, open trajectories]
@@ -96,8 +127,18 @@ class StreamingScorer:
 
                 def fn(weights, pool, qslot, tokens, lens):
                     self.trace_count += 1
-                    model = nnx.merge(self.graphdef, weights)
+                    model = nnx.merge(self.graphdef, self._trunk(weights))
                     return K.prefill(model, pool, qslot, tokens, lens)
+
+            elif self.kind is ScoreKind.VALUES:
+
+                def fn(weights, pool, slot, group, length, tokens, count, targets):
+                    self.trace_count += 1
+                    model = nnx.merge(self.graphdef, weights["trunk"])
+                    head = weights["head"]
+                    return K.extend_values(
+                        model, pool, slot, group, length, tokens, count, head["w"], head["b"]
+                    )
 
             else:
 
@@ -110,6 +151,14 @@ class StreamingScorer:
 
             self._fns[(kind, t)] = jax.jit(fn, donate_argnums=(1,))
         return self._fns[(kind, t)]
+
+    def place(self, weights):
+        """``weights`` on the scorer's device (as they are without one): pass the placed
+        weights to ``flush`` / ``close``, placed once, not at every call."""
+        return weights if self.device is None else jax.device_put(weights, self.device)
+
+    def _trunk(self, weights):
+        return weights["trunk"] if self.kind is ScoreKind.VALUES else weights
 
     # ------------------------------------------------------------ API
 
@@ -166,7 +215,7 @@ class StreamingScorer:
         return calls
 
     def result(self, key: Hashable) -> np.ndarray:
-        """Logprobs of every token added to ``key`` so far (flush first)."""
+        """Scores of every token added to ``key`` so far (flush first)."""
         t = self._open[key]
         if t.pending:
             raise EngineError(f"streaming scorer: {key!r} has {len(t.pending)} unscored tokens")
@@ -181,7 +230,7 @@ class StreamingScorer:
 
     def close(self, key: Hashable, weights=None) -> np.ndarray:
         """Frees the trajectory's slot (and its prompt row after the group's last one)
-        and returns its logprobs; with ``weights`` its queued tokens are scored first,
+        and returns its scores; with ``weights`` its queued tokens are scored first,
         without them they are dropped."""
         if weights is not None and self._open[key].pending:
             self._run_prefill(weights)
@@ -263,23 +312,53 @@ class StreamingScorer:
 
 class StreamingScorers:
     """One ``StreamingScorer`` per engine shape (the rollout engine may grow), built on
-    first use and kept (its programs compile once)."""
+    first use and kept (its programs compile once; with ``warmup``, all of them when
+    it is built, so that a longer prompt later does not compile mid-rollout)."""
 
-    def __init__(self, model: Decoder, *, chunk: int, temperature: float = 1.0, pad_id: int = 0):
+    def __init__(
+        self,
+        model: Decoder,
+        *,
+        chunk: int,
+        temperature: float = 1.0,
+        pad_id: int = 0,
+        kind: ScoreKind = ScoreKind.LOGPROBS,
+        warmup: bool = False,
+        device: jax.Device | None = None,
+    ):
         self.model, self.chunk, self.temperature, self.pad_id = model, chunk, temperature, pad_id
+        self.kind, self.warmup, self.device = ScoreKind(kind), warmup, device
         self._by_config: dict[ContinuousConfig, StreamingScorer] = {}
 
-    def get(self, config: ContinuousConfig) -> StreamingScorer:
+    def get(self, config: ContinuousConfig, weights=None) -> StreamingScorer:
+        """The scorer of ``config`` (``weights``: what a new one warms up with)."""
         if config not in self._by_config:
-            self._by_config[config] = StreamingScorer(
+            sc = self._by_config[config] = StreamingScorer(
                 self.model,
                 config,
                 chunk=self.chunk,
                 rows=max(1, config.slots // 2),
                 temperature=self.temperature,
                 pad_id=self.pad_id,
+                kind=self.kind,
+                device=self.device,
             )
+            if self.warmup and weights is not None:
+                sc.warmup(sc.place(weights))
         return self._by_config[config]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """One forward-only model streamed during a rollout: its scorers and the weights
+    they score with (the reference policy's params, or ``ValueModel.params``)."""
+
+    scorers: StreamingScorers
+    weights: Any
+
+    @property
+    def kind(self) -> ScoreKind:
+        return self.scorers.kind
 
 
 def _buckets(limit: int) -> list[int]:
@@ -290,4 +369,4 @@ def _buckets(limit: int) -> list[int]:
     return sizes + [limit]
 
 
-__all__ = ["StreamingScorer", "StreamingScorers"]
+__all__ = ["ScoreKind", "Stream", "StreamingScorer", "StreamingScorers"]

@@ -10,7 +10,7 @@ from dtarl.model.config import ModelConfig
 from dtarl.model.decoder import Decoder
 from dtarl.rl.episodes import Scorer
 from dtarl.rollout.engine import ContinuousConfig, EngineError, RolloutEngine
-from dtarl.rollout.stream import StreamingScorer
+from dtarl.rollout.stream import Stream, StreamingScorer
 
 CFG = ModelConfig.tiny()
 SHAPE = ContinuousConfig(slots=4, groups=2, group_size=4, prompt_len=32, response_len=40)
@@ -104,7 +104,7 @@ def test_trainer_streams_the_reference_policy(tmp_path):
     """rollout.streaming: the batch's reference logprobs equal the dense Scorer's."""
     import jax
 
-    from dtarl.rl.config import ConfigError, TrainerConfig, from_dict
+    from dtarl.rl.config import ConfigError, StreamedModel, TrainerConfig, from_dict
     from dtarl.rl.episodes import rl_batch
     from dtarl.rl.trainer import Trainer
 
@@ -139,7 +139,7 @@ def test_trainer_streams_the_reference_policy(tmp_path):
         task=tr.task,
         reward_fn=tr.reward_fn,
         key=jax.random.PRNGKey(0),
-        stream=(tr.streamers, tr.ref_params),
+        stream=[Stream(tr.streamers[StreamedModel.REF], tr.ref_params)],
     )
     assert m["stream_tokens"] > 0 and "post_rollout_forward_seconds" in m
     dense = tr.scorer(tr.ref_params, list(batch.tokens))
