@@ -14,6 +14,7 @@ TINY = [
     "rollout.prompts_per_step=2",
     "rollout.group_size=4",
     "rollout.max_new_tokens=12",
+    "rollout.slots=0",  # one slot per candidate, not the config's 128
     "sft.batch_size=8",
     "task.max_verbosity=2",
     "mesh.dp=1",
