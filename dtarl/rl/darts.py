@@ -27,7 +27,9 @@ per-second form would put every step at the 2 M N cap (all prompts early-stopped
 no dual-end selection).
 
 The rollout cost model (Eq. 4) prices a batch of responses with sorted lengths
-l_(1) <= ... <= l_(B) as  T = sum_m (l_(m) - l_(m-1)) PTL(B - m + 1),  with the
+l_(1) <= ... <= l_(B) as  T = sum_m (l_(m) - l_(m-1)) PTL(B - m + 1)  when all of
+them decode at once; with fewer engine slots than responses the same sum runs over
+the continuous batcher's schedule (queued requests start when a slot frees), with the
 per-token latency PTL(b, w) = a + c b + e w fitted (non-negative least squares) from
 the engine's measured decode calls (seconds, steps, active rows, attention window
 w; the window grows with the longest response, R/4 -> R/2 -> R). ``k`` is the
@@ -219,31 +221,61 @@ class RolloutCostModel:
     def ptl(self, b, w=0.0) -> np.ndarray:
         return self.a + self.c * np.asarray(b, np.float64) + self.e * np.asarray(w, np.float64)
 
-    def windows(self, steps: int) -> np.ndarray:
-        """The window of each of a rollout's first ``steps`` decode steps, from the
-        observed calls: the engine's windows are the distinct ones seen, its steps per
-        call the most seen in one call; the call starting at step t (all requests
-        started at step 0) needs t + steps_per_call + 1 rows, and reads the smallest
-        window that holds them (the largest when none does)."""
+    def engine_shape(self) -> tuple[int, np.ndarray]:
+        """(steps per decode call, the response windows) as observed: the most steps
+        seen in one call, and the distinct windows seen (empty before any)."""
         o = np.asarray(self.obs, np.float64).reshape(-1, 4)
-        seen = np.unique(o[:, 3][o[:, 3] > 0])
-        t = np.arange(steps)
-        if seen.size == 0:
-            return np.zeros(steps)
-        spc = int(o[:, 1].max())
-        need = (t // spc) * spc + spc + 1
-        pick = np.searchsorted(seen, need)  # first window >= need
-        return seen[np.minimum(pick, seen.size - 1)]
+        spc = int(o[:, 1].max()) if len(o) else 1
+        return spc, np.unique(o[:, 3][o[:, 3] > 0])
 
-    def predict(self, lengths: Sequence[int]) -> float:
-        """Eq. 4: sum_m (l_(m) - l_(m-1)) PTL(B - m + 1) over the batch's sorted
-        lengths, each decode step at its window (``windows``)."""
-        ls = np.sort(np.asarray(lengths, np.int64))
-        if ls.size == 0 or ls[-1] <= 0:
-            return 0.0
-        # active rows at step t: the lengths > t
-        active = ls.size - np.searchsorted(ls, np.arange(ls[-1]), side="right")
-        return float(np.sum(self.ptl(active, self.windows(int(ls[-1])))))
+    def schedule(
+        self, lengths: Sequence[int], slots: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(active rows, window) of each decode step of a rollout that generated
+        ``lengths`` (in submission order) on a continuous batcher with ``slots`` slots
+        (None: one per response). Requests wait in order for a free slot; slots are
+        refilled between decode calls of ``spc`` steps, and a call ends early when
+        its last request finishes. A call reads the smallest observed window that
+        holds its longest request after the call (+ 1 row), the largest when none
+        does (w = 0 before any window was observed). Length-0 responses (cancelled
+        before they started) take no slot. With slots >= the responses this is Eq. 4's
+        sum_m (l_(m) - l_(m-1)) PTL(B - m + 1), step by step."""
+        spc, seen = self.engine_shape()
+        queue = [int(x) for x in lengths if int(x) > 0]
+        if slots is not None and slots < 1:
+            raise ValueError(f"slots={slots} must be >= 1 (None: one per response)")
+        cap = len(queue) if slots is None else int(slots)
+        active_steps: list[np.ndarray] = []
+        window_steps: list[np.ndarray] = []
+        done, left = np.zeros(0, np.int64), np.zeros(0, np.int64)  # running requests
+        q = 0
+        while q < len(queue) or left.size:
+            free = cap - left.size
+            if free > 0 and q < len(queue):
+                new = np.asarray(queue[q : q + free], np.int64)
+                q += new.size
+                done = np.concatenate([done, np.zeros(new.size, np.int64)])
+                left = np.concatenate([left, new])
+            n = int(min(spc, left.max()))
+            t = np.arange(n)
+            active_steps.append(np.sum(left[None, :] > t[:, None], axis=1))
+            need = int(done.max()) + spc + 1
+            w = 0.0
+            if seen.size:
+                w = float(seen[min(int(np.searchsorted(seen, need)), seen.size - 1)])
+            window_steps.append(np.full(n, w))
+            done, left = done + np.minimum(left, n), left - np.minimum(left, n)
+            keep = left > 0
+            done, left = done[keep], left[keep]
+        if not active_steps:
+            return np.zeros(0, np.int64), np.zeros(0)
+        return np.concatenate(active_steps), np.concatenate(window_steps)
+
+    def predict(self, lengths: Sequence[int], slots: int | None = None) -> float:
+        """Eq. 4 on the engine's schedule: sum over decode steps of PTL(b_t, w_t)
+        (``schedule``)."""
+        active, window = self.schedule(lengths, slots)
+        return float(np.sum(self.ptl(active, window))) if active.size else 0.0
 
     def per_sample_cost(self, mean_length: float) -> float:
         """k of Eq. 6: the latency one more sample adds (c per token per row; a and e
@@ -375,15 +407,19 @@ def plan(
 
 
 def step_cost(
-    cost: RolloutCostModel, lengths: Sequence[Sequence[int]], calls: Sequence[Sequence[tuple]]
+    cost: RolloutCostModel,
+    lengths: Sequence[Sequence[int]],
+    calls: Sequence[Sequence[tuple]],
+    slots: int | None = None,
 ) -> tuple[float, float]:
     """(predicted, actual) decode seconds of a step rolled out by ``len(lengths)``
     concurrent processes: process p generated ``lengths[p]`` and made decode calls
-    ``calls[p]`` (seconds first). Both are the slowest process's (the processes decode
-    at the same time), Eq. 4 on each process's own lengths."""
+    ``calls[p]`` (seconds first), each process's engine with ``slots`` slots. Both
+    are the slowest process's (the processes decode at the same time), Eq. 4 on each
+    process's own lengths (``RolloutCostModel.predict``)."""
     if len(lengths) != len(calls):
         raise ValueError(f"lengths: {len(lengths)} processes, calls: {len(calls)} (need one each)")
-    pred = max((cost.predict(ls) for ls in lengths), default=0.0)
+    pred = max((cost.predict(ls, slots) for ls in lengths), default=0.0)
     actual = max((float(sum(c[0] for c in cs)) for cs in calls), default=0.0)
     return pred, actual
 

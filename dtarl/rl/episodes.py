@@ -360,6 +360,7 @@ def _rollout_continuous(
         rollout_peak_kv_bytes=float(st["peak_kv_bytes"]),
         decode_calls=st["calls"],
         decode_seconds_per_step=sum(c[0] for c in st["calls"]) / max(st["decode_steps"], 1),
+        decode_slots=eng.config.slots,  # the DARTS cost model's schedule
     )
     if sc is not None:
         stats.update(
@@ -416,6 +417,7 @@ def _merge_rollout_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
             rollout_slot_utilisation=float(np.mean([p["rollout_slot_utilisation"] for p in parts])),
             rollout_peak_kv_bytes=max(p["rollout_peak_kv_bytes"] for p in parts),
             decode_calls=[c for p in parts for c in p["decode_calls"]],
+            decode_slots=parts[0].get("decode_slots"),
             decode_seconds_per_step=max(p["decode_seconds_per_step"] for p in parts),
         )
     for name in ("stream_tokens", "stream_lag_tokens", "stream_tail_seconds"):
@@ -660,7 +662,9 @@ def _darts_shape(
         [int(lengths[i]) for i, t in enumerate(trajs) if lo <= t.problem_index < hi]
         for lo, hi, _ in parts
     ]
-    pred, actual = darts.step_cost(state.cost, share_lens, [c for _, _, c in parts])
+    pred, actual = darts.step_cost(
+        state.cost, share_lens, [c for _, _, c in parts], stats.get("decode_slots")
+    )
     if not plan.cost_fitted:
         pred = float("nan")
     alloc_max = max(plan.counts)

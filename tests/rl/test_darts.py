@@ -126,17 +126,45 @@ def test_cost_model_window_fit_and_schedule():
     cm.observe(16 * (a + e * 80) + c * 16, 16, 16, 80)  # a full call: 16 steps per call
     assert cm.fit()
     assert (cm.a, cm.c, cm.e) == pytest.approx((a, c, e), rel=1e-6)
-    assert cm.windows(50).tolist() == [20] * 16 + [40] * 16 + [80] * 18
     lengths = [3, 50, 20]
-    active = [3] * 3 + [2] * 17 + [1] * 30
-    want = sum(a + c * b + e * w for b, w in zip(active, cm.windows(50), strict=True))
+    act, win = cm.schedule(lengths)
+    assert act.tolist() == [3] * 3 + [2] * 17 + [1] * 30
+    assert win.tolist() == [20] * 16 + [40] * 16 + [80] * 18
+    want = sum(a + c * b + e * w for b, w in zip(act, win, strict=True))
     assert cm.predict(lengths) == pytest.approx(want)
+    # the closed form of Eq. 4 when every response decodes at once
+    flat = darts.RolloutCostModel(a=a, c=c, obs=[(1.0, 16.0, 1.0, 0.0)])
+    assert flat.predict(lengths) == pytest.approx(3 * (a + 3 * c) + 17 * (a + 2 * c) + 30 * (a + c))
     assert cm.predict([]) == 0.0 and cm.predict([0, 0]) == 0.0
     # a checkpoint written before windows were recorded (3-value calls) still loads
     d = darts.DartsState().state_dict()
     d["cost"] = dict(a=a, c=c, obs=[[0.1, 16.0, 40.0]])
     back = darts.DartsState.from_state_dict(d)
     assert back.cost.obs == [(0.1, 16.0, 40.0, 0.0)] and back.cost.e == 0.0
+
+
+def test_cost_model_schedule_with_fewer_slots_than_responses():
+    """2 slots, 4 calls of up to 4 steps: [5, 2, 3, 0, 6] in submission order. The
+    cancelled-before-start response (0) takes no slot; queued ones start at the next
+    call after a slot frees; a call ends early when its last request finishes."""
+    cm = darts.RolloutCostModel(a=1.0, c=0.1)
+    cm.observe(1.0, 4, 8, 8)
+    cm.observe(1.0, 4, 4, 16)
+    act, win = cm.schedule([5, 2, 3, 0, 6], slots=2)
+    # call 1: 5 and 2 (4 steps; 2 ends after 2); call 2: 5 (1 left) and 3 -> 3 steps;
+    # call 3: 6 alone -> 4 steps; call 4: its last 2
+    assert act.tolist() == [2, 2, 1, 1] + [2, 1, 1] + [1] * 4 + [1, 1]
+    # windows 8 / 16 from the longest request's progress + 4 + 1: 0+5, 4+5, 0+5, 4+5
+    assert win.tolist() == [8.0] * 4 + [16.0] * 3 + [8.0] * 4 + [16.0] * 2
+    assert cm.predict([5, 2, 3, 0, 6], slots=2) == pytest.approx(13 + 0.1 * act.sum())
+    # enough slots: every response from step 0, Eq. 4
+    assert (
+        cm.schedule([5, 2, 3, 0, 6], slots=8)[0].tolist()
+        == (cm.schedule([5, 2, 3, 6])[0].tolist())
+        == [4, 4, 3, 2, 2, 1]
+    )
+    with pytest.raises(ValueError, match="slots=0"):
+        cm.schedule([1], slots=0)
 
 
 def test_state_ema_and_round_trip():
