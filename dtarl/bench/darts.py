@@ -64,6 +64,8 @@ SERIES = (
     "darts_generated_len_mean",
     "darts_cancelled_tokens",
     "darts_cost_error",
+    "darts_decode_steps",
+    "darts_decode_steps_predicted",
 )
 
 
@@ -207,12 +209,18 @@ def _darts_numbers(series: dict[str, list[float]], arm: str) -> dict[str, float]
     held-out error (mean and median over the steps that had a prediction)."""
     keys = ("m_total", "early_stop_groups", "dual_end_groups")
     if arm != "darts":
-        return {k: float("nan") for k in (*keys, "cost_error_mean", "cost_error_median")}
+        return {
+            k: float("nan")
+            for k in (*keys, "cost_error_mean", "cost_error_median", "decode_steps_match")
+        }
     err = np.asarray(series["darts_cost_error"], np.float64)
     err = err[np.isfinite(err)]
     out = {k: float(np.nanmean(series[f"darts_{k}"])) for k in keys}
     out["cost_error_mean"] = float(err.mean()) if err.size else float("nan")
     out["cost_error_median"] = float(np.median(err)) if err.size else float("nan")
+    # steps whose decode step count the cost model's schedule predicted exactly
+    got = np.asarray(series["darts_decode_steps"], np.float64)
+    out["decode_steps_match"] = float(np.mean(got == series["darts_decode_steps_predicted"]))
     return out
 
 
@@ -292,6 +300,7 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     "dual_end_groups",
                     "cost_error_mean",
                     "cost_error_median",
+                    "decode_steps_match",
                 )
             },
             final_success=float(s.mean()),
@@ -342,7 +351,8 @@ def format_table(res: dict[str, Any]) -> str:
                 f", mean M_total {a['m_total']:.0f}, early-stopped / dual-end groups per "
                 f"step {a['early_stop_groups']:.1f} / {a['dual_end_groups']:.1f}, cost model "
                 f"held-out error mean {a['cost_error_mean']:.2f} median "
-                f"{a['cost_error_median']:.2f}"
+                f"{a['cost_error_median']:.2f}, decode steps predicted exactly on "
+                f"{a['decode_steps_match']:.0%} of steps"
                 if arm == "darts"
                 else ""
             )

@@ -667,6 +667,10 @@ def _darts_shape(
     )
     if not plan.cost_fitted:
         pred = float("nan")
+    # The schedule's decode steps against the engine's (a check free of machine load).
+    slots = stats.get("decode_slots")
+    steps_pred = max(len(state.cost.schedule(ls, slots)[0]) for ls in share_lens)
+    steps_actual = max(int(sum(c[1] for c in cs)) for _, _, cs in parts)
     alloc_max = max(plan.counts)
     metrics = dict(
         darts_m_total=float(plan.total),
@@ -689,6 +693,8 @@ def _darts_shape(
         else 0.0,
         darts_cost_predicted_s=pred,
         darts_cost_actual_s=actual,
+        darts_decode_steps_predicted=float(steps_pred),
+        darts_decode_steps=float(steps_actual),
         darts_cost_error=abs(pred - actual) / actual
         if plan.cost_fitted and actual
         else float("nan"),

@@ -45,6 +45,7 @@ def test_bench_darts_cli_tiny(tmp_path, capsys):
     assert all(x is None for x in grpo["series"]["darts_m_total"])  # no DARTS: null
     assert grpo["m_total"] is None and grpo["cost_error_median"] is None
     assert all(x >= 2 * 4 for x in darts["series"]["darts_m_total"])  # >= M N
+    assert 0 <= darts["decode_steps_match"] <= 1
     for key in ("early_stop_groups", "dual_end_groups"):
         assert 0 <= darts[key] <= 2 and len(darts["series"][f"darts_{key}"]) == 2
     assert png.exists() and png.stat().st_size > 1000

@@ -299,6 +299,7 @@ def test_shape_multi_process_cost_is_the_slowest_process():
     assert m["darts_cost_predicted_s"] == pytest.approx(share1)
     assert m["darts_cost_error"] == pytest.approx(abs(share1 - 0.07) / 0.07)
     assert len(s.cost.obs) == 3 + 3  # all processes' calls observed
+    assert m["darts_decode_steps"] == 20 and m["darts_decode_steps_predicted"] == 20
     assert len(idx) == 4 * 2 and m["darts_dual_end_groups"] == 2
     # one process: the same step from the concatenated calls is their sum
     s1 = darts.DartsState()
