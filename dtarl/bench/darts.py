@@ -58,8 +58,14 @@ SERIES = (
     "tree_tokens",
     "success_rate",
     "darts_m_total",
+    "darts_m_star",
+    "darts_early_stop_groups",
+    "darts_dual_end_groups",
     "darts_generated_len_mean",
     "darts_cancelled_tokens",
+    "darts_cost_error",
+    "darts_decode_steps",
+    "darts_decode_steps_predicted",
 )
 
 
@@ -181,7 +187,7 @@ def run_arm(
         step_seconds_all=float(np.mean(series["step_seconds"])),
         compile_steps=int(sum(compiled)),
         compile_seconds=float(np.sum(np.asarray(series["step_seconds"])[compiled])),
-        m_total=float(np.nanmean(series["darts_m_total"])) if arm == "darts" else float("nan"),
+        **_darts_numbers(series, arm),
         final_success=float(res.eval_end),
         start_success=float(res.eval_start),
         mean_response_len=float(np.mean(series["response_len_mean"])),
@@ -196,6 +202,26 @@ def run_arm(
         eval_curve=[[int(s), float(r)] for s, r in evals],
         series=series,
     )
+
+
+def _darts_numbers(series: dict[str, list[float]], arm: str) -> dict[str, float]:
+    """The DARTS arm's budget and shaping per step (means), and the cost model's
+    held-out error (mean and median over the steps that had a prediction)."""
+    keys = ("m_total", "early_stop_groups", "dual_end_groups")
+    if arm != "darts":
+        return {
+            k: float("nan")
+            for k in (*keys, "cost_error_mean", "cost_error_median", "decode_steps_match")
+        }
+    err = np.asarray(series["darts_cost_error"], np.float64)
+    err = err[np.isfinite(err)]
+    out = {k: float(np.nanmean(series[f"darts_{k}"])) for k in keys}
+    out["cost_error_mean"] = float(err.mean()) if err.size else float("nan")
+    out["cost_error_median"] = float(np.median(err)) if err.size else float("nan")
+    # steps whose decode step count the cost model's schedule predicted exactly
+    got = np.asarray(series["darts_decode_steps"], np.float64)
+    out["decode_steps_match"] = float(np.mean(got == series["darts_decode_steps_predicted"]))
+    return out
 
 
 def run(
@@ -270,6 +296,11 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     "step_seconds_all",
                     "compile_steps",
                     "m_total",
+                    "early_stop_groups",
+                    "dual_end_groups",
+                    "cost_error_mean",
+                    "cost_error_median",
+                    "decode_steps_match",
                 )
             },
             final_success=float(s.mean()),
@@ -316,7 +347,15 @@ def format_table(res: dict[str, Any]) -> str:
     for arm in ARMS:
         if arm in s:
             a = s[arm]
-            extra = f", mean M_total {a['m_total']:.0f}" if arm == "darts" else ""
+            extra = (
+                f", mean M_total {a['m_total']:.0f}, early-stopped / dual-end groups per "
+                f"step {a['early_stop_groups']:.1f} / {a['dual_end_groups']:.1f}, cost model "
+                f"held-out error mean {a['cost_error_mean']:.2f} median "
+                f"{a['cost_error_median']:.2f}, decode steps predicted exactly on "
+                f"{a['decode_steps_match']:.0%} of steps"
+                if arm == "darts"
+                else ""
+            )
             lines.append(
                 f"{arm}: mean over all steps incl. compile {a['step_seconds_all']:.3f} s/step "
                 f"({a['compile_steps']:.1f} compile steps per run left out above{extra}); "

@@ -327,21 +327,32 @@ class RolloutSection:
             raise ConfigError(f"rollout.temperature={self.temperature!r} must be finite")
 
 
+class LambdaUnits(enum.Enum):
+    """Units of ``algo.darts.lambda`` (see ``dtarl.rl.darts``)."""
+
+    RELATIVE = "relative"  # per base batch's per-sample cost: M* = rho M N / lambda
+    PER_SECOND = "per_second"  # the paper's: M* = rho / (lambda k), k in s per sample
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DartsSection:
     """``algo.darts``: distribution-aware rollout shaping (papers/002; dtarl.rl.darts).
 
     enabled: needs ``rollout.engine: continuous``. short_k: K shortest candidates per
     group (0 = group_size - 1, i.e. L = 1 longest). up_factor: M_up = up_factor x M
-    candidates at most per prompt. lambda: the budget's cost trade-off (Eq. 8: per
-    second of predicted rollout latency). ema: smoothing of the length statistics.
+    candidates at most per prompt. lambda: the budget's cost trade-off (Eq. 8), in
+    ``lambda_units``: ``relative`` (M_total = clip(rho M N / lambda, M N, 2 M N), the
+    same on any model or machine; 0.6 gives the paper's 1.5 M N at a length spread
+    rho = 0.9) or ``per_second`` (the paper's rho / (lambda k), k the fitted cost of a
+    sample in seconds). ema: smoothing of the length statistics.
     """
 
     SECTION: typing.ClassVar[str] = "algo.darts"
     enabled: bool = False
     short_k: int = 0
     up_factor: float = 2.0
-    lambda_: float = 1.0
+    lambda_: float = 0.6
+    lambda_units: LambdaUnits = LambdaUnits.RELATIVE
     ema: float = 0.9
 
     def __post_init__(self):
@@ -880,6 +891,7 @@ __all__ = [
     "ConfigError",
     "DartsSection",
     "ExportSection",
+    "LambdaUnits",
     "LossAggMode",
     "MeshSection",
     "ModelSection",

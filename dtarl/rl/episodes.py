@@ -416,6 +416,7 @@ def _rollout_continuous(
         rollout_peak_kv_bytes=float(st["peak_kv_bytes"]),
         decode_calls=st["calls"],
         decode_seconds_per_step=sum(c[0] for c in st["calls"]) / max(st["decode_steps"], 1),
+        decode_slots=eng.config.slots,  # the DARTS cost model's schedule
     )
     if scs:
         stats.update(
@@ -473,6 +474,7 @@ def _merge_rollout_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
             rollout_slot_utilisation=float(np.mean([p["rollout_slot_utilisation"] for p in parts])),
             rollout_peak_kv_bytes=max(p["rollout_peak_kv_bytes"] for p in parts),
             decode_calls=[c for p in parts for c in p["decode_calls"]],
+            decode_slots=parts[0].get("decode_slots"),
             decode_seconds_per_step=max(p["decode_seconds_per_step"] for p in parts),
         )
     for name in ("stream_tokens", "stream_lag_tokens", "stream_tail_seconds", "stream_seconds"):
@@ -534,6 +536,12 @@ def process_rollout(
     ]
     stats = _merge_rollout_stats([st for _, _, st in shares if st is not None])
     stats.update(rollout_processes=procs, rollout_local_prompts=stop - start)
+    if "decode_calls" in stats:  # per process: its problems [lo, hi) and its decode calls
+        stats["decode_calls_per_process"] = [
+            (*process_share(n, j, procs), st["decode_calls"])
+            for j, (_, _, st) in enumerate(shares)
+            if st is not None
+        ]
     return trajs, stats
 
 
@@ -659,7 +667,12 @@ def advantage_abs_mean(batch: RolloutBatch) -> float:
 _REFILL_KEY = 1 << 20
 
 # DARTS metrics summed over a step's generation batches (the others: the last batch's).
-_DARTS_SUMS = ("darts_m_total", "darts_cancelled_tokens", "darts_early_stop_groups")
+_DARTS_SUMS = (
+    "darts_m_total",
+    "darts_cancelled_tokens",
+    "darts_early_stop_groups",
+    "darts_dual_end_groups",
+)
 
 
 def _darts_shape(
@@ -697,16 +710,38 @@ def _darts_shape(
     idx = np.asarray(chosen, np.int64)
     cancelled = np.asarray([t.cancelled for t in trajs], bool)
     finished = ~cancelled
-    calls = stats.get("decode_calls", [])
-    actual = float(sum(c[0] for c in calls))
-    pred = state.cost.predict(lengths.tolist()) if plan.cost_fitted else float("nan")
+    # The processes of a sharded rollout decode concurrently: the step's decode time is
+    # the slowest process's, each priced by Eq. 4 on its own share's lengths.
+    parts = stats.get("decode_calls_per_process") or [
+        (0, len(plan.counts), stats.get("decode_calls", []))
+    ]
+    share_lens = [
+        [int(lengths[i]) for i, t in enumerate(trajs) if lo <= t.problem_index < hi]
+        for lo, hi, _ in parts
+    ]
+    pred, actual = darts.step_cost(
+        state.cost, share_lens, [c for _, _, c in parts], stats.get("decode_slots")
+    )
+    if not plan.cost_fitted:
+        pred = float("nan")
+    # The schedule's decode steps against the engine's (a check free of machine load).
+    slots = stats.get("decode_slots")
+    steps_pred = max(len(state.cost.schedule(ls, slots)[0]) for ls in share_lens)
+    steps_actual = max(int(sum(c[1] for c in cs)) for _, _, cs in parts)
+    alloc_max = max(plan.counts)
     metrics = dict(
         darts_m_total=float(plan.total),
+        darts_m_star=plan.m_star,
+        darts_k_s=plan.k,
         darts_alloc_min=float(min(plan.counts)),
         darts_alloc_mean=float(np.mean(plan.counts)),
-        darts_alloc_max=float(max(plan.counts)),
+        darts_alloc_max=float(alloc_max),
         darts_alloc_hist=np.bincount(plan.counts).tolist(),
         darts_early_stop_groups=float(sum(plan.early_stop)),
+        # groups with redundant candidates that dual-end selection shapes (Alg. 2)
+        darts_dual_end_groups=float(
+            sum(c > m and not e for c, e in zip(plan.counts, plan.early_stop, strict=True))
+        ),
         darts_generated_len_mean=float(lengths[finished].mean()) if finished.any() else 0.0,
         darts_kept_len_mean=float(lengths[idx].mean()),
         darts_cancelled_tokens=float(lengths[cancelled].sum()),
@@ -715,6 +750,8 @@ def _darts_shape(
         else 0.0,
         darts_cost_predicted_s=pred,
         darts_cost_actual_s=actual,
+        darts_decode_steps_predicted=float(steps_pred),
+        darts_decode_steps=float(steps_actual),
         darts_cost_error=abs(pred - actual) / actual
         if plan.cost_fitted and actual
         else float("nan"),
@@ -723,8 +760,8 @@ def _darts_shape(
     state.update(
         {keys[p]: [int(lengths[i]) for i in rows if finished[i]] for p, rows in by_problem.items()}
     )
-    for sec, steps, active in calls:
-        state.cost.observe(sec, steps, active)
+    for call in stats.get("decode_calls", []):  # every process's calls
+        state.cost.observe(*call)
     return idx, metrics
 
 
@@ -789,7 +826,12 @@ def rl_batch(
             dc = cfg.algo.darts
             keys = [darts.prompt_key(p.prompt) for p in batch_problems]
             plan = darts.plan(
-                darts_state, keys, m=cfg.rollout.group_size, up_factor=dc.up_factor, lam=dc.lambda_
+                darts_state,
+                keys,
+                m=cfg.rollout.group_size,
+                up_factor=dc.up_factor,
+                lam=dc.lambda_,
+                units=dc.lambda_units.value,
             )
         common = dict(
             group_size=cfg.rollout.group_size,

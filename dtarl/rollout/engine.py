@@ -1367,7 +1367,7 @@ class RolloutEngine:
         st["active"].extend(out.batch[:steps].tolist())
         st["context"].extend(out.context[:steps].tolist())
         if self.trace_count == traces:  # a call that compiled would price the compile
-            st["calls"].append((seconds, steps, int(out.batch[:steps].sum())))
+            st["calls"].append((seconds, steps, int(out.batch[:steps].sum()), window))
         produced = []
         for i in np.flatnonzero(out.count):
             r = self._slot_req[i]
@@ -1512,7 +1512,8 @@ class RolloutEngine:
             generated_tokens=0,
             active=[],
             context=[],
-            # per decode call that compiled nothing: (seconds, steps, sum of active slots)
+            # per decode call that compiled nothing: (seconds, steps, sum of active
+            # slots, response window read)
             calls=[],
             peak_kv_bytes=0,
             switches=[],  # the info dict of every reshard

@@ -14,6 +14,7 @@ TINY = [
     "rollout.prompts_per_step=2",
     "rollout.group_size=4",
     "rollout.max_new_tokens=12",
+    "rollout.slots=0",  # one slot per candidate, not the config's 128
     "sft.batch_size=8",
     "task.max_verbosity=2",
     "mesh.dp=1",
@@ -42,11 +43,15 @@ def test_bench_darts_cli_tiny(tmp_path, capsys):
         assert r["eval_curve"][0][1] == rows[0]["eval_curve"][0][1]
     grpo, darts = rows
     assert all(x is None for x in grpo["series"]["darts_m_total"])  # no DARTS: null
-    assert grpo["m_total"] is None
+    assert grpo["m_total"] is None and grpo["cost_error_median"] is None
     assert all(x >= 2 * 4 for x in darts["series"]["darts_m_total"])  # >= M N
+    assert 0 <= darts["decode_steps_match"] <= 1
+    for key in ("early_stop_groups", "dual_end_groups"):
+        assert 0 <= darts[key] <= 2 and len(darts["series"][f"darts_{key}"]) == 2
     assert png.exists() and png.stat().st_size > 1000
     text = capsys.readouterr().out
     assert "speedup grpo/darts" in text and "SFT warm-up: 2 steps" in text
+    assert "early-stopped / dual-end groups per step" in text
 
 
 def test_summarize_and_config_checks():

@@ -5,12 +5,16 @@ from __future__ import annotations
 import itertools
 import json
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtarl.rl import darts
+from dtarl.rl.config import ConfigError, TrainerConfig, from_dict
+from dtarl.rl.episodes import Trajectory, _darts_shape, rl_batch
+from dtarl.rl.trainer import Trainer
 
 
 def test_dual_end_shortest_then_longest_complete():
@@ -77,6 +81,19 @@ def test_budget_formula_and_clipping():
     assert darts.total_budget(rho=0.5, lam=1.0, k=0.01, m=m, n=n) == 50  # floor(50)
     assert darts.total_budget(rho=0.5, lam=1.0, k=1.0, m=m, n=n) == m * n  # clipped low
     assert darts.total_budget(rho=5.0, lam=1e-3, k=0.01, m=m, n=n) == 2 * m * n  # high
+    # per_second with a free sample (k = 0): M* = inf, the 2 M N cap
+    assert darts.optimal_budget(0.5, 1.0, 0.0, m, n, "per_second") == float("inf")
+    assert darts.total_budget(rho=0.5, lam=1.0, k=0.0, m=m, n=n) == 2 * m * n
+    # relative: M* = rho M N / lambda, whatever k is
+    for k in (0.0, 1e-6, 3.0):
+        assert darts.optimal_budget(0.9, 0.6, k, m, n, "relative") == pytest.approx(48.0)
+        assert darts.total_budget(0.9, 0.6, k, m, n, "relative") == 48
+    assert darts.total_budget(0.3, 0.6, 1.0, m, n, "relative") == m * n
+    assert darts.total_budget(1.5, 0.6, 1.0, m, n, "relative") == 2 * m * n
+    with pytest.raises(ValueError, match="units='seconds'"):
+        darts.optimal_budget(0.5, 1.0, 0.1, m, n, "seconds")
+    with pytest.raises(ValueError, match="lambda=0"):
+        darts.optimal_budget(0.5, 0, 0.1, m, n, "relative")
 
 
 def test_cost_model_recovers_ptl_and_eq4():
@@ -89,9 +106,65 @@ def test_cost_model_recovers_ptl_and_eq4():
         cm.observe(a * steps + c * active, steps, active)
     assert cm.fit()
     assert cm.a == pytest.approx(a, rel=1e-6) and cm.c == pytest.approx(c, rel=1e-6)
+    assert cm.e == 0
     # Eq. 4 for lengths [2, 5]: 2 steps at batch 2, then 3 at batch 1
     assert cm.predict([5, 2]) == pytest.approx(2 * (a + 2 * c) + 3 * (a + c))
     assert cm.per_sample_cost(100.0) == pytest.approx(100 * c)
+
+
+def test_cost_model_window_fit_and_schedule():
+    """Synthetic calls of an engine with windows 20/40/80 and 16 steps per call: the
+    fit recovers PTL(b, w) = a + c b + e w, and Eq. 4 prices each step at the window
+    the engine would read (calls starting at steps 0, 16, 32, 48: 20, 40, 80, 80)."""
+    cm = darts.RolloutCostModel()
+    a, c, e = 1e-3, 2e-5, 2.5e-5
+    rng = np.random.default_rng(3)
+    for _ in range(24):
+        steps, w = int(rng.integers(1, 17)), int(rng.choice([20, 40, 80]))
+        active = int(rng.integers(steps, 64 * steps))
+        cm.observe(steps * (a + e * w) + c * active, steps, active, w)
+    cm.observe(16 * (a + e * 80) + c * 16, 16, 16, 80)  # a full call: 16 steps per call
+    assert cm.fit()
+    assert (cm.a, cm.c, cm.e) == pytest.approx((a, c, e), rel=1e-6)
+    lengths = [3, 50, 20]
+    act, win = cm.schedule(lengths)
+    assert act.tolist() == [3] * 3 + [2] * 17 + [1] * 30
+    assert win.tolist() == [20] * 16 + [40] * 16 + [80] * 18
+    want = sum(a + c * b + e * w for b, w in zip(act, win, strict=True))
+    assert cm.predict(lengths) == pytest.approx(want)
+    # the closed form of Eq. 4 when every response decodes at once
+    flat = darts.RolloutCostModel(a=a, c=c, obs=[(1.0, 16.0, 1.0, 0.0)])
+    assert flat.predict(lengths) == pytest.approx(3 * (a + 3 * c) + 17 * (a + 2 * c) + 30 * (a + c))
+    assert cm.predict([]) == 0.0 and cm.predict([0, 0]) == 0.0
+    # a checkpoint written before windows were recorded (3-value calls) still loads
+    d = darts.DartsState().state_dict()
+    d["cost"] = dict(a=a, c=c, obs=[[0.1, 16.0, 40.0]])
+    back = darts.DartsState.from_state_dict(d)
+    assert back.cost.obs == [(0.1, 16.0, 40.0, 0.0)] and back.cost.e == 0.0
+
+
+def test_cost_model_schedule_with_fewer_slots_than_responses():
+    """2 slots, 4 calls of up to 4 steps: [5, 2, 3, 0, 6] in submission order. The
+    cancelled-before-start response (0) takes no slot; queued ones start at the next
+    call after a slot frees; a call ends early when its last request finishes."""
+    cm = darts.RolloutCostModel(a=1.0, c=0.1)
+    cm.observe(1.0, 4, 8, 8)
+    cm.observe(1.0, 4, 4, 16)
+    act, win = cm.schedule([5, 2, 3, 0, 6], slots=2)
+    # call 1: 5 and 2 (4 steps; 2 ends after 2); call 2: 5 (1 left) and 3 -> 3 steps;
+    # call 3: 6 alone -> 4 steps; call 4: its last 2
+    assert act.tolist() == [2, 2, 1, 1] + [2, 1, 1] + [1] * 4 + [1, 1]
+    # windows 8 / 16 from the longest request's progress + 4 + 1: 0+5, 4+5, 0+5, 4+5
+    assert win.tolist() == [8.0] * 4 + [16.0] * 3 + [8.0] * 4 + [16.0] * 2
+    assert cm.predict([5, 2, 3, 0, 6], slots=2) == pytest.approx(13 + 0.1 * act.sum())
+    # enough slots: every response from step 0, Eq. 4
+    assert (
+        cm.schedule([5, 2, 3, 0, 6], slots=8)[0].tolist()
+        == (cm.schedule([5, 2, 3, 6])[0].tolist())
+        == [4, 4, 3, 2, 2, 1]
+    )
+    with pytest.raises(ValueError, match="slots=0"):
+        cm.schedule([1], slots=0)
 
 
 def test_state_ema_and_round_trip():
@@ -109,22 +182,136 @@ def test_state_ema_and_round_trip():
 def test_plan_uniform_then_cost_model_budget():
     s = darts.DartsState()
     keys = ["a", "b", "c", "d"]
-    p0 = darts.plan(s, keys, m=4, up_factor=2.0, lam=1.0)
-    assert p0.total == 24 and not p0.cost_fitted  # 1.5 M N before any measurement
+    for units in darts.LAMBDA_UNITS:
+        p0 = darts.plan(s, keys, m=4, up_factor=2.0, lam=1.0, units=units)
+        assert p0.total == 24 and not p0.cost_fitted  # 1.5 M N before any measurement
+        assert p0.m_star != p0.m_star  # NaN: the uniform budget
     s.update({"a": [1, 9, 3], "b": [2, 2, 2], "c": [1, 30, 2], "d": [4, 5, 6]})
-    for steps in (8, 16):
-        s.cost.observe(1e-3 * steps + 1e-4 * steps * 8, steps, steps * 8)
-    p1 = darts.plan(s, keys, m=4, up_factor=2.0, lam=1.0)
+    # relative units need no cost model
+    p_rel = darts.plan(s, keys, m=4, up_factor=2.0, lam=1.0, units="relative")
+    assert p_rel.m_star == pytest.approx(s.rho * 16) and not p_rel.cost_fitted
+    for steps, active in ((8, 24), (16, 128)):
+        s.cost.observe(1e-3 * steps + 1e-4 * active, steps, active)
+    p1 = darts.plan(s, keys, m=4, up_factor=2.0, lam=1.0, units="per_second")
     assert p1.cost_fitted and 16 <= p1.total <= 32 and sum(p1.counts) == p1.total
+    assert p1.k == pytest.approx(1e-4 * s.mean_len)
+    assert p1.m_star == pytest.approx(s.rho / p1.k)
     assert p1.counts[2] == max(p1.counts)  # the most spread-out prompt gets the most
     assert p1.early_stop == tuple(c == 8 for c in p1.counts)
 
 
+def test_fixed_shape_engine_calibration():
+    """Decode calls whose time does not depend on the active slots (every slot decodes
+    each step): the fit finds c = 0, so the per-second budget has k = 0 and sits at the
+    2 M N cap (every prompt early-stopped), while the relative one stays inside."""
+    s = darts.DartsState()
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        steps = int(rng.integers(4, 17))
+        s.cost.observe(3.4e-3 * steps, steps, int(rng.integers(steps, 256 * steps)))
+    s.update({f"p{i}": [3 + i, 12, 30 - i, 5] for i in range(4)})
+    s.update({"p0": [3, 3, 3, 40]})
+    keys = [f"p{i}" for i in range(4)]
+    ps = darts.plan(s, keys, m=4, up_factor=2.0, lam=0.6, units="per_second")
+    assert s.cost.c == 0 and s.cost.a == pytest.approx(3.4e-3) and ps.k == 0
+    assert ps.total == 32 and all(ps.early_stop)
+    lam = s.rho / 1.5  # the relative lambda that puts M* at 1.5 M N
+    pr = darts.plan(s, keys, m=4, up_factor=2.0, lam=lam, units="relative")
+    assert pr.m_star == pytest.approx(24.0) and pr.total in (23, 24)
+    assert any(pr.early_stop) and any(4 < c < 8 for c in pr.counts)
+
+
+def test_plan_has_early_stopped_and_dual_end_prompts():
+    """A deterministic step of both kinds: a high-spread prompt reaches M_up (early
+    stop), a mid one gets redundant candidates below M_up (dual-end), a flat one M."""
+    s = _two_path_state(["x", "y", "z"])
+    p = darts.plan(s, ["x", "y", "z"], m=4, up_factor=2.0, lam=0.5, units="relative")
+    assert p.m_star == pytest.approx(18.0) and p.total == 18
+    assert p.counts == (8, 6, 4) and p.early_stop == (True, False, False)
+
+
+def _two_path_state(keys) -> darts.DartsState:
+    s = darts.DartsState()
+    s.prompt_std = {keys[0]: 4.0, keys[1]: 1.0, keys[2]: 0.0}  # weights 1, 0.25, 0
+    s.mean_len, s.std_len = 4.0, 3.0  # rho = 0.75: M* = 0.75 x 12 / 0.5 = 18
+    return s
+
+
+def _traj(problem: int, length: int, *, truncated=False, cancelled=False, rank=-1):
+    toks = np.zeros(2 + length, np.int32)
+    mask = np.concatenate([np.zeros(2, np.float32), np.ones(length, np.float32)])
+    return Trajectory(
+        tokens=toks,
+        loss_mask=mask,
+        old_logprobs=np.zeros(toks.shape, np.float32),
+        prompt_len=2,
+        response_len=length,
+        completion="",
+        truncated=truncated or cancelled,
+        num_turns=1,
+        problem_index=problem,
+        cancelled=cancelled,
+        finish_rank=rank,
+    )
+
+
+def _cfg(**darts_kw) -> TrainerConfig:
+    raw = dict(
+        model=dict(preset="tiny"),
+        task=dict(kind="arithmetic", max_operand=9, ops="+-"),
+        sft=dict(steps=0),
+        rollout=dict(prompts_per_step=4, group_size=2, max_new_tokens=8),
+        algo=dict(engine="dense", darts=dict(enabled=True, **darts_kw)),
+        eval_problems=0,
+        console=False,
+        tensorboard=False,
+        mesh=dict(dp=1),
+    )
+    return from_dict(TrainerConfig, raw)
+
+
+def test_shape_multi_process_cost_is_the_slowest_process():
+    """A 2-process rollout of 4 problems (process 0: problems 0-1, process 1: 2-3): the
+    step's actual decode time is the slower process's calls (not their sum), the
+    prediction the larger of the two shares' Eq. 4, and every call is an observation."""
+    cfg = _cfg()
+    s = darts.DartsState()
+    a, c = 1e-3, 1e-4
+    for steps in (8, 16, 12):
+        s.cost.observe(a * steps + c * 3 * steps, steps, 3 * steps)
+    keys = ["p0", "p1", "p2", "p3"]
+    plan = darts.Plan(counts=(2, 3, 2, 4), early_stop=(False,) * 4, total=11, cost_fitted=True)
+    assert s.cost.fit()
+    lens = {0: [3, 5], 1: [2, 4, 9], 2: [1, 1], 3: [6, 2, 2, 20]}
+    trajs = [_traj(p, n) for p, ls in lens.items() for n in ls]
+    calls0 = [(0.05, 9, 20)]
+    calls1 = [(0.04, 16, 30), (0.03, 4, 4)]
+    stats = dict(
+        decode_calls=calls0 + calls1,
+        decode_calls_per_process=[(0, 2, calls0), (2, 4, calls1)],
+    )
+    rewards = np.zeros(len(trajs), np.float32)
+    idx, m = _darts_shape(cfg, s, plan, keys, trajs, rewards, stats)
+    assert m["darts_cost_actual_s"] == pytest.approx(0.07)  # max(0.05, 0.04 + 0.03)
+    share0 = darts.RolloutCostModel(a=s.cost.a, c=s.cost.c).predict([3, 5, 2, 4, 9])
+    share1 = darts.RolloutCostModel(a=s.cost.a, c=s.cost.c).predict([1, 1, 6, 2, 2, 20])
+    assert share1 > share0
+    assert m["darts_cost_predicted_s"] == pytest.approx(share1)
+    assert m["darts_cost_error"] == pytest.approx(abs(share1 - 0.07) / 0.07)
+    assert len(s.cost.obs) == 3 + 3  # all processes' calls observed
+    assert m["darts_decode_steps"] == 20 and m["darts_decode_steps_predicted"] == 20
+    assert len(idx) == 4 * 2 and m["darts_dual_end_groups"] == 2
+    # one process: the same step from the concatenated calls is their sum
+    s1 = darts.DartsState()
+    s1.cost = darts.RolloutCostModel(a=s.cost.a, c=s.cost.c, obs=list(s.cost.obs[:3]))
+    _, m1 = _darts_shape(cfg, s1, plan, keys, trajs, rewards, dict(decode_calls=calls0 + calls1))
+    assert m1["darts_cost_actual_s"] == pytest.approx(0.12)
+    with pytest.raises(ValueError, match="lengths: 1 processes, calls: 2"):
+        darts.step_cost(s.cost, [[1]], [calls0, calls1])
+
+
 def test_trainer_runs_darts_and_resumes(tmp_path):
     """A short GRPO run with DARTS: groups of M, metrics, state saved and restored."""
-    from dtarl.rl.config import ConfigError, TrainerConfig, from_dict
-    from dtarl.rl.trainer import Trainer
-
     raw = dict(
         model=dict(preset="tiny"),
         task=dict(kind="arithmetic", max_operand=9, ops="+-"),
@@ -140,7 +327,7 @@ def test_trainer_runs_darts_and_resumes(tmp_path):
         mesh=dict(dp=1),
     )
     cfg = from_dict(TrainerConfig, raw)
-    assert cfg.algo.darts.lambda_ == 1.0
+    assert cfg.algo.darts.lambda_ == 0.6 and cfg.algo.darts.lambda_units.value == "relative"
     tr = Trainer(cfg)
     assert tr.sampler.engine.config.group_size == 8  # room for M_up = 2 M candidates
     tr.run()
@@ -163,22 +350,19 @@ def test_trainer_runs_darts_and_resumes(tmp_path):
         from_dict(TrainerConfig, {**raw, "rollout": {**raw["rollout"], "engine": "static"}})
     with pytest.raises(ConfigError, match="algo.darts.up_factor"):
         from_dict(TrainerConfig, {**raw, "algo": dict(darts=dict(up_factor=0.5))})
+    with pytest.raises(ConfigError, match="lambda_units"):
+        from_dict(TrainerConfig, {**raw, "algo": dict(darts=dict(lambda_units="seconds"))})
 
 
-def test_darts_batch_is_deterministic_under_a_fixed_seed(tmp_path):
-    """Same seed and state: the same allocation, candidates and training groups."""
-    import jax
-
-    from dtarl.rl.config import TrainerConfig, from_dict
-    from dtarl.rl.episodes import rl_batch
-    from dtarl.rl.trainer import Trainer
-
+def test_darts_batch_is_deterministic_and_shapes_both_ways(tmp_path):
+    """Same seed and state: the same allocation, candidates and training groups; the
+    step has an early-stopped prompt (at M_up) and a dual-end-selected one."""
     raw = dict(
         model=dict(preset="tiny"),
         task=dict(kind="arithmetic", max_operand=9, ops="+-"),
         sft=dict(steps=0),
         rollout=dict(prompts_per_step=3, group_size=4, max_new_tokens=6),
-        algo=dict(engine="dense", darts=dict(enabled=True)),
+        algo=dict(engine="dense", darts={"enabled": True, "lambda": 0.5}),
         steps=1,
         eval_problems=0,
         out_dir=str(tmp_path),
@@ -188,8 +372,7 @@ def test_darts_batch_is_deterministic_under_a_fixed_seed(tmp_path):
     )
     tr = Trainer(from_dict(TrainerConfig, raw))
     probs = tr._problems(2, 0, 3)
-    state = darts.DartsState()
-    state.update({darts.prompt_key(p.prompt): [1, 6, 2, 2] for p in probs[:2]})
+    state = _two_path_state([darts.prompt_key(p.prompt) for p in probs])
 
     def one():
         s = darts.DartsState.from_state_dict(state.state_dict())
@@ -204,9 +387,12 @@ def test_darts_batch_is_deterministic_under_a_fixed_seed(tmp_path):
             key=jax.random.PRNGKey(7),
             darts_state=s,
         )
-        return [t.tolist() for t in batch.tokens], m["darts_alloc_hist"], s.state_dict()
+        return [t.tolist() for t in batch.tokens], m, s.state_dict()
 
     a, b = one(), one()
-    assert a[0] == b[0] and a[1] == b[1]
+    assert a[0] == b[0] and a[1]["darts_alloc_hist"] == b[1]["darts_alloc_hist"]
     assert a[2]["prompt_std"] == b[2]["prompt_std"]
     assert len(a[0]) == 12  # 3 groups of M = 4
+    m = a[1]
+    assert m["darts_m_total"] == 18 and m["darts_alloc_hist"] == [0, 0, 0, 0, 1, 0, 1, 0, 1]
+    assert m["darts_early_stop_groups"] == 1 and m["darts_dual_end_groups"] == 1
