@@ -28,7 +28,9 @@ reference policy and the optimizer state live on a ('dp', 'tp') mesh over
 ``jax.devices()`` (every process's, under ``dtarl launch``), split over 'tp' by the
 rule table and replicated over 'dp'; the training engines run through
 ``ShardedEngine`` (each batch cut over dp by the balanced partition, priced by the
-model's ``FlopCost``; auto picks one engine for all ranks) and the optimiser keeps
+running engine's own work counts, ``engine.partition_cost``, with the model's
+``FlopCost`` as the fallback for an engine without them; auto picks one engine for
+all ranks and the cut is priced by its pick) and the optimiser keeps
 the params' shardings. One process: the rollout and evaluation samplers decode on
 the same mesh (slots over dp, heads over tp). Several processes: each process
 decodes only its contiguous share of the problems (whole groups, global sampling
@@ -192,8 +194,10 @@ def rollout_mesh(mesh: jax.sharding.Mesh | None) -> jax.sharding.Mesh | None:
 
 
 def partition_cost(model) -> FlopCost:
-    """The dp partition's cost model: the policy's training FLOPs per tree token
-    (``FlopCost.from_transformer`` of its config: matmuls + attention depth)."""
+    """The dp partition's fallback cost model, used only for an engine without its own
+    ``partition_cost`` (the built-in engines all have one; metric
+    ``partition_cost_model`` = "fallback:FlopCost" says when it is used): the policy's
+    training FLOPs per tree token (``FlopCost.from_transformer``: matmuls + attention)."""
     c = model.cfg
     return FlopCost.from_transformer(
         num_params=c.num_params(), num_layers=c.num_layers, hidden=c.hidden_size
@@ -260,9 +264,9 @@ class Trainer:
             self.sft_engine = make_engine(cfg.algo.engine, self.model, engine_config(cfg))
         if self.mesh is not None:
             cost = partition_cost(self.model)
-            sharded = ShardedEngine(self.engine, self.mesh, cost=cost)
+            sharded = ShardedEngine(self.engine, self.mesh, fallback_cost=cost)
             if self.sft_engine is not self.engine:
-                self.sft_engine = ShardedEngine(self.sft_engine, self.mesh, cost=cost)
+                self.sft_engine = ShardedEngine(self.sft_engine, self.mesh, fallback_cost=cost)
             else:
                 self.sft_engine = sharded
             self.engine = sharded
@@ -827,20 +831,28 @@ class Trainer:
 
 def mesh_metrics(stats: dict[str, Any]) -> dict[str, Any]:
     """A sharded update's layout (``ShardedEngine`` stats): ``dp``, ``tp``, the
-    partition method, and the rank loads under the partition's cost model (model
-    FLOPs, not measured time): ``rank_load_max`` (the makespan), ``rank_load_mean``
-    and ``load_balance`` = max / mean. Empty for a single-device update."""
+    partition method and the cost model it was priced with (``partition_cost_model``:
+    the running engine's kind, or "fallback:FlopCost"), and the rank loads under that
+    cost model (FLOPs, not measured time): ``rank_load_max`` (the makespan),
+    ``rank_load_mean`` and ``load_balance`` = max / mean. ``work_balance``: max / mean
+    of the ranks' padded work as the engine counts it (``features``), when this
+    process prepared every rank. Empty for a single-device update."""
     if "rank_loads" not in stats:
         return {}
     loads = np.asarray(stats["rank_loads"], np.float64)
-    return dict(
+    out = dict(
         dp=int(stats["dp"]),
         tp=int(stats["tp"]),
         partition_method=stats["partition_method"],
+        partition_cost_model=stats.get("partition_cost_model", ""),
         rank_load_max=float(loads.max()),
         rank_load_mean=float(loads.mean()),
         load_balance=float(stats["load_balance"]),
     )
+    work = np.asarray(stats.get("rank_work_flops", []), np.float64)
+    if work.size == int(stats["dp"]) and work.mean() > 0:
+        out["work_balance"] = float(work.max() / work.mean())
+    return out
 
 
 def train(cfg: TrainerConfig, **kwargs) -> TrainResult:
