@@ -4,7 +4,11 @@
     grad L    = psum_dp grad L_r
 
 The batch is split over the mesh's 'dp' axis by ``dtarl.parallel.partition``
-(AREAL-DTA §4: contiguous cuts of the DFS order, min-max tree cost). Every rank
+(AREAL-DTA §4: contiguous cuts of the DFS order, min-max tree cost, or a baseline
+when one has the lower makespan), priced by the engine that runs: its own
+``partition_cost(batch)`` (``dtarl.engines.cost``: FLOPs from its work counts; auto's
+pick's), else ``fallback_cost``. ``stats`` name the cost model and carry each
+rank's padded work as the engine counts it (``features``: ``rank_work_flops``). Every rank
 prepares its own sub-batch with the SAME engine instance, twice: the first pass
 grows the engine's monotone shape buckets to the largest rank, the second
 produces arrays with one common ``static`` key, so the per-rank ``args`` stack

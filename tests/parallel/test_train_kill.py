@@ -15,7 +15,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# SFT steps only: no sampler to compile, a step is one sharded dfs update (dp = 2,
+# SFT steps only: no sampler to compile, a step is one sharded dense update (dp = 2,
 # one device per process); more steps than the test will ever see.
 SETS = [
     "model.overrides={num_layers: 1}",
@@ -23,7 +23,7 @@ SETS = [
     "sft.steps=500",
     "sft.batch_size=2",
     "steps=1",
-    "algo.engine=dfs",
+    "algo.engine=dense",
     "eval_problems=0",
     "console=false",
     "tensorboard=false",
