@@ -867,12 +867,14 @@ def process_reference(
 
 def mesh_metrics(stats: dict[str, Any]) -> dict[str, Any]:
     """A sharded update's layout (``ShardedEngine`` stats): ``dp``, ``tp``, the
-    partition method and the cost model it was priced with (``partition_cost_model``:
-    the running engine's kind, or "fallback:FlopCost"), and the rank loads under that
-    cost model (FLOPs, not measured time): ``rank_load_max`` (the makespan),
-    ``rank_load_mean`` and ``load_balance`` = max / mean. ``work_balance``: max / mean
-    of the ranks' padded work as the engine counts it (``features``), when this
-    process prepared every rank. Empty for a single-device update."""
+    partition method, the candidate that won (``partition_winner``: the balanced cut's
+    order or the baseline with the lower makespan), the cost model it was priced with
+    (``partition_cost_model``: the running engine's kind, or "fallback:FlopCost"), and
+    the rank loads under that cost model (FLOPs, not measured time): ``rank_load_max``
+    (the makespan), ``rank_load_mean`` and ``load_balance`` = max / mean.
+    ``work_balance``: max / mean of the ranks' padded work as the engine counts it
+    (``features``), when this process prepared every rank. Empty for a single-device
+    update."""
     if "rank_loads" not in stats:
         return {}
     loads = np.asarray(stats["rank_loads"], np.float64)
@@ -880,6 +882,7 @@ def mesh_metrics(stats: dict[str, Any]) -> dict[str, Any]:
         dp=int(stats["dp"]),
         tp=int(stats["tp"]),
         partition_method=stats["partition_method"],
+        partition_winner=stats.get("partition_winner", ""),
         partition_cost_model=stats.get("partition_cost_model", ""),
         rank_load_max=float(loads.max()),
         rank_load_mean=float(loads.mean()),

@@ -96,6 +96,7 @@ def test_mesh_run_equals_single_device(single, tmp_path, dp, tp):
         assert b["engine"] == "sharded[dfs]" and (b["dp"], b["tp"]) == (dp, tp)
         assert b["partition_method"] == "balanced"
         assert b["partition_cost_model"] == "dfs"  # priced by the engine that runs
+        assert b["partition_winner"].startswith("balanced/")
         assert b["work_balance"] >= 1.0  # the ranks' padded work as dfs counts it
         assert b["load_balance"] >= 1.0 and b["rank_load_max"] >= b["rank_load_mean"] > 0
     # The updates, and so the final parameters, per tensor.
