@@ -35,7 +35,7 @@ from dtarl.parallel.sharded import allgather_objects
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import ConfigError, MeshSection, load_config
 from dtarl.rl.episodes import encode_prompt, process_rollout, process_share, rollout
-from dtarl.rl.trainer import Trainer, process_reference
+from dtarl.rl.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -337,38 +337,3 @@ def test_process_share_and_allgather_objects():
     with pytest.raises(ValueError, match=r"process=2: need 0 <= process < processes=2"):
         process_share(4, 2, 2)
     assert allgather_objects({"a": np.arange(3)}, what="test")[0]["a"].tolist() == [0, 1, 2]
-
-
-def test_process_reference_scores_only_this_process_share():
-    """Multi-process KL reference: a process scores only its contiguous share of the
-    step's sequences (``process_share``; none when there are fewer sequences than
-    processes) and returns every sequence's logprobs, in order, from the gathered
-    shares (the other processes' shares are simulated by the gather)."""
-    tokens = [np.arange(n, dtype=np.int32) + 1 for n in (3, 1, 4, 2, 5)]
-
-    def score(toks):
-        calls.append(len(toks))
-        return [-0.5 * t.astype(np.float32) for t in toks]
-
-    calls: list[int] = []
-    whole = score(tokens)
-    for procs in (1, 2, 3, 7):
-        shares = [process_share(len(tokens), p, procs) for p in range(procs)]
-        for me in range(procs):
-            a, b = shares[me]
-
-            def gather(mine, *, what, a=a, b=b, shares=shares):
-                assert "reference logprobs" in what
-                assert len(mine) == b - a
-                for x, y in zip(mine, whole[a:b], strict=True):
-                    np.testing.assert_array_equal(x, y)
-                return [whole[lo:hi] for lo, hi in shares]
-
-            calls.clear()
-            got = process_reference(score, tokens, process=me, processes=procs, gather=gather)
-            assert calls == ([b - a] if b > a else [])  # its share only, or nothing
-            assert len(got) == len(tokens)
-            for x, y in zip(got, whole, strict=True):
-                np.testing.assert_array_equal(x, y)
-    with pytest.raises(ValueError, match=r"gather: 1 parts, expected one per process \(2\)"):
-        process_reference(score, tokens, process=0, processes=2, gather=lambda mine, what: [mine])
