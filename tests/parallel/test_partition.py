@@ -570,6 +570,16 @@ def test_row_cost_prices_every_sequence_whole():
         RowCost(row=0)
 
 
+@settings(max_examples=40, deadline=None)
+@given(batch_st(max_n=12, max_k=8))
+def test_row_cost_best_balances_counts_and_beats_baselines(data):
+    """Under RowCost the best makespan is rows x ceil(N / K) (the count balance), and
+    never above a baseline's (greedy by tree cost prices whole sequences too)."""
+    seqs, k = data
+    p = assert_never_worse(seqs, k, RowCost(row=3.0))
+    assert p.makespan == 3.0 * -(-len(seqs) // k)
+
+
 # ------------------------------------------------------------- engines' own partition cost
 
 
