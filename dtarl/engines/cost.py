@@ -13,6 +13,27 @@ What each engine's program computes, padding included, is counted by the engine
 itself (``engine.features(prepared)`` -> ``WorkFeatures``, one counter per engine,
 in ``dtarl.engines.{dense,dfs,prefix_reuse}``).
 
+Partition cost per engine (``dense_partition_cost``, ``tree_partition_cost``): the
+dp partition (``dtarl.parallel.partition``) needs an additive per-sequence price,
+and each engine gives its own (``engine.partition_cost(batch)``), in FLOPs, from
+the same per-token rules as its ``features``:
+
+    dense         RowCost(P * T * (f0 + T * fa))      a padded row of length T per
+                                                      sequence, shared or not (P = 3,
+                                                      4 with remat)
+    dfs           FlopCost(a = 4 (f0 + C fa), b = 4 fa)   every tree token once, pushed
+                                                      (1 pass) and popped (3), attending
+                                                      its prefix and its chunk C
+    prefix_reuse  FlopCost(a = 3 (f0 + fa), b = 3 fa)     every tree token once, fwd +
+                                                      bwd, causal context
+
+Dense is exact (a rank's padded rows x T, when the rank's rows fill their power-
+of-two bucket); the tree engines count the unpadded tree tokens (chunk padding,
+prefix buckets, a suffix row's full-row attention and prefix_reuse's deep-group
+DFS are not in the per-token price). ``ShardedEngine`` partitions with the cost
+of the engine that runs (auto's pick) and reports each rank's padded work from
+``features`` beside it.
+
 Cost model (``CostModel``): predicted seconds of engine e on a batch =
 ``seconds_per_flop[e] * flops_e + seconds_per_step[e] * steps_e`` over its
 ``WorkFeatures`` (FLOPs and sequential steps, sub-programs included); the per-step
@@ -32,6 +53,7 @@ import numpy as np
 from dtarl.batch import RolloutBatch
 from dtarl.engines.base import WorkFeatures
 from dtarl.model.config import ModelConfig
+from dtarl.parallel.partition import FlopCost, RowCost
 from dtarl.tree.trie import PrefixTree, build_tree
 
 BACKWARD_FACTOR = 2.0
@@ -49,6 +71,26 @@ def token_flops(cfg: ModelConfig) -> tuple[float, float]:
     """(forward FLOPs of a token at context 0, attention FLOPs per context token)."""
     f0 = cfg.flops_per_token(0.0)
     return f0, cfg.flops_per_token(1.0) - f0
+
+
+def dense_partition_cost(cfg: ModelConfig, row_len: int, *, passes: float) -> RowCost:
+    """A dense engine's price of one sequence: a padded row of ``row_len`` tokens, each
+    attending the whole row, over ``passes`` passes (3: fwd + bwd; 4 with remat)."""
+    if row_len < 1 or passes <= 0:
+        raise ValueError(f"dense_partition_cost: row_len={row_len} must be >= 1, passes > 0")
+    f0, fa = token_flops(cfg)
+    return RowCost(row=passes * row_len * (f0 + row_len * fa))
+
+
+def tree_partition_cost(cfg: ModelConfig, *, passes: float, context: float) -> FlopCost:
+    """A tree engine's price of a tree token at depth p: ``passes`` x its FLOPs at a
+    context of p + ``context`` tokens (FlopCost a + b p, in FLOPs)."""
+    if passes <= 0 or context < 0:
+        raise ValueError(
+            f"tree_partition_cost: passes={passes} must be > 0, context={context} >= 0"
+        )
+    f0, fa = token_flops(cfg)
+    return FlopCost(a=passes * (f0 + context * fa), b=passes * fa)
 
 
 def _tree(x: RolloutBatch | PrefixTree | Sequence) -> PrefixTree:
@@ -198,10 +240,12 @@ __all__ = [
     "ENGINES",
     "EngineCoef",
     "dense_flops",
+    "dense_partition_cost",
     "fit_cost_model",
     "token_flops",
     "ideal_ratio",
     "nnls",
     "run_flops",
     "tree_flops",
+    "tree_partition_cost",
 ]

@@ -21,7 +21,7 @@ from flax import nnx
 from dtarl.batch import RolloutBatch
 from dtarl.engines import base
 from dtarl.engines.config import Capacity, DenseConfig, configured
-from dtarl.engines.cost import token_flops
+from dtarl.engines.cost import dense_partition_cost, token_flops
 from dtarl.model.decoder import Decoder, token_logprobs
 from dtarl.tree.plan import bucket, fine_bucket
 
@@ -172,6 +172,14 @@ class DenseEngine(base.BucketState):
             tokens=tokens,
             program=self.name,
         )
+
+    def partition_cost(self, batch: RolloutBatch):
+        """The dp partition's price of this engine's work (``dtarl.engines.cost``): one
+        padded row per sequence at the row length ``prepare`` would pad ``batch`` to
+        (the current bucket, grown to the longest sequence; buckets are not changed)."""
+        longest = int(batch.lengths.max())
+        t = self._min["length"] if longest <= self._min["length"] else fine_bucket(longest)
+        return dense_partition_cost(self.cfg, t, passes=4.0 if self.config.remat else 3.0)
 
     def finish(self, prepared: base.Prepared, out) -> tuple[np.ndarray, ...]:
         logp = np.asarray(out)

@@ -48,7 +48,7 @@ from flax import nnx
 from dtarl.batch import RolloutBatch
 from dtarl.engines import base
 from dtarl.engines.config import Capacity, DFSConfig, configured
-from dtarl.engines.cost import token_flops
+from dtarl.engines.cost import token_flops, tree_partition_cost
 from dtarl.model.decoder import Decoder, KVCache, token_logprobs
 from dtarl.tree.plan import Op, SegmentPlan, bucket, compile_plan
 from dtarl.tree.trie import PrefixTree
@@ -482,6 +482,13 @@ class DFSEngine(base.BucketState):
             tokens=float(c * width.sum()),
             program=self.name,
         )
+
+    def partition_cost(self, batch: RolloutBatch):
+        """The dp partition's price of this engine's work (``dtarl.engines.cost``): every
+        tree token once, pushed (1 pass) and popped (3), attending its prefix and its
+        chunk of ``chunk_len`` tokens (chunk padding and prefix buckets not priced)."""
+        del batch  # the price per tree token does not depend on the batch
+        return tree_partition_cost(self.cfg, passes=4.0, context=float(self.config.chunk_len))
 
     def finish(self, prepared: base.Prepared, out) -> tuple[np.ndarray, ...]:
         tree, n = prepared.host

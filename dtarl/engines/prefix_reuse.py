@@ -90,7 +90,7 @@ from dtarl.engines.config import (
     PrefixReuseConfig,
     configured,
 )
-from dtarl.engines.cost import token_flops
+from dtarl.engines.cost import token_flops, tree_partition_cost
 from dtarl.engines.dfs import DFSEngine, DFSStatic
 from dtarl.model.decoder import Decoder, KVCache, token_logprobs
 from dtarl.tree.plan import bucket, fine_bucket
@@ -752,6 +752,13 @@ class PrefixReuseEngine(base.BucketState):
             tokens=pre + suf,
             program=self.name,
         )
+
+    def partition_cost(self, batch: RolloutBatch):
+        """The dp partition's price of this engine's work (``dtarl.engines.cost``): every
+        tree token once, forward and backward, at its causal context (padding, a suffix
+        row's whole-row attention and the prefix's remat pass are not priced)."""
+        del batch
+        return tree_partition_cost(self.cfg, passes=3.0, context=1.0)
 
     def finish(self, prepared: base.Prepared, out) -> tuple[np.ndarray, ...]:
         if isinstance(prepared.host, SplitHost):

@@ -11,7 +11,8 @@ a ``path/to/script.py``, or anything else: arguments of the ``dtarl`` command
 starts P copies of ``python -m dtarl.parallel.launch --worker -- TARGET ...``
 with the environment below, prefixes their output with ``[rank r]``, and
 fails fast: as soon as one rank exits non-zero it reports that rank, stops the
-others (SIGTERM, then SIGKILL) and returns its exit code. A rank whose
+others (SIGTERM, then SIGKILL; after at most 2 s in which they may exit on their
+own and log why, e.g. ``PeerLostError``) and returns its exit code. A rank whose
 collective broke because another rank died (a lost peer, see ``lost_peer``)
 exits with ``EXIT_PEER_LOST`` (75); the launcher then waits a moment for the
 rank that died and names that one. A rank that never joins is caught the same
@@ -532,7 +533,9 @@ def launch(
     Fails fast: the first rank to exit non-zero is reported and the others are
     stopped (after ``grace`` seconds SIGKILL). A rank that exits with
     ``EXIT_PEER_LOST`` only lost a peer; the launcher waits up to ``cause_wait``
-    seconds for the rank that died to be reported instead. ``timeout`` (seconds,
+    seconds for the rank that died to be reported instead (and, once a rank has
+    failed, up to as long for the others to exit on their own, so that a survivor's
+    ``PeerLostError`` reaches its log before the launcher stops it). ``timeout`` (seconds,
     None = none) bounds the whole run (exit 124). ``watchdog`` (seconds; 0 or None
     disables it) stops the run (exit ``EXIT_WATCHDOG``) when none of the running
     ranks made progress for that long: a ``report_progress()`` call or, with
@@ -601,13 +604,15 @@ def launch(
             # The cause is the first rank to exit non-zero other than with
             # EXIT_PEER_LOST (a collective broken by another rank's death); such a
             # rank is waited for up to cause_wait seconds before a peer-lost one is
-            # reported instead.
+            # reported instead. Once a rank failed, the others get those seconds to
+            # exit on their own too: a survivor whose collective broke names what it
+            # lost (PeerLostError) in its log before it is stopped.
             bad = [(r, c) for _, r, c in done if c != 0]
             if bad and first_bad is None:
                 first_bad = time.monotonic()
             causes = [(r, c) for r, c in bad if c != EXIT_PEER_LOST]
             waited = bool(bad) and (len(done) == nproc or time.monotonic() - first_bad > cause_wait)
-            if causes or waited:
+            if waited:
                 bad = causes + [(r, c) for r, c in bad if c == EXIT_PEER_LOST]
                 failed, c = bad[0]
                 code = c if c > 0 else 128 - c  # killed by signal -c

@@ -94,6 +94,7 @@ __all__ = [
     "Partition",
     "PartitionInvariantError",
     "PartitionMethod",
+    "RowCost",
     "TreeTokenCost",
     "dfs_order",
     "partition",
@@ -151,7 +152,9 @@ class BalancedOrder(enum.Enum):
 
 
 class CostModel(Protocol):
-    """Cost of tree tokens; ``append_cost`` must be >= 0 and additive over positions."""
+    """Cost of tree tokens; ``append_cost`` must be >= 0 and additive over positions
+    (a model whose ``shares_prefix`` attribute is False, e.g. ``RowCost``, instead
+    prices every sequence whole, whatever prefix it shares)."""
 
     def append_cost(self, lengths: np.ndarray, lcps: np.ndarray) -> np.ndarray:
         """Cost of the tree tokens at positions [lcp, len) of each sequence."""
@@ -164,6 +167,28 @@ class TreeTokenCost:
 
     def append_cost(self, lengths: np.ndarray, lcps: np.ndarray) -> np.ndarray:
         return np.asarray(lengths, np.int64) - np.asarray(lcps, np.int64)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowCost:
+    """An engine that runs every sequence as its own padded row (dense): each sequence
+    costs one row, c(len, lcp) = row, whatever prefix it shares with its neighbours.
+
+    ``row`` is the work of one padded row (e.g. its training FLOPs at the engine's
+    row length, ``DenseEngine.partition_cost``); the balanced method then balances
+    the number of sequences per rank, which is what a rank's padded rows cost.
+    """
+
+    row: float
+    shares_prefix = False  # class attribute: the partition's prefix-sharing switch
+
+    def __post_init__(self):
+        if not (np.isfinite(self.row) and self.row > 0):
+            raise ValueError(f"RowCost.row={self.row}: must be finite and > 0")
+
+    def append_cost(self, lengths: np.ndarray, lcps: np.ndarray) -> np.ndarray:
+        del lcps
+        return np.full(np.shape(lengths), self.row, np.float64)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -903,6 +928,10 @@ def _greedy_tree(units, lengths, order, lcps, rank_in_order, cost: CostModel, k:
     Ties: the less loaded rank, then the lowest rank. The cost is additive over
     positions, so c(len, lcp) = F[len] - F[lcp] with F[n] = c(n, 0), tabulated once.
     """
+    if not getattr(cost, "shares_prefix", True):  # every sequence priced whole
+        full = cost.append_cost(lengths, np.zeros_like(lengths))
+        weights = np.array([full[u].sum() for u in units])
+        return _greedy_least_loaded(weights, k)
     rmq = _SparseMin(lcps)
     max_len = int(lengths.max())
     f = cost.append_cost(np.arange(max_len + 1), np.zeros(max_len + 1, np.int64)).tolist()

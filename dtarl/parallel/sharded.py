@@ -4,7 +4,11 @@
     grad L    = psum_dp grad L_r
 
 The batch is split over the mesh's 'dp' axis by ``dtarl.parallel.partition``
-(AREAL-DTA §4: contiguous cuts of the DFS order, min-max tree cost). Every rank
+(AREAL-DTA §4: contiguous cuts of the DFS order, min-max tree cost, or a baseline
+when one has the lower makespan), priced by the engine that runs: its own
+``partition_cost(batch)`` (``dtarl.engines.cost``: FLOPs from its work counts; auto's
+pick's), else ``fallback_cost``. ``stats`` name the cost model and carry each
+rank's padded work as the engine counts it (``features``: ``rank_work_flops``). Every rank
 prepares its own sub-batch with the SAME engine instance, twice: the first pass
 grows the engine's monotone shape buckets to the largest rank, the second
 produces arrays with one common ``static`` key, so the per-rank ``args`` stack
@@ -78,7 +82,13 @@ from dtarl.batch import RolloutBatch
 from dtarl.engines.base import Buckets, EngineAux
 from dtarl.parallel import mesh as mesh_lib
 from dtarl.parallel.launch import PEER_LOST_PATTERN
-from dtarl.parallel.partition import CostModel, Partition, PartitionMethod, partition
+from dtarl.parallel.partition import (
+    CostModel,
+    Partition,
+    PartitionMethod,
+    TreeTokenCost,
+    partition,
+)
 
 __all__ = [
     "PeerLostError",
@@ -147,6 +157,7 @@ class ShardedPrepared:
     num_sequences: int
     host_seconds: float
     local_ranks: tuple[int, ...] = ()
+    cost_model: str = ""
 
 
 def _shapes(tree) -> list:
@@ -185,8 +196,17 @@ class ShardedEngine:
       engine: a dtarl engine (dense, dfs, prefix_reuse, ...).
       mesh: a ('dp', 'tp') mesh (``dtarl.parallel.make_mesh``).
       rules: logical axis -> mesh axis table for the parameters.
-      method / cost / keep_groups: the dp partition (``dtarl.parallel.partition``).
+      method / keep_groups: the dp partition (``dtarl.parallel.partition``).
+      cost: the partition's cost model. None (the default): the running engine's own
+        (``engine.partition_cost(batch)``, its work counts in FLOPs; auto's pick's),
+        or ``fallback_cost`` for an engine that has none.
+      fallback_cost: the cost of an engine without ``partition_cost`` (None: tree
+        tokens, ``TreeTokenCost``). The trainer passes the model's ``FlopCost``.
       strategy: ``Strategy.SHARD_MAP`` (default) or ``Strategy.JIT``.
+
+    ``stats["partition_cost_model"]`` names the cost used: the engine's kind
+    ("dense", "dfs", "prefix_reuse"), "given:<class>" for ``cost`` or
+    "fallback:<class>".
     """
 
     engine: Any
@@ -196,6 +216,7 @@ class ShardedEngine:
     cost: CostModel | None = None
     keep_groups: bool = False
     strategy: Strategy = Strategy.SHARD_MAP
+    fallback_cost: CostModel | None = None
 
     def __post_init__(self):
         missing = [a for a in mesh_lib.MESH_AXES if a not in self.mesh.shape]
@@ -214,6 +235,7 @@ class ShardedEngine:
         self._fns: dict[tuple, Any] = {}
         self.trace_count = 0
         self._param_shardings = None
+        self._last_kind: str | None = None  # auto's last pick: its cost prices the next cut
 
     @property
     def dp(self) -> int:
@@ -255,14 +277,6 @@ class ShardedEngine:
                 f"batch has {units} {what} but the mesh has dp={k} ranks; every rank needs at "
                 f"least one (use a batch of >= {k} {what} or a mesh with dp <= {units})"
             )
-        part = partition(
-            batch.tokens,
-            k,
-            method=self.method,
-            cost=self.cost,
-            group_ids=batch.group_ids,
-            keep_groups=self.keep_groups,
-        )
         multi = jax.process_count() > 1
         if weights is None:
             weights = batch.sequence_weights(loss.norm, getattr(loss, "norm_constant", None))
@@ -275,9 +289,17 @@ class ShardedEngine:
         # An engine that delegates (auto) picks one engine for every rank, from the
         # rank with the most tokens (what the step waits for; choosing on the whole
         # batch would also grow the candidates' buckets to its size); the ranks are
-        # then prepared by that engine, like any other.
+        # then prepared by that engine, like any other. The cut is priced by the
+        # engine that runs: auto's last pick's cost first, and cut again when this
+        # batch's pick differs.
         engine, kind = self.engine, None
-        if callable(getattr(engine, "shard_choice", None)):
+        delegates = callable(getattr(engine, "shard_choice", None))
+        if delegates:
+            guess = self._last_kind if self._last_kind in engine.engines else None
+            cost, cost_name = self.partition_cost(
+                batch, None if guess is None else engine.engines[guess]
+            )
+            part = self._partition(batch, k, cost)
             ix = max(part.indices, key=lambda ix: int(batch.lengths[ix].sum()))
             kind = engine.shard_choice(batch.select(ix), loss, weights=weights[ix])
             if multi:  # the choice times host work: process 0's decides for all
@@ -286,6 +308,13 @@ class ShardedEngine:
                     i = multihost_utils.broadcast_one_to_all(np.int32(kinds.index(kind)))
                 kind = kinds[int(i)]
             engine = engine.engines[kind]
+            if kind != guess:
+                cost, cost_name = self.partition_cost(batch, engine)
+                part = self._partition(batch, k, cost)
+            self._last_kind = kind
+        else:
+            cost, cost_name = self.partition_cost(batch, engine)
+            part = self._partition(batch, k, cost)
         agree = multi and isinstance(getattr(engine, "buckets", None), Buckets)
         local = self.local_ranks() if agree else tuple(range(k))
         if not local:
@@ -335,7 +364,39 @@ class ShardedEngine:
             num_sequences=n,
             host_seconds=time.perf_counter() - t0,
             local_ranks=local,
+            cost_model=cost_name,
         )
+
+    def partition_cost(self, batch: RolloutBatch, engine=None) -> tuple[CostModel, str]:
+        """(cost model, its name) of the dp partition of ``batch`` when ``engine`` runs
+        it: ``cost`` when given, else the engine's own ``partition_cost(batch)`` (its
+        work counts), else ``fallback_cost`` (tree tokens when None)."""
+        if self.cost is not None:
+            return self.cost, f"given:{type(self.cost).__name__}"
+        hook = getattr(engine, "partition_cost", None)
+        if callable(hook):
+            return hook(batch), str(getattr(engine, "name", type(engine).__name__))
+        fallback = TreeTokenCost() if self.fallback_cost is None else self.fallback_cost
+        return fallback, f"fallback:{type(fallback).__name__}"
+
+    def _partition(self, batch: RolloutBatch, k: int, cost: CostModel) -> Partition:
+        return partition(
+            batch.tokens,
+            k,
+            method=self.method,
+            cost=cost,
+            group_ids=batch.group_ids,
+            keep_groups=self.keep_groups,
+        )
+
+    def rank_work(self, prepared: ShardedPrepared) -> list[float]:
+        """FLOPs of each local rank's program as the engine counts them (``features``:
+        padding included), in ``local_ranks`` order; [] for an engine without
+        ``features``. A dummy rank counts its one stand-in sequence."""
+        features = getattr(self.engine, "features", None)
+        if not callable(features):
+            return []
+        return [float(features(r).flops) for r in prepared.ranks]
 
     def _agree_buckets(self, engine, first, shapes, same: bool) -> bool:
         """One all-gather of (bucket minimums, shape digest, ok) over the processes.
@@ -506,6 +567,8 @@ class ShardedEngine:
             seconds=device_s,
             trace_count=self.trace_count,
             partition_method=part.method.value,
+            partition_winner=part.winner,
+            partition_cost_model=prepared.cost_model,
             rank_loads=part.loads.tolist(),
             # makespan balance under the partition's cost model: max / mean rank load
             load_balance=float(loads.max() / max(loads.mean(), 1e-30)),
@@ -513,6 +576,8 @@ class ShardedEngine:
             duplicated_tokens=part.duplicated_tokens,
             local_ranks=list(prepared.local_ranks),
             rank_stats=[r.stats for r in prepared.ranks],  # of local_ranks
+            # each local rank's padded work as its engine counts it (``features``)
+            rank_work_flops=self.rank_work(prepared),
         )
         chosen = {r.stats.get("chosen_engine") for r in prepared.ranks} - {None}
         if chosen:  # auto: one engine for all ranks

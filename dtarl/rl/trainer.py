@@ -28,13 +28,24 @@ reference policy and the optimizer state live on a ('dp', 'tp') mesh over
 ``jax.devices()`` (every process's, under ``dtarl launch``), split over 'tp' by the
 rule table and replicated over 'dp'; the training engines run through
 ``ShardedEngine`` (each batch cut over dp by the balanced partition, priced by the
-model's ``FlopCost``; auto picks one engine for all ranks) and the optimiser keeps
+running engine's own work counts, ``engine.partition_cost``, with the model's
+``FlopCost`` as the fallback for an engine without them; auto picks one engine for
+all ranks and the cut is priced by its pick) and the optimiser keeps
 the params' shardings. One process: the rollout and evaluation samplers decode on
 the same mesh (slots over dp, heads over tp). Several processes: each process
 decodes only its contiguous share of the problems (whole groups, global sampling
 keys) on a mesh of its own devices (``rollout_mesh``) from a host copy of the
 params, and the trajectories are all-gathered, so that every process holds the
-one-process run's batch (``process_rollout``; evaluation likewise). Checkpoints
+one-process run's batch (``process_rollout``; evaluation likewise). The KL
+reference is not split: every process scores the whole batch on its first local
+device (``_reference_params``), P times the reference forward of one process. Split
+like the rollout, a process's share runs at another row count than the whole batch,
+and XLA's CPU matmuls round differently there (measured: 4.8e-7 on the logprobs of
+6 sequences of the 2-process test's config scored 3 + 3 in 4-row programs against 6
+in one 8-row program); at policy == reference the KL gradient is that rounding, and
+the 2-process test's grad norm then differed from the one-process run's by 1.1e-5
+relative (over its 1e-5; the final parameters still agreed to 2 ulp). Replicated,
+the grad norms agree to 1.5e-7 and 0 on its two steps. Checkpoints
 hold the sharded arrays (every process writes its own shards) and restore onto
 the run's mesh. Metric logs of process i > 0 go to ``out_dir/process_i``.
 """
@@ -195,8 +206,10 @@ def rollout_mesh(mesh: jax.sharding.Mesh | None) -> jax.sharding.Mesh | None:
 
 
 def partition_cost(model) -> FlopCost:
-    """The dp partition's cost model: the policy's training FLOPs per tree token
-    (``FlopCost.from_transformer`` of its config: matmuls + attention depth)."""
+    """The dp partition's fallback cost model, used only for an engine without its own
+    ``partition_cost`` (the built-in engines all have one; metric
+    ``partition_cost_model`` = "fallback:FlopCost" says when it is used): the policy's
+    training FLOPs per tree token (``FlopCost.from_transformer``: matmuls + attention)."""
     c = model.cfg
     return FlopCost.from_transformer(
         num_params=c.num_params(), num_layers=c.num_layers, hidden=c.hidden_size
@@ -264,9 +277,9 @@ class Trainer:
             self.sft_engine = make_engine(cfg.algo.engine, self.model, engine_config(cfg))
         if self.mesh is not None:
             cost = partition_cost(self.model)
-            sharded = ShardedEngine(self.engine, self.mesh, cost=cost)
+            sharded = ShardedEngine(self.engine, self.mesh, fallback_cost=cost)
             if self.sft_engine is not self.engine:
-                self.sft_engine = ShardedEngine(self.sft_engine, self.mesh, cost=cost)
+                self.sft_engine = ShardedEngine(self.sft_engine, self.mesh, fallback_cost=cost)
             else:
                 self.sft_engine = sharded
             self.engine = sharded
@@ -632,6 +645,7 @@ class Trainer:
         cfg = self.cfg
         reference = None
         if self.ref_params is not None and self.scorer is not None:
+            # Every process scores the whole batch (see ``_reference_params``).
             reference = functools.partial(self.scorer, self._reference_params())
         params = self._rollout_params()
         self._warm(self.sampler, params)
@@ -920,20 +934,31 @@ class Trainer:
 
 def mesh_metrics(stats: dict[str, Any]) -> dict[str, Any]:
     """A sharded update's layout (``ShardedEngine`` stats): ``dp``, ``tp``, the
-    partition method, and the rank loads under the partition's cost model (model
-    FLOPs, not measured time): ``rank_load_max`` (the makespan), ``rank_load_mean``
-    and ``load_balance`` = max / mean. Empty for a single-device update."""
+    partition method, the candidate that won (``partition_winner``: the balanced cut's
+    order or the baseline with the lower makespan), the cost model it was priced with
+    (``partition_cost_model``: the running engine's kind, or "fallback:FlopCost"), and
+    the rank loads under that cost model (FLOPs, not measured time): ``rank_load_max``
+    (the makespan), ``rank_load_mean`` and ``load_balance`` = max / mean.
+    ``work_balance``: max / mean of the ranks' padded work as the engine counts it
+    (``features``), when this process prepared every rank. Empty for a single-device
+    update."""
     if "rank_loads" not in stats:
         return {}
     loads = np.asarray(stats["rank_loads"], np.float64)
-    return dict(
+    out = dict(
         dp=int(stats["dp"]),
         tp=int(stats["tp"]),
         partition_method=stats["partition_method"],
+        partition_winner=stats.get("partition_winner", ""),
+        partition_cost_model=stats.get("partition_cost_model", ""),
         rank_load_max=float(loads.max()),
         rank_load_mean=float(loads.mean()),
         load_balance=float(stats["load_balance"]),
     )
+    work = np.asarray(stats.get("rank_work_flops", []), np.float64)
+    if work.size == int(stats["dp"]) and work.mean() > 0:
+        out["work_balance"] = float(work.max() / work.mean())
+    return out
 
 
 def train(cfg: TrainerConfig, **kwargs) -> TrainResult:

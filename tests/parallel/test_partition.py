@@ -1,20 +1,29 @@
-"""Tests for dtarl.parallel.partition: exact cases, a DP reference, and invariants."""
+"""Tests for dtarl.parallel.partition: exact cases, a DP reference, and invariants; and
+the engines' own partition costs (``engine.partition_cost``) as ``ShardedEngine`` uses them."""
 
 from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dtarl.engines import AutoEngine, DenseEngine, DFSEngine, PrefixReuseEngine
+from dtarl.engines.cost import token_flops
+from dtarl.losses import ClippedSurrogateLoss
+from dtarl.model import ModelConfig, init_model
+from dtarl.parallel.mesh import make_mesh
 from dtarl.parallel.partition import (
     BalancedOrder,
     FlopCost,
     Partition,
     PartitionInvariantError,
     PartitionMethod,
+    RowCost,
     TreeTokenCost,
     _fill_empty,
     dfs_order,
@@ -23,6 +32,8 @@ from dtarl.parallel.partition import (
     tree_cost,
     tree_tokens,
 )
+from dtarl.parallel.sharded import ShardedEngine
+from dtarl.testing import grpo_groups
 
 ALL_METHODS = list(PartitionMethod)
 
@@ -535,3 +546,135 @@ def test_fill_empty_moves_the_smallest_unit_of_the_fullest_rank():
     assert groups == [[0, 3], [1], [2]]  # unit 1 has 2 tokens, unit 0 has 5, unit 3 has 9
     with pytest.raises(PartitionInvariantError, match="2 units"):
         _fill_empty([[0], [], [1]], units, lengths)
+
+
+# ----------------------------------------------------------------------------- RowCost
+
+
+def test_row_cost_prices_every_sequence_whole():
+    """A dense engine's cost: one row per sequence, shared prefixes or not. Every
+    method's loads are rows x count, and the best cut balances the counts (7 -> 4 + 3)."""
+    seqs = [np.array([1, 2, 3]), np.array([1, 2, 4]), np.array([1, 2]), np.array([5])]
+    seqs += [np.array([5, 6, 7, 8, 9]), np.array([9]), np.array([1])]
+    c = RowCost(row=2.5)
+    np.testing.assert_array_equal(c.append_cost(np.array([3, 5]), np.array([2, 0])), [2.5, 2.5])
+    assert tree_cost(seqs, c) == pytest.approx(2.5 * 7)
+    for method in ALL_METHODS:
+        p = partition(seqs, 2, cost=c, method=method)
+        assert_assigned_once(p, len(seqs))
+        counts = [ix.shape[0] for ix in p.indices]
+        np.testing.assert_allclose(p.loads, [2.5 * n for n in counts])
+        if method is PartitionMethod.BALANCED:
+            assert sorted(counts) == [3, 4]
+    with pytest.raises(ValueError, match=r"RowCost.row=0: must be finite and > 0"):
+        RowCost(row=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch_st(max_n=12, max_k=8))
+def test_row_cost_best_balances_counts_and_beats_baselines(data):
+    """Under RowCost the best makespan is rows x ceil(N / K) (the count balance), and
+    never above a baseline's (greedy by tree cost prices whole sequences too)."""
+    seqs, k = data
+    p = assert_never_worse(seqs, k, RowCost(row=3.0))
+    assert p.makespan == 3.0 * -(-len(seqs) // k)
+
+
+# ------------------------------------------------------------- engines' own partition cost
+
+
+@functools.cache
+def _abstract_model():
+    """Engines' host side (prepare, features, partition_cost) needs only graphdef + cfg."""
+    cfg = ModelConfig.tiny(num_layers=1, hidden_size=32, intermediate_size=64, head_dim=8)
+    return nnx.eval_shape(lambda: init_model(cfg, seed=0))
+
+
+def _sharded(engine, dp: int, **kw):
+    return ShardedEngine(engine, make_mesh(dp, 1, devices=jax.devices()[:dp]), **kw)
+
+
+def _trie_price(seqs, passes: float, context: float, f0: float, fa: float) -> float:
+    """Independent count: passes x FLOPs of every trie node at depth p, context p + context."""
+    return sum(passes * (f0 + fa * (len(n) - 1 + context)) for n in brute_prefixes(seqs))
+
+
+def test_dense_partition_cost_is_its_counted_padded_work():
+    """Dense: the cut's load of every rank equals the rank's padded work as the engine
+    counts it (``features``) and as the prepared arrays show it (rows x row length x
+    3 passes x (f0 + row length x fa)), 16 GRPO sequences over dp = 2 and 4."""
+    model = _abstract_model()
+    f0, fa = token_flops(model.cfg)
+    batch = grpo_groups(num_groups=4, group_size=4, prompt_len=6, response_len=(3, 9), seed=0)
+    for dp in (2, 4):
+        sharded = _sharded(DenseEngine(model, microbatch=2), dp)
+        prep = sharded.prepare(batch, ClippedSurrogateLoss.dapo())
+        assert prep.cost_model == "dense"
+        rows, t = np.asarray(prep.args[0]).shape[1:]  # [dp, rows, T] padded tokens
+        assert rows == 16 // dp  # the rows fill their bucket: nothing priced is missing
+        counted = 3.0 * rows * t * (f0 + t * fa)
+        np.testing.assert_allclose(sharded.rank_work(prep), [counted] * dp, rtol=1e-12)
+        np.testing.assert_allclose(prep.partition.loads, [counted] * dp, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["dfs", "prefix_reuse"])
+def test_tree_engine_partition_cost_prices_tree_tokens(kind):
+    """dfs / prefix_reuse: each rank's load is the engine's per-token rule over the
+    rank's prefix trie, counted independently (dfs: 4 passes at context p + chunk;
+    prefix_reuse: 3 at p + 1), and the stats name the engine's cost model. The
+    engine's own padded count (``rank_work``) comes with it, >= the unpadded price
+    only up to what padding adds (checked as a ratio in [0.5, 3] here)."""
+    model = _abstract_model()
+    f0, fa = token_flops(model.cfg)
+    batch = grpo_groups(num_groups=4, group_size=4, prompt_len=6, response_len=(3, 9), seed=1)
+    engine = DFSEngine(model, chunk_len=8) if kind == "dfs" else PrefixReuseEngine(model)
+    passes, context = (4.0, 8.0) if kind == "dfs" else (3.0, 1.0)
+    sharded = _sharded(engine, 4)
+    prep = sharded.prepare(batch, ClippedSurrogateLoss.dapo())
+    assert prep.cost_model == kind
+    want = [
+        _trie_price([batch.tokens[i] for i in ix], passes, context, f0, fa)
+        for ix in prep.partition.indices
+    ]
+    np.testing.assert_allclose(prep.partition.loads, want, rtol=1e-12)
+    ratio = np.asarray(sharded.rank_work(prep)) / np.asarray(want)
+    assert np.all((ratio > 0.5) & (ratio < 3.0)), ratio
+
+
+def test_sharded_cost_model_given_fallback_and_auto():
+    """``cost`` wins and is named "given:..."; an engine without ``partition_cost``
+    gets ``fallback_cost`` ("fallback:FlopCost"; tree tokens when None); auto's cut
+    is priced by the engine it picks for the ranks."""
+    model = _abstract_model()
+    loss = ClippedSurrogateLoss.dapo()
+    batch = grpo_groups(num_groups=4, group_size=2, prompt_len=5, response_len=(2, 6), seed=2)
+
+    class NoCost:  # the engine API without the cost hook
+        def __init__(self):
+            self.inner = DFSEngine(model, chunk_len=8)
+            self.name = "plain"
+
+        def prepare(self, *a, **kw):
+            return self.inner.prepare(*a, **kw)
+
+        def device_fn(self, *a):
+            return self.inner.device_fn(*a)
+
+        def finish(self, *a):
+            return self.inner.finish(*a)
+
+    given = _sharded(DFSEngine(model, chunk_len=8), 2, cost=TreeTokenCost())
+    prep = given.prepare(batch, loss)
+    assert prep.cost_model == "given:TreeTokenCost"
+    assert prep.partition.loads.sum() >= tree_tokens(batch.tokens)  # tree tokens, as given
+    flop = FlopCost(a=1.0, b=0.5)
+    fb = _sharded(NoCost(), 2, fallback_cost=flop)
+    prep = fb.prepare(batch, loss)
+    assert prep.cost_model == "fallback:FlopCost" and prep.partition.cost is flop
+    assert fb.rank_work(prep) == []  # no features: nothing counted
+    assert _sharded(NoCost(), 2).prepare(batch, loss).cost_model == "fallback:TreeTokenCost"
+    auto = _sharded(AutoEngine(model, autotune=False), 2)
+    for _ in range(2):  # the second batch starts from the first pick's cost
+        prep = auto.prepare(batch, loss)
+        chosen = prep.ranks[0].stats["chosen_engine"]
+        assert prep.cost_model == chosen

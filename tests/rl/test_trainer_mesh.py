@@ -21,6 +21,7 @@ final parameters to 1e-5 relative. The per-step loss and gradient norm are compa
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -63,11 +64,11 @@ def _reward(problem, completion: str) -> float:
     return (sum(completion.encode()) % 3) / 2
 
 
-def _run(out_dir, *mesh):
+def _run(out_dir, *mesh, max_steps=None):
     cfg = load_config(None, [*RUN, f"out_dir={out_dir}", *mesh])
     trainer = Trainer(cfg, reward_fn=_reward)
     start = jax.tree.map(np.asarray, trainer.params)
-    res = trainer.run()
+    res = trainer.run(max_steps=max_steps)
     return trainer, start, res
 
 
@@ -94,6 +95,9 @@ def test_mesh_run_equals_single_device(single, tmp_path, dp, tp):
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-9, err_msg=key)
         assert b["engine"] == "sharded[dfs]" and (b["dp"], b["tp"]) == (dp, tp)
         assert b["partition_method"] == "balanced"
+        assert b["partition_cost_model"] == "dfs"  # priced by the engine that runs
+        assert b["partition_winner"].startswith("balanced/")
+        assert b["work_balance"] >= 1.0  # the ranks' padded work as dfs counts it
         assert b["load_balance"] >= 1.0 and b["rank_load_max"] >= b["rank_load_mean"] > 0
     # The updates, and so the final parameters, per tensor.
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(start)]
@@ -128,6 +132,54 @@ def test_mesh_run_equals_single_device(single, tmp_path, dp, tp):
         )
     if tp > 1:  # something is split over tp (query heads at least)
         assert any("tp" in str(s.spec) for s in want if isinstance(s, NamedSharding))
+
+
+def _assert_same_run(start, ref, params):
+    """Per tensor: the update from ``start`` and the final value as the other tests."""
+    for s0, a, b in zip(_leaves(start), _leaves(ref), _leaves(params), strict=True):
+        ulp = np.spacing(np.abs(a).max())
+        assert np.abs(a - s0).max() > 0
+        assert np.abs((b - s0) - (a - s0)).max() <= 1e-5 * np.abs(a - s0).max() + 2 * ulp
+        assert np.abs(b - a).max() <= 1e-5 * np.abs(a).max()
+
+
+def test_resume_onto_another_mesh_equals_uninterrupted(single, tmp_path):
+    """Step 1 at dp=4, tp=2 with a checkpoint (sharded over that mesh), then step 2
+    resumed from it at dp=8 and on 1 device (``resume.enabled``; ``mesh`` may change
+    on resume): both end with the uninterrupted single-device run's parameters, to
+    1e-5 per tensor like ``test_mesh_run_equals_single_device``. The restored
+    params, reference policy and Adam moments land on the new mesh's shardings; the
+    rollout of step 2 (keys from the step, prompts from the data cursor) is the
+    uninterrupted run's (same rewards and lengths)."""
+    one, start, ref = single
+    src = tmp_path / "src"
+    # (No sampler warm-up: it compiles every decode window up front, the same samples.)
+    cold = ["rollout.warmup=false", "checkpoint_every=1"]
+    first, _, part = _run(src, "mesh.dp=4", "mesh.tp=2", *cold, max_steps=1)
+    assert part.steps_done == 1 and (part.history[0]["dp"], part.history[0]["tp"]) == (4, 2)
+    assert CheckpointManager(str(src / "checkpoints")).latest_step() == 1
+    for name, mesh in (("dp8", ["mesh.dp=8"]), ("one", ["mesh.dp=1"])):
+        shutil.copytree(src, tmp_path / name)
+        tr, _, res = _run(tmp_path / name, *mesh, *cold, "resume=true")
+        assert res.steps_done == 2 and [r["step"] for r in res.history] == [1]
+        (b,) = res.history
+        a = ref.history[1]
+        for key in ("reward_mean", "response_len_mean"):
+            assert a[key] == b[key], key
+        for key in ("loss", "grad_norm", "kl"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-9, err_msg=key)
+        _assert_same_run(start, ref.params, res.params)
+        for s0, r in zip(_leaves(start), _leaves(tr.ref_params), strict=True):
+            np.testing.assert_array_equal(r, s0)  # the KL reference: the initial policy
+        if tr.mesh is None:
+            assert "dp" not in b and len(jax.tree.leaves(res.params)[0].devices()) == 1
+            continue
+        assert (b["dp"], b["tp"]) == (8, 1)
+        want = jax.tree.leaves(param_shardings(tr.params, tr.mesh))
+        adam = tr.opt_state[1][0]
+        for tree in (res.params, tr.ref_params, adam.mu, adam.nu):
+            pairs = zip(jax.tree.leaves(tree), want, strict=True)
+            assert all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in pairs)
 
 
 def test_mesh_section_resolves_and_names_the_field():
