@@ -166,10 +166,15 @@ def report(
         if e.event == XLA_EVENT:
             p["compiles"] += 1
             p["steps"].append(e.step)
-            phase = phase_of.get(e.step)
-            if phase is not None and e.step != first_of[phase]:
-                p["late"].append(e.step)
+        phase = phase_of.get(e.step)
+        if phase is not None and e.step != first_of[phase] and e.step not in p["late"]:
+            p["late"].append(e.step)
     listed = sorted(programs.items(), key=lambda kv: -kv[1]["seconds"])
+    late_events = [
+        dataclasses.asdict(e)
+        for e in events
+        if e.step in phase_of and e.step != first_of[phase_of[e.step]]
+    ]
     return dict(
         config=dict(
             steps=cfg.steps,
@@ -189,6 +194,7 @@ def report(
         compile_tune_share_bound=(compile_total + tune_total) / wall if wall > 0 else None,
         phases=phases,
         programs=[dict(program=k, **v) for k, v in listed],
+        late_events=late_events,
     )
 
 
@@ -235,6 +241,14 @@ def format_report(res: dict[str, Any], top: int = 15) -> str:
             f"{len(rest)} more programs: {sum(p['compiles'] for p in rest)} compiles, "
             f"{sum(p['seconds'] for p in rest):.2f} s"
         )
+    late = res["late_events"]
+    if late:
+        lines += ["", f"compile events after the first step of their phase ({len(late)}):"]
+        lines += [
+            f"  step {e['step']}: {e['program']} {e['event'].rsplit('/', 1)[-1]} "
+            f"{e['seconds'] * 1e3:.1f} ms"
+            for e in late[:top]
+        ]
     return "\n".join(lines)
 
 
