@@ -38,6 +38,15 @@ which rank the step waits for. The ranks run one program at one padded shape, so
 for an engine whose work does not depend on the data (dense) the measured spread
 is timing noise; a DFS plan's push/pop steps do depend on it.
 
+Every engine is reserved as ``dtarl train`` reserves its engines (``Trainer._reserve``)
+for a run whose largest batch is the workload (``workload_capacity``: its sequences,
+longest sequence, groups, largest group, longest prompt and response; on a mesh a
+dp rank's share), so each column is the program a run would time: dense pads rows to
+the reserved length rounded up to 8 (prompt 512 + 64 new tokens: 576) instead of
+its quarter-octave bucket (640), and prefix_reuse pads its groups to the reserved
+shapes. Per workload the bench prints dense's padded tokens unreserved (the bucket)
+and reserved.
+
 The ideal ratio counts forward+backward FLOPs of every token at its context
 length: dense = sum over sequences and positions, tree = sum over distinct
 prefixes (tree tokens). A tree engine can approach it but not beat it.
@@ -56,6 +65,7 @@ import numpy as np
 from flax import nnx
 
 from dtarl.engines import (
+    Capacity,
     DenseConfig,
     DFSConfig,
     EngineConfig,
@@ -65,6 +75,8 @@ from dtarl.engines import (
     make_engine,
 )
 from dtarl.engines.cost import ideal_ratio
+from dtarl.engines.dense import DenseEngine
+from dtarl.engines.prefix_reuse import deep_sequences
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
 from dtarl.parallel import mesh as mesh_lib
@@ -185,6 +197,48 @@ def calibration_batches(quick: bool = False) -> list[RolloutBatch]:
         for _ in range(3):
             seqs = [q + list(rs.randint(3, 256, 32)) for q in seqs for _ in range(3)]
         out.append(RolloutBatch.create(tokens=seqs, advantages=rs.randn(len(seqs))))
+    return out
+
+
+def workload_capacity(batch: RolloutBatch, dp: int = 1) -> Capacity:
+    """The ``Capacity`` a run whose largest batch is ``batch`` reserves, as
+    ``Trainer._reserve`` does from its config's maxima: the sequences, the longest
+    sequence, the groups and the largest group (each over ``dp`` ranks, rounded up),
+    the longest prompt and the longest response; ``turns`` 2 when some group
+    branches deep below its prompt (a run with tool turns reserves prefix_reuse's
+    two-program form and buckets auto's depth from it), else 1."""
+    lengths = batch.lengths
+    prompts = np.array(
+        [int(np.argmax(m)) if m.any() else len(m) for m in batch.loss_mask], np.int64
+    )
+    _, sizes = np.unique(batch.group_ids, return_counts=True)
+    deep = bool(deep_sequences(batch.prefix_tree()).any())
+    return Capacity(
+        sequences=-(-batch.num_sequences // dp),
+        length=int(lengths.max()),
+        group_size=int(sizes.max()),
+        groups=-(-len(sizes) // dp),
+        prompt_len=max(1, int(prompts.max())),
+        response_len=max(1, int((lengths - prompts).max())),
+        turns=2 if deep else 1,
+    )
+
+
+def dense_padding(model, batch: RolloutBatch, capacity: Capacity, microbatch: int, loss) -> dict:
+    """dense's rows for ``batch`` (host preparation only): unreserved (its length
+    bucket) and reserved to ``capacity`` (a run's program): padded length, computed
+    tokens (rows x length) and their excess over the batch's tokens."""
+    out = {"num_tokens": batch.num_tokens}
+    for name, cap in (("unreserved", None), ("reserved", capacity)):
+        engine = DenseEngine(model, DenseConfig(microbatch=microbatch))
+        if cap is not None:
+            engine.reserve(cap)
+        st = engine.prepare(batch, loss).stats
+        out[name] = {
+            "padded_length": st["padded_length"],
+            "computed_tokens": st["computed_tokens"],
+            "excess": st["computed_tokens"] / batch.num_tokens - 1.0,
+        }
     return out
 
 
@@ -330,6 +384,7 @@ def run(
             continue
         tree = batch.prefix_tree()
         ideal = ideal_ratio(cfg, tree)
+        cap = workload_capacity(batch, 1 if mesh is None else mesh[0])
         row = {
             "workload": wl.name,
             "note": wl.note,
@@ -338,12 +393,15 @@ def run(
             "tree_tokens": tree.stats.tree_tokens,
             "longest_path": tree.stats.longest_path,
             "ideal_ratio": ideal,
+            "capacity": dataclasses.asdict(cap),
+            "dense_padding": dense_padding(model, batch, cap, microbatch, loss),
             "engines": {},
         }
         log(
             f"\n== {wl.name} ({wl.note}): {batch.num_sequences} seqs, {batch.num_tokens} tokens, "
             f"{tree.stats.tree_tokens} tree tokens, ideal x{ideal:.2f}"
         )
+        log(_format_padding(row["dense_padding"]))
         live, first = {}, {}  # this workload's engines; auto's first (full) choice
         for name, (kind, extra) in specs.items():
             kw = dict(extra)
@@ -353,6 +411,7 @@ def run(
                 if tune_margin is not None:
                     kw["tune_margin"] = tune_margin
             engine = make_engine(kind, model, _engine_config(chunk_len, microbatch), **kw)
+            engine.reserve(cap)  # as a run reserves its engines
             if dev_mesh is not None:
                 engine = ShardedEngine(engine, dev_mesh, cost=cost)
             live[name] = engine
@@ -612,6 +671,16 @@ def _format_rows(row: dict) -> str:
             f"(each rank alone on one device, ms: {ms})"
         )
     return "\n".join(lines)
+
+
+def _format_padding(p: dict) -> str:
+    u, r = p["unreserved"], p["reserved"]
+    return (
+        f"dense rows padded to {u['padded_length']} tokens unreserved (length bucket: "
+        f"{u['computed_tokens']} tokens, +{100 * u['excess']:.0f}% over the batch's "
+        f"{p['num_tokens']}) -> {r['padded_length']} reserved as a run reserves "
+        f"({r['computed_tokens']} tokens, +{100 * r['excess']:.0f}%)"
+    )
 
 
 def _steps(stats: dict) -> str:

@@ -1,6 +1,5 @@
-"""``dtarl bench train|memory|partition|rollout|peer|darts|pat|stream`` (thin: parse arguments,
-call ``dtarl.bench``)."""
-``dtarl.bench``)."""
+"""``dtarl bench train|memory|partition|rollout|peer|darts|pat|stream|stalls`` (thin:
+parse arguments, call ``dtarl.bench``)."""
 
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from dtarl.bench import partition as bench_partition
 from dtarl.bench import pat as bench_pat
 from dtarl.bench import peer as bench_peer
 from dtarl.bench import rollout as bench_rollout
+from dtarl.bench import stalls as bench_stalls
 from dtarl.bench import stream as bench_stream
 from dtarl.bench import train as bench_train
 from dtarl.model import ModelConfig, init_model
@@ -579,6 +579,10 @@ def _pat(args: argparse.Namespace) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(bench_pat.json_rows(res), indent=1, default=str))
+        print(f"wrote {path}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- stream
 
 
@@ -649,14 +653,63 @@ def _stream(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- stalls
+
+
+def _add_stalls(sub) -> None:
+    p = sub.add_parser(
+        "stalls",
+        help="a training run's compile and autotune seconds per phase and per program",
+        description=bench_stalls.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", nargs="?", default=None, help="trainer YAML (defaults if omitted)")
+    p.add_argument("--steps", type=int, help="RL steps (default: the config's)")
+    p.add_argument("--sft-steps", type=int, help="SFT warm-up steps (default: the config's)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override (repeatable), e.g. --set rollout.prompts_per_step=16",
+    )
+    p.add_argument("--out-dir", help="the run's out_dir (default: a temporary folder)")
+    p.add_argument("--top", type=int, default=15, help="programs listed (by compile seconds)")
+    p.add_argument("--json", help="write the report here")
+    p.set_defaults(func=_stalls)
+
+
+def _stalls(args: argparse.Namespace) -> int:
+    for name in ("steps", "sft_steps"):
+        v = getattr(args, name)
+        if v is not None and v < 0:
+            raise ValueError(f"--{name.replace('_', '-')}={v}: must be >= 0")
+    res = bench_stalls.run(
+        args.config,
+        steps=args.steps,
+        sft_steps=args.sft_steps,
+        overrides=args.overrides,
+        out_dir=args.out_dir,
+    )
+    print()
+    print(bench_stalls.format_report(res, top=args.top))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=1))
+        print(f"wrote {path}")
+    return 0
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     """Adds ``bench`` with its ``train``, ``memory``, ``partition``, ``rollout``, ``peer``,
-    ``darts``, ``pat`` and ``stream`` subcommands (each sets ``func``; ``func(args)`` returns
-    the exit code)."""
+    ``darts``, ``pat``, ``stream`` and ``stalls`` subcommands (each sets ``func``;
+    ``func(args)`` returns the exit code)."""
     bench = subparsers.add_parser(
         "bench",
         help="benchmarks (train engines, memory, DP partition, rollout, vs Tunix, DARTS, PAT, "
-        "streaming)",
+        "streaming, stalls)",
     )
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_train(sub)
@@ -667,4 +720,5 @@ def register(subparsers) -> argparse.ArgumentParser:
     _add_darts(sub)
     _add_pat(sub)
     _add_stream(sub)
+    _add_stalls(sub)
     return bench

@@ -43,10 +43,14 @@ engine ran, why (``choice_basis``: "measured", "reused", "cached" or "predicted"
 ``choice_reason``), and how long this batch's tuning took (``autotune_seconds``,
 0 when none).
 
-In a run (after ``reserve``), the candidates' programs are fixed, so each is timed
-at most once; the signature that ``reuse_choices`` compares is bucketed (depth
-included), ``budget_seconds`` bounds the tuning, and ``cache_path`` carries
-measured choices over to the next run.
+In a run (after ``reserve``), the candidates' programs are fixed (one per engine and
+loss), so the first batch of each loss times all of them, whatever the margin, and
+compiles ahead of time the ones it does not time (tuning budget spent, a cached
+choice): a later batch whose signature is new may pick another engine, but it never
+compiles or tunes (a candidate out of margin on the first batch that came into it
+later used to be compiled and timed mid-run). The signature that ``reuse_choices``
+compares is bucketed (depth included), ``budget_seconds`` bounds the tuning, and
+``cache_path`` carries measured choices over to the next run.
 """
 
 from __future__ import annotations
@@ -337,6 +341,11 @@ class AutoEngine:
         self._reused: dict[tuple, int] = {}  # signature -> batches given the reused pick
         # Signatures deeper than this count as this deep (``reserve`` sets it).
         self._depth_cap: int | None = None
+        self.reserved = False  # ``reserve`` was called: each candidate's programs are fixed
+        # (kind, inner static, loss) of every program compiled through auto (timed, run,
+        # or compiled ahead of time by ``value_and_grad``'s first batch of a loss).
+        self.compiled: set[tuple] = set()
+        self._warm_losses: list = []  # losses whose candidates are all compiled (reserved)
         self.tune_seconds_total = 0.0  # all tuning so far (``budget_seconds`` bounds it)
         self.cache = ChoiceCache(self.config.cache_path, self._cache_scope())
 
@@ -350,9 +359,17 @@ class AutoEngine:
 
     def reserve(self, capacity: Capacity) -> AutoEngine:
         """Grows every candidate's buckets to ``capacity``, as if each ran alone (the
-        programs auto times and runs are the candidates' own)."""
+        programs auto times and runs are the candidates' own).
+
+        From then on every candidate has one program per loss for all batches within
+        ``capacity``, so the first ``value_and_grad`` of each loss times every
+        candidate (within ``budget_seconds``; ``tune_margin`` is ignored for it) and
+        compiles ahead of time, without running, the ones it does not time (budget
+        spent, ``autotune`` off, a cached choice): no later batch, whatever its
+        signature and pick, compiles or tunes anything."""
         for engine in self.engines.values():
             engine.reserve(capacity)
+        self.reserved = True
         # Depths within the capacity's range share a signature: the candidates'
         # programs are reserved for all of them (the depth a run's trees reach with
         # forks in the responses and tool turns varies from batch to batch).
@@ -503,7 +520,10 @@ class AutoEngine:
             est = {e: self._estimate(e, keys[e], pred[e]) for e in work}
             total = {e: est[e] + (0.0 if keys[e] in self.timings else host[e]) for e in work}
             best = min(total, key=lambda e: (total[e], ENGINES.index(e)))
-            cheap = total[best] <= self.config.tune_all_below  # time every candidate
+            # Time every candidate: on a small batch (host work and fixed costs decide),
+            # and on the first batch of a loss after ``reserve`` (its programs are the
+            # run's only ones for that loss: timed now, no later batch tunes).
+            cheap = total[best] <= self.config.tune_all_below or self._first_of(loss)
             in_margin = [
                 e for e in work if cheap or total[e] <= self.config.tune_margin * total[best]
             ]
@@ -523,6 +543,7 @@ class AutoEngine:
                 self.timings[keys[e]] = Timing(
                     measured=float(seconds[e]), predicted=pred[e], work=work[e]
                 )
+                self.compiled.add(keys[e])
                 if e not in timed_now:
                     timed_now.append(e)
         tune_s = time.perf_counter() - t0 if timed_now else 0.0
@@ -650,7 +671,38 @@ class AutoEngine:
         t0 = time.perf_counter()
         choice = self._choose(batch, loss, weights, params=params)
         host_s = time.perf_counter() - t0 - choice.tune_seconds
-        return base.run_prepared(self, params, self._prepared(choice), loss, host_seconds=host_s)
+        prepared = self._prepared(choice)
+        if self._first_of(loss):
+            prepared.stats.update(self._compile_rest(choice, params, batch, loss, weights))
+        self.compiled.add((choice.kind, choice.prepared[choice.kind].static, loss))
+        return base.run_prepared(self, params, prepared, loss, host_seconds=host_s)
+
+    def _first_of(self, loss) -> bool:
+        """Whether this is the first batch of ``loss`` since ``reserve``."""
+        return self.reserved and loss not in self._warm_losses
+
+    def _compile_rest(self, choice: _Choice, params, batch, loss, weights) -> dict[str, Any]:
+        """After ``reserve``, on the first batch of ``loss``: compiles ahead of time
+        (lowered and compiled, not run) every candidate's program that is neither
+        timed nor the pick, so that a later batch picking it compiles nothing.
+        Returns the stats ``warmup_compiled`` (those engines) and
+        ``warmup_compile_seconds``."""
+        t0 = time.perf_counter()
+        done = []
+        for kind in self.candidates:
+            if kind == choice.kind:
+                continue  # compiled when it runs
+            prep = choice.prepared.get(kind)
+            if prep is None:  # a reused or cached choice: only the pick prepared
+                prep = self.engines[kind].prepare(batch, loss, weights=weights)
+            key = (kind, prep.static, loss)
+            if key in self.compiled:
+                continue
+            self.engines[kind].jit.lower(loss, prep.static, params, prep.args).compile()
+            self.compiled.add(key)
+            done.append(kind)
+        self._warm_losses.append(loss)
+        return dict(warmup_compiled=done, warmup_compile_seconds=time.perf_counter() - t0)
 
     # ------------------------------------------------------------ calibration
 

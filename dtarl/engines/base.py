@@ -230,6 +230,9 @@ class JitCache:
                 self.trace_count += 1
                 return inner(params, *args)
 
+            # Named after the engine: compile events (jax.monitoring) then say whose.
+            name = getattr(self._engine, "name", type(self._engine).__name__)
+            counted.__name__ = counted.__qualname__ = f"{name}_engine"
             self._fns[key] = jax.jit(counted)
         return self._fns[key]
 

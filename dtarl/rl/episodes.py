@@ -619,9 +619,10 @@ class Scorer:
 
     def reserve(self, *, sequences: int, length: int) -> Scorer:
         """Sizes the row bucket for ``sequences`` up front and, at the first call,
-        compiles the program of every length bucket up to ``length``: a longer batch
-        later in the run then compiles nothing, while each batch still runs at its own
-        (power-of-two) length bucket."""
+        compiles the program of every length bucket from that call's up to ``length``:
+        a longer batch later in the run then compiles nothing, while each batch still
+        runs at its own (power-of-two) length bucket, never below an earlier one's (so
+        the buckets below the first call's are never compiled)."""
         self._min["n"] = bucket(sequences, self._min["n"])
         self._reserved = (self._min["n"], bucket(length, self._min["t"]))
         return self
@@ -636,7 +637,7 @@ class Scorer:
     def __call__(self, weights, tokens: Sequence[np.ndarray]) -> list[np.ndarray]:
         if self._reserved is not None:
             n, top = self._reserved
-            t = self._min["t"]
+            t = bucket(max(len(x) for x in tokens), self._min["t"])
             while t <= top:
                 self._program(weights, n, t)
                 t *= 2

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dtarl.batch import LossNorm
 from dtarl.engines import Capacity, EngineKind, RolloutBatch, make_engine
 from dtarl.engines.config import DFSConfig, EngineConfig, PrefixReuseConfig
 from dtarl.engines.prefix_reuse import deep_sequences
@@ -159,9 +160,11 @@ def test_reserved_dense_rows_are_the_capacity_length():
 
 
 def test_reserved_scorer_compiles_every_length_bucket_at_its_first_call(model_params):
-    """The KL reference scorer reserved for 4 rows of up to 40 tokens compiles the
-    length buckets 8..64 at its first call; a longer batch later compiles nothing,
-    each batch still runs at its own bucket, and the values equal an unreserved one."""
+    """The KL reference scorer reserved for 4 rows of up to 40 tokens compiles, at its
+    first call, the length buckets from that call's up to 64 (8..64 for a first batch
+    of 7 tokens; 32 and 64 for one of 20: a bucket never shrinks, so the smaller ones
+    would never run); a longer batch later compiles nothing, each batch still runs at
+    its own bucket, and the values equal an unreserved one."""
     model, params = model_params
     scorer = Scorer(model).reserve(sequences=4, length=40)
     short = [np.arange(3, 10, dtype=np.int32)] * 4
@@ -173,3 +176,52 @@ def test_reserved_scorer_compiles_every_length_bucket_at_its_first_call(model_pa
     want = Scorer(model)(params, short)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    longer = Scorer(model).reserve(sequences=4, length=40)
+    longer(params, [np.arange(3, 23, dtype=np.int32)] * 2)
+    assert sorted(longer._compiled) == [(4, 32), (4, 64)]
+
+
+def test_reserved_auto_compiles_and_tunes_only_on_the_first_batch_of_each_loss(model_params):
+    """auto (dense or prefix_reuse) with a real margin (1: only the predicted best is
+    timed) on an SFT-like phase, then an RL-like one (another loss: other programs).
+    On the first batch dense is out of margin (10 s of host work on it), on later
+    ones prefix_reuse is the one with 10 s of host work: unreserved, auto would
+    compile and time dense mid-run. Reserved, the first batch of the first loss
+    times both candidates, which spends the tuning budget; the first batch of the
+    second loss picks prefix_reuse from the prediction and compiles dense ahead of
+    time, which the later batches then pick. No later batch compiles or tunes."""
+    model, params = model_params
+    batches = trainer_like_batches()
+
+    def host(kind, batch):
+        slow = "dense" if batch is batches[0] else "prefix_reuse"
+        return 10.0 if kind == slow else 0.0
+
+    auto = make_engine(
+        EngineKind.AUTO,
+        model,
+        ENGINES,
+        candidates=("dense", "prefix_reuse"),
+        timer=run_once_timer,
+        host_seconds=host,
+        tune_all_below=0.0,
+        tune_margin=1.0,
+        budget_seconds=1e-12,  # spent by the first round
+    ).reserve(capacity())
+    counts, tuned, picks, firsts = [], [], [], []
+    for loss in (MaskedNLLLoss(), MaskedNLLLoss(norm=LossNorm.SEQUENCE)):
+        for i, batch in enumerate(batches):
+            aux = auto.value_and_grad(params, batch, loss)[2]
+            counts.append(auto.trace_count)
+            tuned.append(aux.stats["autotune_seconds"])
+            picks.append(aux.stats["chosen_engine"])
+            if i == 0:
+                firsts.append(aux.stats)
+    n = len(batches)
+    assert counts == [2] * n + [4] * n, counts
+    assert tuned[0] > 0 and tuned[1:] == [0.0] * (2 * n - 1), tuned
+    sft, rl = firsts
+    assert sorted(sft["autotuned"]) == ["dense", "prefix_reuse"] and sft["warmup_compiled"] == []
+    assert rl["autotuned"] == [] and rl["choice_basis"] == "predicted (autotune budget spent)"
+    assert rl["chosen_engine"] == "prefix_reuse" and rl["warmup_compiled"] == ["dense"]
+    assert set(picks[n + 1 :]) == {"dense"}, picks  # compiled ahead, run without compiling
