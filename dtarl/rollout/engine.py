@@ -1354,7 +1354,9 @@ class RolloutEngine:
         s = self._s
         traces = self.trace_count
         t0 = time.perf_counter()
-        self._pool, slots, out = self._fn("decode", *self._decode_statics())(
+        statics = self._decode_statics()
+        window = statics[2]
+        self._pool, slots, out = self._fn("decode", *statics)(
             weights, self._pool, self._slots_device(), self._table_device()
         )
         out = jax.device_get(out)

@@ -452,7 +452,7 @@ class _Point:
         eng.run(self.weights)
         calls = eng.stats()["calls"]
         pre = first - calls[0][0] if calls else first
-        return pre, [sec / steps for sec, steps, _ in calls if steps == g.steps_per_call]
+        return pre, [sec / steps for sec, steps, *_ in calls if steps == g.steps_per_call]
 
     def timed(self) -> None:
         pre, per_step = self.run()
