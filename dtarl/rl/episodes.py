@@ -259,8 +259,10 @@ def _rollout_continuous(
     between decode calls (one call of each scorer per decode call), so that when
     generation ends only the lag is left: ``stream_lag_tokens`` (tokens some streamed
     model had not scored when the last decode call returned), scored in
-    ``stream_tail_seconds``; ``stream_seconds`` is every scorer call of the rollout
-    (interleaved and tail). The trajectories carry the results (``ref_logprobs``,
+    ``stream_tail_seconds``; ``stream_seconds`` is the host's time in every scorer
+    call of the rollout (interleaved and tail; on a scorer device of its own, the
+    calls are not waited for, so it counts dispatching and the waits for results,
+    not the device's time). The trajectories carry the results (``ref_logprobs``,
     ``values``; 0 on the prompt).
     """
     tool_seqs = tool_stop_sequences(tokenizer, task)

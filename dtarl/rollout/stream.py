@@ -28,9 +28,11 @@ Shapes are fixed (``rows`` trajectories x ``chunk`` tokens per call, prefill
 lengths bucketed as in the engine), so after warm-up nothing compiles. With
 ``device`` the scorer's K/V pool and its weights (``place``) live on that device,
 so its calls run there, beside the rollout's decode on another device (a separate
-device slice of one device; ``rollout.streaming.device``). The
-result equals the dense forward over the whole sequence (the ``Scorer``) to fp32
-rounding.
+device slice of one device; ``rollout.streaming.device``). There ``flush`` does
+not wait for its calls: their results are read at the next ``flush``, ``result``
+or ``close``, so the device scores while the host runs the next decode call. The
+result equals the dense forward over the whole sequence (the ``Scorer``,
+``ValueModel.values``) to fp32 rounding.
 
     scorer.open(key, group, prompt)    # a trajectory of group ``group``
     scorer.add(key, tokens)            # as they are generated (or appended)
@@ -117,6 +119,8 @@ class StreamingScorer:
         self._groups: dict[Hashable, list] = {}  # group -> [prompt row, open trajectories]
         self._prefill: list[tuple[int, np.ndarray]] = []
         self._open: dict[Hashable, _Traj] = {}
+        # Calls not read back yet (own device only): (scores [rows, chunk], [(traj, row, n)]).
+        self._inflight: list[tuple[Any, list[tuple[_Traj, int, int]]]] = []
         self._fns: dict[tuple, Any] = {}
         self.trace_count = 0
         self.stats = dict(scored_tokens=0, calls=0, seconds=0.0)
@@ -200,8 +204,10 @@ class StreamingScorer:
         return sum(len(t.pending) for t in self._open.values())
 
     def flush(self, weights, *, max_calls: int | None = None) -> int:
-        """Scores queued tokens (at most ``max_calls`` calls); returns the calls run."""
+        """Scores queued tokens (at most ``max_calls`` calls); returns the calls run.
+        On the scorer's own device the calls are not waited for (module docstring)."""
         t0 = time.perf_counter()
+        self._collect()
         self._run_prefill(weights)
         calls = 0
         while max_calls is None or calls < max_calls:
@@ -219,6 +225,7 @@ class StreamingScorer:
         t = self._open[key]
         if t.pending:
             raise EngineError(f"streaming scorer: {key!r} has {len(t.pending)} unscored tokens")
+        self._collect()
         return np.asarray(t.scores, np.float32)
 
     def is_open(self, key: Hashable) -> bool:
@@ -236,6 +243,7 @@ class StreamingScorer:
             self._run_prefill(weights)
             while self._open[key].pending:
                 self._score(weights, [self._open[key]])
+        self._collect()
         t = self._open.pop(key)
         self._free_slots.append(t.slot)
         g = self._groups[t.group]
@@ -299,15 +307,26 @@ class StreamingScorer:
         self._pool, lp = self._fn("score", t)(
             weights, self._pool, slot, group, length, feed, count, target
         )
-        lp = np.asarray(lp)
+        parts = []
         for j, tr in enumerate(trajs):
             n = int(count[j])
-            tr.scores.extend(lp[j, :n].tolist())
+            parts.append((tr, j, n))
             tr.last = tr.pending[n - 1]
             tr.length += n
             del tr.pending[:n]
             self.stats["scored_tokens"] += n
         self.stats["calls"] += 1
+        self._inflight.append((lp, parts))
+        if self.device is None:  # the rollout's device: nothing to overlap, read it now
+            self._collect()
+
+    def _collect(self):
+        """Reads back the calls in flight, in call order (a trajectory's scores in order)."""
+        for lp, parts in self._inflight:
+            lp = np.asarray(lp)
+            for tr, j, n in parts:
+                tr.scores.extend(lp[j, :n].tolist())
+        self._inflight = []
 
 
 class StreamingScorers:
