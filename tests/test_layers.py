@@ -1,6 +1,7 @@
 """The package's layers import downward only, and no module imports itself back.
 
-    floor 1  dtarl.tree, dtarl.axes, dtarl.timing      (no JAX in tree/)
+    floor 1  dtarl.tree, dtarl.axes, dtarl.timing,     (no JAX in tree/)
+             dtarl.parallel.partition             (numpy only: engines price their work in it)
     floor 2  dtarl.model, dtarl.parallel.mesh
     floor 3  dtarl.advantages, dtarl.batch, dtarl.losses, dtarl.traces, dtarl.testing
     floor 4  dtarl.rollout, dtarl.engines
@@ -28,6 +29,7 @@ FLOORS = {
     "dtarl.tree": 1,
     "dtarl.axes": 1,
     "dtarl.timing": 1,
+    "dtarl.parallel.partition": 1,
     "dtarl.model": 2,
     "dtarl.parallel.mesh": 2,
     "dtarl.advantages": 3,
