@@ -753,7 +753,9 @@ class RolloutEngine:
           previous ``reshard`` returned are the engine's own and are always freed).
 
         Returns (weights on the new mesh, info); info: mode, dp, tp, slots, live,
-        weights_s, kv_s, compile_s, seconds, compiled (programs traced), moved_weight_bytes,
+        weights_s, kv_s, compile_s (the target's decode program, and the prefill/extend
+        or row-gather programs the K/V stage runs; excluded from kv_s; ~0 when cached),
+        seconds, compiled (programs traced), moved_weight_bytes,
         moved_kv_bytes, live_kv_bytes, peak_extra_bytes, weights_peak_extra_bytes,
         kv_peak_extra_bytes. Bytes are summed over the addressable shards of every
         device; a "peak extra" is the largest sum, during the switch, of the buffers it
@@ -826,10 +828,12 @@ class RolloutEngine:
         compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         if mode == "migrate":
-            kv_moved, kv_peak = self._migrate(old_pool, (old_mesh, old_n), src)
+            kv_moved, kv_peak, rows_compile_s = self._migrate(old_pool, (old_mesh, old_n), src)
         else:
             kv_moved, kv_peak = self._recompute(old_pool, new_weights, live)
-        kv_s = time.perf_counter() - t0
+            rows_compile_s = 0.0
+        kv_s = time.perf_counter() - t0 - rows_compile_s
+        compile_s += rows_compile_s
         self._own_weights = [weakref.ref(x) for x in jax.tree.leaves(new_weights)]
         info = dict(
             mode=mode,
@@ -923,7 +927,7 @@ class RolloutEngine:
             self._shardings["pool"],
         )
 
-    def _migrate(self, old: K.Pool, old_at: tuple, src: np.ndarray) -> tuple[int, int]:
+    def _migrate(self, old: K.Pool, old_at: tuple, src: np.ndarray) -> tuple[int, int, float]:
         """Moves the live response rows (rows ``src`` of each old layer) and the prompt
         pool onto the new shardings, one layer at a time, each old buffer freed as soon as
         its copy exists. The rows are gathered on the old mesh into a row count its dp
@@ -937,9 +941,14 @@ class RolloutEngine:
         gather = self._fn("gather", pad, at=old_at)
         idx = np.zeros(pad, np.int32)  # uncommitted: follows x onto its mesh
         idx[:n] = src
+        t0 = time.perf_counter()  # compile (or find cached) the row programs first
+        gather.lower(old.resp_k[0], idx).compile()
         if pad != n:
             mid = self._sharding_for(self.mesh, pad)["pool"].resp_k[0]
             cut = self._fn("cut", n, at=(self.mesh, pad))
+            a = old.resp_k[0]
+            cut.lower(jax.ShapeDtypeStruct((pad,) + a.shape[1:], a.dtype, sharding=mid)).compile()
+        compile_s = time.perf_counter() - t0
         extra = peak = moved = 0
 
         def move(x, target, rows):
@@ -965,7 +974,7 @@ class RolloutEngine:
         prompt_v = tuple(move(x, s, False) for x, s in zip(old.prompt_v, sh.prompt_v, strict=True))
         plen = move(old.prompt_len, sh.prompt_len, False)
         self._pool = K.Pool(prompt_k, prompt_v, plen, resp_k, resp_v)
-        return moved, peak
+        return moved, peak, compile_s
 
     def _recompute(self, old: K.Pool, weights, live: list[Request]) -> tuple[int, int]:
         """Frees the old pool, then rebuilds the K/V on the new mesh: each resident
