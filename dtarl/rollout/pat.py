@@ -16,12 +16,14 @@ and *to what*:
   the mesh axes (``Profile.save`` / ``Profile.load``).
 * **Predictor** (``Predictor``): per-step latency ``l(B, T; tp)`` with T the
   aggregate context tokens *per DP group*: piecewise linear in T for every
-  profiled B (linear extrapolation from the end segments, floored at zero),
-  interpolated linearly between the two nearest profiled B (below the smallest B:
-  the smallest B's curve; above the largest: linear extrapolation from the two
-  largest). ``est_rem_time`` sums it over the remaining steps as the context grows
-  (Alg. 1's ``est_rem_time``). ``leave_one_out`` reports the error on held-out grid
-  points.
+  profiled B (below the smallest profiled T its value; above the largest T the last
+  segment's slope when positive, else flat), interpolated linearly between the two
+  nearest profiled B (below the smallest B: the smallest B's curve; above the
+  largest: extended with the two largest B's slope when positive, else flat).
+  Latency is taken never to fall with more tokens or a larger batch outside the
+  grid, so a noisy negative slope is not extrapolated. ``est_rem_time`` sums it
+  over the remaining steps as the context grows (Alg. 1's ``est_rem_time``).
+  ``leave_one_out`` reports the error on held-out grid points.
 * **Switch cost** (``switch_cost``): weight bytes / reshard bandwidth +
   min(T_move, T_recomp) + a compile when the target program is not cached.
   T_move is Eq. 1-2 (valid K/V bytes per source rank / per-rank bandwidth),
@@ -197,18 +199,16 @@ class Profile:
 
 
 def _pwl(x, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """Piecewise linear through (xs, ys) (sorted, distinct), extended linearly by the end
-    segments and floored at zero; a single point is a constant."""
+    """Piecewise linear through (xs, ys) (sorted, distinct). Below the first point: its
+    value; above the last: the last segment's slope if positive, else flat (latency
+    never falls with more tokens, so a noisy negative slope is not extended). A single
+    point is a constant."""
     x = np.asarray(x, np.float64)
     if xs.size == 1:
         return np.full(x.shape, ys[0])
-    y = np.interp(x, xs, ys)
-    lo, hi = x < xs[0], x > xs[-1]
-    s0 = (ys[1] - ys[0]) / (xs[1] - xs[0])
-    s1 = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    y = np.where(lo, ys[0] + s0 * (x - xs[0]), y)
-    y = np.where(hi, ys[-1] + s1 * (x - xs[-1]), y)
-    return np.maximum(y, 0.0)
+    y = np.interp(x, xs, ys)  # constant outside [xs[0], xs[-1]]
+    s1 = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+    return np.where(x > xs[-1], ys[-1] + s1 * (x - xs[-1]), y)
 
 
 def _curves(rows, key: str) -> dict[int, dict[int, tuple[np.ndarray, np.ndarray]]]:
@@ -228,8 +228,9 @@ def _curves(rows, key: str) -> dict[int, dict[int, tuple[np.ndarray, np.ndarray]
 
 
 def _in_b(curves: dict[int, tuple[np.ndarray, np.ndarray]], b: float, x) -> np.ndarray:
-    """Interpolates the per-B curves at batch ``b`` (module docstring: clamped below the
-    smallest profiled B, linear between neighbours and above the largest)."""
+    """Interpolates the per-B curves at batch ``b`` (module docstring: the smallest B's
+    curve below it, linear between neighbours, above the largest B the two largest
+    B's slope if positive, else the largest B's curve)."""
     bs = sorted(curves)
     if len(bs) == 1 or b <= bs[0]:
         return _pwl(x, *curves[bs[0]])
@@ -238,7 +239,9 @@ def _in_b(curves: dict[int, tuple[np.ndarray, np.ndarray]], b: float, x) -> np.n
     i = int(np.searchsorted(bs, b))
     lo, hi = (bs[-2], bs[-1]) if i >= len(bs) else (bs[i - 1], bs[i])
     ylo, yhi = _pwl(x, *curves[lo]), _pwl(x, *curves[hi])
-    return np.maximum(ylo + (yhi - ylo) * (b - lo) / (hi - lo), 0.0)
+    if b > hi:
+        return yhi + np.maximum(yhi - ylo, 0.0) * (b - hi) / (hi - lo)
+    return ylo + (yhi - ylo) * (b - lo) / (hi - lo)
 
 
 class Predictor:

@@ -78,24 +78,38 @@ def test_predictor_exact_on_grid_and_linear_between():
     assert float(p.step_seconds(1, 0.5, t)) == pytest.approx(float(p.step_seconds(1, 1, t)))
     y32 = float(p.step_seconds(1, 32, t))
     assert y32 == pytest.approx(y16 + (y16 - y4) * 16 / 12, 1e-12)
+    # A curve that falls past its last point is not extended downwards (nor is a B
+    # trend): flat instead.
+    falling = pat.Predictor(make_profile(lambda tp, b, t: 1.0 / (1 + t) + 1.0 / b))
+    last = falling.profile.decode[2]  # tp 1, B 1, the largest T
+    assert float(falling.step_seconds(1, 1, 10 * last["t"])) == pytest.approx(last["seconds"])
+    y16 = float(falling.step_seconds(1, 16, 5000.0))
+    assert float(falling.step_seconds(1, 64, 5000.0)) == pytest.approx(y16)
     with pytest.raises(pat.PatError, match="tp=3 is not in the profile"):
         p.step_seconds(3, 1, 10)
 
 
 def test_predictor_linear_profile_is_exact_everywhere_and_loo_zero():
     p = pat.Predictor(make_profile(linear))
-    for tp, b, t in [(1, 2.5, 100.0), (4, 9, 3000.0), (8, 40, 20000.0), (2, 1, 1.0)]:
+    for tp, b, t in [(1, 2.5, 100.0), (4, 9, 3000.0), (8, 40, 20000.0), (2, 1, 30.0)]:
         assert float(p.step_seconds(tp, b, t)) == pytest.approx(linear(tp, b, t), 1e-9)
+    # Below the smallest profiled T (B = 1: 1 x (8 + 16) = 24): that point's value.
+    assert float(p.step_seconds(2, 1, 1.0)) == pytest.approx(linear(2, 1, 24), 1e-12)
     errs = pat.leave_one_out(p.profile)
     assert len(errs) == len(p.profile.decode)
-    assert max(e["rel_error"] for e in errs) < 1e-9
+    # Held out, a curve's smallest T is predicted at the next point's value (clamped);
+    # every other point lies on the line through its neighbours.
+    for e in errs:
+        first = e["l"] == 8
+        want = linear(e["tp"], e["b"], e["b"] * (64 + 16)) if first else e["seconds"]
+        assert e["predicted"] == pytest.approx(want, 1e-9)
 
 
 def test_est_rem_time_by_hand():
     p = pat.Predictor(make_profile(linear))
-    # b = 2, steps l_gen=2..4, T_k = 2*2 + 2k = 4, 6, 8.
-    want = sum(linear(4, 2, t) for t in (4, 6, 8))
-    assert p.est_rem_time(4, 2, 5, 2) == pytest.approx(want, 1e-12)
+    # b = 2, steps l_gen = 60..62, T_k = 2 x 60 + 2k = 120, 122, 124.
+    want = sum(linear(4, 2, t) for t in (120, 122, 124))
+    assert p.est_rem_time(4, 2, 63, 60) == pytest.approx(want, 1e-12)
     want = sum(linear(4, 2, t) for t in (100, 102))
     assert p.est_rem_time(4, 2, 4, 2, context=100) == pytest.approx(want, 1e-12)
     assert p.est_rem_time(4, 2, 3, 3) == 0.0
