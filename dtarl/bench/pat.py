@@ -154,7 +154,7 @@ class CallRecorder:
         ws = pat.decode_windows(c.response_len)
         window = next((w for w in ws if w >= need), ws[-1])
         if len(v.decode_calls) == self._seen + 1:  # this call compiled nothing
-            seconds, steps, _ = v.decode_calls[-1]
+            seconds, steps, *_ = v.decode_calls[-1]
             self.rows.append(
                 dict(seconds=seconds, steps=steps, slots=v.slots, dp=v.dp, tp=v.tp, window=window)
             )

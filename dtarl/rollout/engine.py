@@ -281,9 +281,9 @@ class EngineView:
     response_tokens: np.ndarray  # [active] response K/V rows so far (all turns)
     remaining: np.ndarray  # [active] tokens it may still produce this turn
     forced: np.ndarray  # [active] its length is forced: ``remaining`` is exact
-    # (seconds, steps, sum of active slots over the steps) per decode call that compiled
-    # nothing, since the last ``stats(reset=True)``
-    decode_calls: tuple[tuple[float, int, int], ...]
+    # (seconds, steps, sum of active slots over the steps, response window read) per
+    # decode call that compiled nothing, since the last ``stats(reset=True)``
+    decode_calls: tuple[tuple[float, int, int, int], ...]
 
     @property
     def context_tokens(self) -> int:
