@@ -37,11 +37,13 @@ def model_params():
     return model, nnx.split(model, nnx.Param)[1]
 
 
-def make_auto(model, **settings):
+def make_auto(model, *, reserve: bool = True, **settings):
+    """auto with a fake timer. ``reserve`` False where a test is about something else
+    than the reserve: a reserved auto also compiles, on the first batch of a loss,
+    every candidate it does not time (tests/engines/test_no_stalls.py covers that)."""
     settings = {"timer": FixedTimer(SECONDS), "host_seconds": lambda k, b: 0.0, **settings}
-    return AutoEngine(model, engine_config=ENGINES, tune_all_below=1e9, **settings).reserve(
-        capacity()
-    )
+    auto = AutoEngine(model, engine_config=ENGINES, tune_all_below=1e9, **settings)
+    return auto.reserve(capacity()) if reserve else auto
 
 
 def with_forks(batch: RolloutBatch) -> RolloutBatch:
@@ -87,14 +89,14 @@ def test_new_depth_reuses_the_measured_choice(model_params):
 def test_budget_spent_falls_back_to_the_prediction(model_params):
     model, params = model_params
     batch = forked_batch(1, prompts=2, group=4, fork_at=0)
-    auto = make_auto(model, budget_seconds=0.0)
+    auto = make_auto(model, budget_seconds=0.0, reserve=False)
     aux = auto.value_and_grad(params, batch, MaskedNLLLoss())[2]
     assert auto.timer.calls == []
     assert aux.stats["choice_basis"] == "predicted (autotune budget spent)"
     assert "autotune budget of 0 s spent" in aux.stats["choice_reason"]
     assert aux.stats["chosen_engine"] == auto.choose(batch, MaskedNLLLoss())[0]
     # A budget that the first round spends: the next new programs are not timed.
-    auto = make_auto(model, budget_seconds=1e-12)
+    auto = make_auto(model, budget_seconds=1e-12, reserve=False)
     auto.value_and_grad(params, batch, MaskedNLLLoss())
     assert sorted(auto.timer.calls) == sorted(SECONDS) and auto.budget_spent
     other = ClippedSurrogateLoss()  # another loss: other programs
@@ -115,14 +117,14 @@ def test_cache_file_carries_choices_to_the_next_run(model_params, tmp_path):
     path = str(tmp_path / "sub" / "autotune.json")
     loss = MaskedNLLLoss()
     batch = forked_batch(2, prompts=2, group=4, fork_at=0)
-    first = make_auto(model, cache_path=path)
+    first = make_auto(model, cache_path=path, reserve=False)
     assert first.value_and_grad(params, batch, loss)[2].stats["choice_basis"] == "measured"
     data = json.load(open(path))
     assert data["format"] == ChoiceCache.FORMAT and len(data["entries"]) == 1
     assert [e["kind"] for e in data["entries"].values()] == ["dfs"]
     assert not list((tmp_path / "sub").glob("*.tmp"))  # written through a temporary file
     # A new run on the same model, engines and device: the cached choice, untimed.
-    second = make_auto(model, cache_path=path)
+    second = make_auto(model, cache_path=path, reserve=False)
     aux = second.value_and_grad(params, batch, loss)[2]
     assert aux.stats["choice_basis"] == "cached" and aux.stats["chosen_engine"] == "dfs"
     assert second.timer.calls == [] and path in aux.stats["choice_reason"]

@@ -8,12 +8,14 @@ import pytest
 from flax import nnx
 
 from dtarl.batch import LossNorm
+from dtarl.bench import train as bench_train
 from dtarl.engines import Capacity, EngineKind, RolloutBatch, make_engine
 from dtarl.engines.config import DFSConfig, EngineConfig, PrefixReuseConfig
 from dtarl.engines.prefix_reuse import deep_sequences
 from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model
 from dtarl.rl.episodes import Scorer
+from dtarl.testing import grpo_groups
 
 # The run's maxima (a trainer reserves these from its config).
 PROMPTS, GROUP, PROMPT_LEN, RESPONSE_LEN, TURNS = 2, 4, 12, 24, 1
@@ -157,6 +159,30 @@ def test_reserved_dense_rows_are_the_capacity_length():
         .buckets["length"]
         == 576
     )
+
+
+def test_bench_train_reserves_its_workloads_like_a_run():
+    """``dtarl bench train`` reserves each workload's maxima as the trainer reserves its
+    config's: dense pads prompt 512 + 64 new tokens to 576, not to the 640 bucket
+    (host preparation only)."""
+    model = init_model(ModelConfig.tiny(), seed=0)
+    batch = grpo_groups(num_groups=2, group_size=4, prompt_len=512, response_len=(40, 64))
+    cap = bench_train.workload_capacity(batch)
+    assert (cap.sequences, cap.groups, cap.group_size) == (8, 2, 4)
+    assert (cap.length, cap.prompt_len, cap.response_len, cap.turns) == (576, 512, 64, 1)
+    pad = bench_train.dense_padding(model, batch, cap, 8, MaskedNLLLoss())
+    assert pad["unreserved"]["padded_length"] == 640 and pad["reserved"]["padded_length"] == 576
+    assert pad["reserved"]["computed_tokens"] == 8 * 576
+    assert pad["unreserved"]["excess"] > pad["reserved"]["excess"] >= 0
+    # Over dp = 4 ranks: each rank's share, rounded up.
+    per_rank = bench_train.workload_capacity(batch, dp=4)
+    assert (per_rank.sequences, per_rank.groups, per_rank.length) == (2, 1, 576)
+    # A batch with a group that branches deep below its prompt is reserved as a
+    # multi-turn run's (prefix_reuse's two-program form), the others as one turn.
+    batches = trainer_like_batches()
+    turns = [bench_train.workload_capacity(b).turns for b in batches]
+    deep = [bool(deep_sequences(b.prefix_tree()).any()) for b in batches]
+    assert turns == [2 if d else 1 for d in deep] and sorted(set(turns)) == [1, 2]
 
 
 def test_reserved_scorer_compiles_every_length_bucket_at_its_first_call(model_params):
