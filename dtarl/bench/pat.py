@@ -25,7 +25,7 @@ The predictor is checked twice: leave-one-out over the profile grid
 (``mean_rel_error``) and on the static generations (each decode call's seconds
 predicted from its program shape, ``real_mean_rel_error``).
 
-The profile is taken first (``dtarl.rollout.pat.profile_engine``; ``--profile
+The profile is taken first (``dtarl.bench.pat_profile.profile_engine``; ``--profile
 PATH`` loads a saved one instead). ``--replay-profile PROFILE.json`` feeds the
 ``tp1`` generation's (B, T) trajectory to another saved profile (e.g. one taken on
 a GPU machine) and prints the latency it PREDICTS there per static TP and with PAT;
@@ -48,6 +48,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from dtarl.bench import pat_profile
 from dtarl.bench.rollout import synthetic_lengths, trace_lengths
 from dtarl.model import ModelConfig, init_model
 from dtarl.parallel.mesh import make_mesh
@@ -79,7 +80,7 @@ class PatBenchConfig:
     rounds: int = 3
     seed: int = 0
     compile_reuse: int = 100
-    grid: pat.ProfileGrid = dataclasses.field(default_factory=pat.ProfileGrid)
+    grid: pat_profile.ProfileGrid = dataclasses.field(default_factory=pat_profile.ProfileGrid)
 
     def __post_init__(self):
         for name in (
@@ -107,7 +108,7 @@ class PatBenchConfig:
             prompt_len=16,
             max_new_tokens=128,
             rounds=1,
-            grid=pat.ProfileGrid.quick(),
+            grid=pat_profile.ProfileGrid.quick(),
         )
         base.update(overrides)
         return cls(**base)
@@ -234,7 +235,7 @@ def run(
     else:
         say(f"pat bench: profiling {d} devices, TP {tps}, grid {cfg.grid.points()}")
         grid = dataclasses.replace(cfg.grid, tps=tuple(tps), steps_per_call=cfg.steps_per_call)
-        prof = pat.profile_engine(model, weights, grid, say=say)
+        prof = pat_profile.profile_engine(model, weights, grid, say=say)
         if profile_out is not None:
             say(f"  wrote {prof.save(profile_out)}")
     predictor = pat.Predictor(prof)

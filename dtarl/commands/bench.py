@@ -18,6 +18,7 @@ from dtarl.bench import darts as bench_darts
 from dtarl.bench import memory as bench_memory
 from dtarl.bench import partition as bench_partition
 from dtarl.bench import pat as bench_pat
+from dtarl.bench import pat_profile
 from dtarl.bench import peer as bench_peer
 from dtarl.bench import rollout as bench_rollout
 from dtarl.bench import stalls as bench_stalls
@@ -309,12 +310,12 @@ def simulated_devices(n: int = 8) -> None:
 
 def _profile(args: argparse.Namespace, model: ModelConfig) -> int:
     simulated_devices()
-    grid = (pat.ProfileGrid.quick if args.quick else pat.ProfileGrid)(
+    grid = (pat_profile.ProfileGrid.quick if args.quick else pat_profile.ProfileGrid)(
         steps_per_call=args.steps_per_call or bench_rollout.RolloutBenchConfig().steps_per_call
     )
     t0 = time.perf_counter()
     m = init_model(model, seed=0)
-    prof = pat.profile_engine(m, nnx.split(m, nnx.Param)[1], grid, say=print)
+    prof = pat_profile.profile_engine(m, nnx.split(m, nnx.Param)[1], grid, say=print)
     path = prof.save(args.profile)
     errs = pat.leave_one_out(prof)
     mean = sum(e["rel_error"] for e in errs) / max(len(errs), 1)

@@ -195,6 +195,22 @@ class ContinuousConfig:
         return self.groups or max(1, self.slots // 2)
 
 
+def decode_windows(response_len: int) -> list[int]:
+    """Response windows of the decode programs: R/4, R/2, R (those >= 16; one program
+    each)."""
+    r = int(response_len)
+    return sorted({w for w in (r // 4, r // 2, r) if w >= 16} | {r})
+
+
+def merged_slots(live: int, dp: int, cap: int) -> int:
+    """``reshard``'s default slot count: the smallest ``dp * 2^k`` holding ``live``
+    requests (at least dp), capped at ``cap`` (ContinuousConfig.slots)."""
+    n = dp
+    while n < live:
+        n *= 2
+    return min(n, cap)
+
+
 def complete(m: int) -> Callable[[Group], bool]:
     """Group predicate: ``m`` members finished with a stop (not truncated, not cancelled)."""
 
@@ -564,9 +580,7 @@ class RolloutEngine:
         return jax.jit(fn, donate_argnums=(1,), out_shardings=outs)
 
     def _windows(self) -> list[int]:
-        """Response windows of the decode programs: R/4, R/2, R (one program each)."""
-        r = self.config.response_len
-        return sorted({w for w in (r // 4, r // 2, r) if w >= 16} | {r})
+        return decode_windows(self.config.response_len)
 
     def _buckets(self, limit: int) -> list[int]:
         sizes, b = [], 16
@@ -773,10 +787,7 @@ class RolloutEngine:
         if slots is None and waiting:
             n = cap  # requests wait: keep every slot
         elif slots is None:
-            n = dp
-            while n < len(live):
-                n *= 2
-            n = min(n, cap)
+            n = merged_slots(len(live), dp, cap)
         else:
             if not isinstance(slots, int | np.integer) or not max(1, len(live)) <= slots <= cap:
                 raise EngineError(
@@ -1763,4 +1774,6 @@ __all__ = [
     "RolloutEngine",
     "Status",
     "complete",
+    "decode_windows",
+    "merged_slots",
 ]

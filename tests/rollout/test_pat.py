@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dtarl.bench import pat_profile
 from dtarl.model.config import ModelConfig
 from dtarl.model.decoder import Decoder
 from dtarl.model.tokenizer import ByteTokenizer
@@ -417,8 +418,10 @@ def test_trainer_refuses_pat_without_a_mesh(tmp_path):
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 def test_profile_engine_tiny_grid(tiny, tmp_path):
     model, weights = tiny
-    grid = pat.ProfileGrid(bs=(1,), ls=(16,), window=16, steps_per_call=4, repeats=1, tps=(1, 2))
-    prof = pat.profile_engine(model, weights, grid)
+    grid = pat_profile.ProfileGrid(
+        bs=(1,), ls=(16,), window=16, steps_per_call=4, repeats=1, tps=(1, 2)
+    )
+    prof = pat_profile.profile_engine(model, weights, grid)
     assert [(r["tp"], r["b"], r["l"], r["t"]) for r in prof.decode] == [
         (1, 1, 16, 32),
         (2, 1, 16, 32),
@@ -434,4 +437,4 @@ def test_profile_engine_tiny_grid(tiny, tmp_path):
     assert prof.model["num_kv_heads"] == 8 and prof.platform == jax.devices()[0].platform
     assert pat.Profile.load(prof.save(tmp_path / "p.json")) == prof
     with pytest.raises(pat.PatError, match="no TP of"):
-        pat.profile_engine(model, weights, dataclasses.replace(grid, tps=(3,)))
+        pat_profile.profile_engine(model, weights, dataclasses.replace(grid, tps=(3,)))
