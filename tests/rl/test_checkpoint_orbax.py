@@ -156,12 +156,20 @@ def f(s):
     return {"a": jnp.full((128, 256), s, jnp.float32), "b": jnp.arange(4096) * s}
 
 directory, hold = sys.argv[1], sys.argv[2] == "hold"
+written = threading.Event()
 if hold:  # the write completes but its commit (the rename) never happens
-    async_checkpointer._on_commit_callback = lambda *a, **k: threading.Event().wait()
+
+    def held(*a, **k):
+        written.set()  # the write is complete: its tmp directory exists
+        threading.Event().wait()
+
+    async_checkpointer._on_commit_callback = held
 mgr = CheckpointManager(directory, keep=3)
 s = (mgr.latest_step() or 0) + 1
 while True:
     mgr.save(s, f(s), {"s": s})
+    if hold:  # killed only once the write is complete (not while it may not have begun)
+        written.wait()
     print("returned", s, flush=True)
     if hold:
         threading.Event().wait()
