@@ -27,8 +27,9 @@ tiny workloads).
 ``mesh=(dp, tp)`` (``--mesh dp=4,tp=2``): every engine runs through
 ``ShardedEngine`` on a ('dp', 'tp') mesh of the first dp x tp devices (params
 split over tp by the rule table), each batch cut over dp by the balanced
-partition priced by the model's ``FlopCost`` (what ``dtarl train`` does on a
-mesh). Workloads with fewer sequences than dp ranks are skipped (said so). Per
+partition priced by the engine's own work counts (``partition_cost``; the model's
+``FlopCost`` only as the fallback for an engine without one), as ``dtarl train``
+does on a mesh. Workloads with fewer sequences than dp ranks are skipped (said so). Per
 engine the bench adds the partition's makespan balance twice: ``cost_balance``,
 max / mean rank load under the cost model, and ``measured_balance``, max / mean
 of each rank's program timed ALONE on one device (min of a few calls, with the
@@ -413,7 +414,7 @@ def run(
             engine = make_engine(kind, model, _engine_config(chunk_len, microbatch), **kw)
             engine.reserve(cap)  # as a run reserves its engines
             if dev_mesh is not None:
-                engine = ShardedEngine(engine, dev_mesh, cost=cost)
+                engine = ShardedEngine(engine, dev_mesh, fallback_cost=cost)
             live[name] = engine
             t0 = time.perf_counter()
             _, _, aux = engine.value_and_grad(params, batch, loss)  # compile (+ tune), warm up
