@@ -331,6 +331,12 @@ def run(
         if dp < 1 or tp < 1 or dp * tp > n:
             raise ValueError(
                 f"--mesh dp={dp},tp={tp}: needs dp, tp >= 1 and dp x tp <= {n} devices"
+                + (
+                    " (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+                    "simulates 8 devices)"
+                    if jax.default_backend() == "cpu"
+                    else ""
+                )
             )
         dev_mesh = mesh_lib.make_mesh(dp, tp, devices=jax.devices()[: dp * tp])
         cost = FlopCost.from_transformer(
