@@ -97,6 +97,10 @@ class Profile:
     kv_bytes_per_s: float
     compile_s: float
     steps_per_call: int = 0  # decode steps per call of the profiled programs (0: unknown)
+    # The engine config whose programs were profiled (ContinuousConfig's fields; empty:
+    # not recorded). Decode rows may carry ``cv`` (coefficient of variation of the timed
+    # steps) and ``n`` (how many).
+    engine: dict[str, int] = dataclasses.field(default_factory=dict)
     notes: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,6 +108,7 @@ class Profile:
         d["mesh_axes"] = list(self.mesh_axes)
         d["decode"] = [dict(r) for r in self.decode]
         d["prefill"] = [dict(r) for r in self.prefill]
+        d["engine"] = dict(self.engine)
         return {"format": FORMAT, **d}
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -179,14 +184,29 @@ class Profile:
                         f"must be one of {TP_DEGREES} dividing devices={data['devices']}, "
                         f"got {r['tp']}",
                     )
-                out.append({k: r[k] for k in ("tp", "b", "l", "t", "seconds")})
+                row = {k: r[k] for k in ("tp", "b", "l", "t", "seconds")}
+                for k in ("cv", "n"):
+                    if k not in r:
+                        continue
+                    x = r[k]
+                    if not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
+                        fail(f"{table}[{i}].{k}", f"must be a finite number >= 0, got {x!r}")
+                    row[k] = x
+                out.append(row)
             tables[table] = tuple(out)
         fields = {f.name for f in dataclasses.fields(cls)}
         known = {k: data[k] for k in fields if k in data}
         spc = data.get("steps_per_call", 0)
         if not isinstance(spc, int) or isinstance(spc, bool) or spc < 0:
             fail("steps_per_call", f"must be an int >= 0, got {spc!r}")
-        known.update(tables, mesh_axes=tuple(axes), notes=str(data.get("notes", "")))
+        eng = data.get("engine", {})
+        if not isinstance(eng, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in eng.values()
+        ):
+            fail("engine", f"must be an object of ints >= 0 (the engine config), got {eng!r}")
+        known.update(
+            tables, mesh_axes=tuple(axes), engine=dict(eng), notes=str(data.get("notes", ""))
+        )
         return cls(**known)
 
 
@@ -286,19 +306,38 @@ class Predictor:
         return float(np.sum(self.step_seconds(tp, b, t)))
 
 
-def leave_one_out(profile: Profile) -> list[dict[str, float]]:
-    """Each decode grid point predicted from the profile without it (points whose TP has
-    no other point are skipped): rows ``{tp, b, l, t, seconds, predicted, rel_error}``."""
+def leave_one_out(profile: Profile) -> list[dict[str, Any]]:
+    """Held-out error of the decode predictions, on points *inside* the grid (a point
+    outside it would test the extrapolation rule, not the fit):
+
+    * ``kind="t"``: each point whose T lies strictly between two other points of its
+      (tp, B) curve, predicted from the profile without it (piecewise linear in T);
+    * ``kind="b"``: each point of a B level strictly between two other levels of its
+      TP, predicted from the profile without that whole level (interpolated between
+      the two nearest profiled B).
+
+    Rows ``{tp, b, l, t, seconds, predicted, rel_error, kind}``."""
     out = []
     rows = list(profile.decode)
     for i, r in enumerate(rows):
-        rest = rows[:i] + rows[i + 1 :]
-        if not any(x["tp"] == r["tp"] for x in rest):
+        ts = [x["t"] for x in rows if (x["tp"], x["b"]) == (r["tp"], r["b"]) and x is not r]
+        if not ts or not min(ts) < r["t"] < max(ts):
             continue
-        p = Predictor(dataclasses.replace(profile, decode=tuple(rest)))
+        p = Predictor(dataclasses.replace(profile, decode=tuple(rows[:i] + rows[i + 1 :])))
         pred = float(p.step_seconds(r["tp"], r["b"], r["t"]))
         rel = abs(pred - r["seconds"]) / max(r["seconds"], 1e-12)
-        out.append(dict(r, predicted=pred, rel_error=rel))
+        out.append(dict(r, predicted=pred, rel_error=rel, kind="t"))
+    for tp in sorted({x["tp"] for x in rows}):
+        levels = sorted({x["b"] for x in rows if x["tp"] == tp})
+        for b in levels[1:-1]:
+            rest = tuple(x for x in rows if (x["tp"], x["b"]) != (tp, b))
+            p = Predictor(dataclasses.replace(profile, decode=rest))
+            for r in rows:
+                if (r["tp"], r["b"]) != (tp, b):
+                    continue
+                pred = float(p.step_seconds(tp, b, r["t"]))
+                rel = abs(pred - r["seconds"]) / max(r["seconds"], 1e-12)
+                out.append(dict(r, predicted=pred, rel_error=rel, kind="b"))
     return out
 
 
@@ -556,6 +595,14 @@ class PatController:
         self._t0 = time.perf_counter()
         self.timeline = []
         self.history.append(self.timeline)
+
+    def adopt(self, engine, compiled: Sequence[tuple[int, int, int]] = ()) -> None:
+        """Starts tracking ``engine`` whose programs for the (dp, tp, slots) shapes in
+        ``compiled`` exist already (e.g. the profile was taken on it:
+        ``dtarl.bench.pat_profile.profile_engine(..., engine=engine)``), so switching
+        into them is not charged a compile."""
+        self._engine = engine
+        self._cached = {(int(a), int(b), int(c)) for a, b, c in compiled}
 
     def cached(self, dp: int, tp: int, slots: int) -> bool:
         return (dp, tp, slots) in self._cached
