@@ -183,18 +183,26 @@ class CallRecorder:
         return None if self.then is None else self.then(engine, weights)
 
 
-def real_errors(
+def predict_calls(
     predictor: pat.Predictor, rows: Sequence[dict[str, Any]], config: ContinuousConfig
-) -> list[float]:
-    """Relative error of each recorded call's predicted seconds (steps x the predicted
-    seconds per step of its program)."""
+) -> np.ndarray:
+    """Each recorded call's predicted seconds: steps x the predicted seconds per step of
+    its program (B = slots / dp, T = (Q M P + slots x window) / dp)."""
     cells = config.prompt_slots * config.group_size
     out = []
     for r in rows:
         t = (cells * config.prompt_len + r["slots"] * r["window"]) / r["dp"]
-        pred = r["steps"] * float(predictor.step_seconds(r["tp"], r["slots"] / r["dp"], t))
-        out.append(abs(pred - r["seconds"]) / max(r["seconds"], 1e-12))
-    return out
+        out.append(r["steps"] * float(predictor.step_seconds(r["tp"], r["slots"] / r["dp"], t)))
+    return np.asarray(out, np.float64)
+
+
+def real_errors(
+    predictor: pat.Predictor, rows: Sequence[dict[str, Any]], config: ContinuousConfig
+) -> list[float]:
+    """Relative error of each recorded call's predicted seconds (``predict_calls``)."""
+    pred = predict_calls(predictor, rows, config)
+    real = np.asarray([r["seconds"] for r in rows], np.float64)
+    return (np.abs(pred - real) / np.maximum(real, 1e-12)).tolist()
 
 
 def _sampler(model, cfg: PatBenchConfig, mesh) -> ContinuousSampler:
@@ -343,9 +351,13 @@ def run(
                 )
             )
         rows.append(row)
-    full, every, pat_errs = [], [], []
+    full, every, pat_errs, gens = [], [], [], []
     for n in names:
         for x in samples[n]:
+            if x["calls"]:  # the generation's decode seconds, predicted call by call
+                real = sum(c["seconds"] for c in x["calls"])
+                pred = float(predict_calls(predictor, x["calls"], ccfg).sum())
+                gens.append(abs(pred - real) / max(real, 1e-12))
             errs = real_errors(predictor, x["calls"], ccfg)
             every += errs
             if n == "pat":
@@ -375,6 +387,8 @@ def run(
             real_all_mean_rel_error=mean(every),
             real_all_calls=len(every),
             real_pat_mean_rel_error=mean(pat_errs),
+            real_generation_mean_rel_error=mean(gens),
+            real_generations=len(gens),
             profile_cv=float(np.median(cvs)) if cvs else math.nan,
             profile_s=profile_s,
         )
@@ -446,7 +460,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             f"between slot levels); real decode calls {pred['real_mean_rel_error']:.1%} "
             f"({pred['real_calls']} full calls of the static runs), "
             f"{pred['real_all_mean_rel_error']:.1%} over all {pred['real_all_calls']} "
-            f"calls (PAT's {pred['real_pat_mean_rel_error']:.1%}); profile timing noise "
+            f"calls (PAT's {pred['real_pat_mean_rel_error']:.1%}); the decode seconds of "
+            f"whole generations {pred['real_generation_mean_rel_error']:.1%} "
+            f"({pred['real_generations']} generations); profile timing noise "
             f"(median CV of identical steps) {pred['profile_cv']:.1%}"
         )
     return out
@@ -543,6 +559,7 @@ __all__ = [
     "json_rows",
     "pat_tiny",
     "plot",
+    "predict_calls",
     "real_errors",
     "run",
     "workload_lengths",

@@ -6,15 +6,17 @@ requests into fewer slots) between two decode calls. This module decides *when*
 and *to what*:
 
 * **Profile** (``dtarl.bench.pat_profile.profile_engine``; ``dtarl bench rollout
-  --profile OUT.json``; the JSON format and its checks are ``Profile`` here):
-  for each TP in {1, 2, 4, 8} that divides the kv heads and D, on a sparse grid of
-  (B, L) with B * L <= ``token_cap`` (B: requests per DP group, L: context tokens
-  per request): one prefill of B * dp dummy prompts of L tokens, then a short decode
-  window (median per-step seconds over the calls that compiled nothing); the
-  prefill's seconds on the same grid; the weight-reshard and K/V-move bandwidths
-  (``jax.device_put`` between the shardings of two meshes); the seconds of one
-  decode compile. The JSON records the model, the device kind, the jax version and
-  the mesh axes (``Profile.save`` / ``Profile.load``).
+  --profile OUT.json``; the JSON format and its checks are ``Profile`` here): the
+  engine's own decode programs for one engine config, for each TP in {1, 2, 4, 8}
+  that divides the kv heads and D: B = slots per DP group on the levels the
+  engine's slot merge reaches, L = the response window of the call (R/4, R/2, R);
+  per point one prefill then R forced decode steps on dummy tokens, the median
+  per-step seconds over the full calls that compiled nothing (and their
+  coefficient of variation, ``cv``); the prefill's seconds; the weight-reshard and
+  K/V-move bandwidths (``jax.device_put`` between the shardings of two meshes); the
+  seconds of one point's compiles. The JSON records the model, the engine config,
+  the device kind, the jax version and the mesh axes (``Profile.save`` /
+  ``Profile.load``).
 * **Predictor** (``Predictor``): per-step latency ``l(B, T; tp)`` with T the
   aggregate context tokens *per DP group*: piecewise linear in T for every
   profiled B (below the smallest profiled T its value; above the largest T the last
@@ -24,30 +26,34 @@ and *to what*:
   Latency is taken never to fall with more tokens or a larger batch outside the
   grid, so a noisy negative slope is not extrapolated. ``est_rem_time`` sums it
   over the remaining steps as the context grows (Alg. 1's ``est_rem_time``).
-  ``leave_one_out`` reports the error on held-out grid points.
+  ``leave_one_out`` reports the error on held-out points inside the grid (between
+  windows of one B; between B levels).
 * **Switch cost** (``switch_cost``): weight bytes / reshard bandwidth +
   min(T_move, T_recomp) + a compile when the target program is not cached.
   T_move is Eq. 1-2 (valid K/V bytes per source rank / per-rank bandwidth),
-  T_recomp Eq. 3-4 (profiled prefill at the RMS context length).
+  T_recomp Eq. 3-4 (profiled prefill at the RMS context length). A switch that
+  keeps the TP (compaction into fewer slots) has no weight term.
 * **Controller** (``PatController``; Alg. 1): every ``check_every`` decode calls,
   when no request waits, it compares the predicted remaining time now with the
   remaining time + switch cost of every candidate TP (the live requests merged
-  into the fewest slots the target DP spreads evenly) and switches to the best one
-  when it is lower. It can switch several times per generation, records a
+  into the fewest slots the target DP spreads evenly; the current TP counts too,
+  compacted into fewer slots without moving the weights) and switches to the best
+  one when it is lower. It can switch several times per generation, records a
   timeline, and plugs in as the engine's ``on_call`` hook.
 
 *What B and T mean on this engine.* A decode program computes every slot and
-reads padded K/V: the whole prompt pool (Q prompt rows x M members x P rows, the
-cascade's prompt part) and every slot's response rows up to the call's window. So
-its cost depends on the program's shape, not on how many slots are still active:
-the controller predicts with B = slots / dp and T = (Q M P + slots x window) / dp,
-the rows one DP group's program reads per step. The profile's programs are built
-so that the same definition holds there (one member per prompt: T = B (L + W)
-with W the profile's response window). The *paper's* B and T (active requests and
-their summed contexts, ``stats()['active_per_step']`` / ``['context_per_step']``)
-are what ``replay`` feeds a saved profile, to predict the gain on an engine whose
-step cost follows the active batch (e.g. a GPU server); that is a prediction and
-is labelled so.
+reads padded K/V: the prompt part of the cascade (Q prompt rows x M members x P
+rows) and every slot's response rows up to the call's window. So its cost depends
+on the program's shape, not on how many slots are still active: the controller
+predicts with B = slots / dp and T = (Q M P + slots x window) / dp, the rows one DP
+group's program reads per step, and the profile times exactly these programs (T
+of a profiled point is defined the same way), so a generation's call lands on a
+profiled (B, T) point or between two. Profile the engine config the run uses: a
+profile of other shapes is interpolated and extrapolated from programs the run
+never executes. The *paper's* B and T (active requests and their summed contexts,
+``stats()['active_per_step']`` / ``['context_per_step']``) are what ``replay``
+feeds a saved profile, to predict the gain on an engine whose step cost follows
+the active batch (e.g. a GPU server); that is a prediction and is labelled so.
 """
 
 from __future__ import annotations
@@ -387,7 +393,8 @@ def switch_cost(
     compile (when the target program is not ``cached``)."""
     prof = predictor.profile
     dp_dst = prof.devices // tp_dst
-    weights_s = prof.weight_bytes / prof.weights_bytes_per_s
+    # The same TP (compaction into fewer slots) keeps the weights where they are.
+    weights_s = 0.0 if tp_dst == tp_src else prof.weight_bytes / prof.weights_bytes_per_s
     ctx = np.asarray(contexts, np.float64)
     if ctx.size == 0:
         return SwitchCost(weights_s, 0.0, 0.0, 0.0 if cached else prof.compile_s)
@@ -496,11 +503,13 @@ def decide(
     if state.waiting or state.lengths.size == 0:
         return best
     contexts = state.prompts + state.lengths
-    for tp in candidates:
-        if tp == state.tp:
-            continue
+    # The current TP is a candidate too, with the live requests compacted into fewer
+    # slots (no weight move).
+    for tp in sorted(set(candidates) | {state.tp}):
         dp = state.devices // tp
         slots = merged_slots(live, dp, state.max_slots)
+        if tp == state.tp and slots >= state.slots:
+            continue
         rem = engine_rem_time(predictor, state, tp, slots)
         cost = switch_cost(
             predictor,
@@ -512,7 +521,7 @@ def decide(
         if compile_reuse > 1:
             cost = dataclasses.replace(cost, compile_s=cost.compile_s / compile_reuse)
         total = rem + cost.total
-        best.candidates[tp] = total
+        best.candidates[tp] = min(total, best.candidates.get(tp, total))
         if total < best.best_s:
             best = Decision(tp, slots, cost.mode, now, total, cost, best.candidates)
     return best

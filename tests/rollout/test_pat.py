@@ -180,9 +180,16 @@ def test_controller_switches_when_tp_pays_and_not_when_it_does_not():
     # Never with a waiting request (the tail only), nor with nothing live.
     assert not pat.decide(p, _state(1, 64, [40], [200], waiting=True), (1, 8)).switch
     assert not pat.decide(p, _state(1, 64, [], []), (1, 8)).switch
-    # A profile where tp 1 is always fastest: no switch.
+    # A profile where tp 1 is always fastest: no TP switch, but the 3 live requests are
+    # compacted from 64 slots (B = 8) into 8 (B = 1) at tp 1, weights unmoved.
     slow_tp = pat.Predictor(make_profile(lambda tp, b, t: 1e-3 * tp + 1e-4 * b + 1e-7 * t))
-    assert not pat.decide(slow_tp, st, (1, 2, 4, 8)).switch
+    d = pat.decide(slow_tp, st, (1, 2, 4, 8))
+    assert d.switch and (d.tp, d.slots) == (1, 8) and d.cost.weights_s == 0
+    assert d.candidates[1] == d.best_s < d.now_s
+    # Compaction is weighed like a TP switch: with a slot count that costs the same,
+    # nothing pays for the K/V move.
+    flat_b = pat.Predictor(make_profile(lambda tp, b, t: 1e-3 * tp + 1e-7 * t))
+    assert not pat.decide(flat_b, st, (1, 2, 4, 8)).switch
     # A switch that would pay but for a large cost (an uncached compile) is not made.
     costly = pat.Predictor(make_profile(tp_pays_small, compile_s=1e6))
     assert not pat.decide(costly, _state(1, 64, [40], [20], cached=False), (1, 8)).switch
@@ -193,7 +200,10 @@ def test_controller_switches_when_tp_pays_and_not_when_it_does_not():
 
 
 def test_controller_switches_several_times():
-    # Large batches favour tp 1, small ones tp 8: as requests finish the choice moves up.
+    # Large batches per DP group favour tp 1, small ones a larger TP: as requests finish
+    # the choice moves. 12 live: compacted at tp 1 into 16 slots (B 2: 0.014 s a step,
+    # tp 2 at B 4 would cost 0.021); 2 live: tp 2 in 4 slots (B 1: 0.009 s; tp 1 in 8
+    # slots 0.012, tp 4 in 2 slots 0.0105).
     p = pat.Predictor(make_profile(tp_pays_small, bs=(1, 2, 4, 8, 16, 32)))
     tp, slots, picks = 1, 64, []
     for live in (64, 12, 2):
@@ -201,8 +211,8 @@ def test_controller_switches_several_times():
         d = pat.decide(p, st, (1, 2, 4, 8))
         if d.switch:
             tp, slots = d.tp, d.slots
-        picks.append(tp)
-    assert picks[0] == 1 and picks[1] > 1 and picks[2] > picks[1]
+        picks.append((tp, slots))
+    assert picks == [(1, 64), (1, 16), (2, 4)]
 
 
 def test_engine_rem_time_follows_windows():
@@ -338,8 +348,10 @@ def test_e2e_controller_switches_and_keeps_greedy_tokens(tiny):
     ctl.begin()
     got = _generate(model, weights, on_call=ctl)
     steps = [(e["src"][1], e["dst"][1], e["mode"]) for e in ctl.timeline]
-    assert steps == [(1, 2, "migrate"), (2, 4, "recompute")], steps
-    assert [e["info"]["mode"] for e in ctl.timeline] == ["migrate", "recompute"]
+    # tp 1 -> 2, then at tp 2 the live requests compacted into fewer slots, then -> 4.
+    assert steps == [(1, 2, "migrate"), (2, 2, "migrate"), (2, 4, "recompute")], steps
+    assert ctl.timeline[1]["dst"][2] < ctl.timeline[1]["src"][2]
+    assert [e["info"]["mode"] for e in ctl.timeline] == ["migrate", "migrate", "recompute"]
     assert all(e["predicted_gain_s"] > 0 for e in ctl.timeline)
     ref = _generate(model, weights)
     for (t, lp), (t_ref, lp_ref) in zip(got, ref, strict=True):
