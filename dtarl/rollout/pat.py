@@ -219,13 +219,17 @@ class Profile:
 # ----------------------------------------------------------------------------- predictor
 
 
-def _pwl(x, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+def _pwl(x, xs: np.ndarray, ys: np.ndarray, *, through_zero: bool = False) -> np.ndarray:
     """Piecewise linear through (xs, ys) (sorted, distinct). Below the first point: its
     value; above the last: the last segment's slope if positive, else flat (latency
     never falls with more tokens, so a noisy negative slope is not extended). A single
-    point is a constant."""
+    point is a constant, or with ``through_zero`` proportional above it (the prefill
+    of an engine profile, timed at the engine's one prompt length: its seconds grow
+    with the tokens)."""
     x = np.asarray(x, np.float64)
     if xs.size == 1:
+        if through_zero:
+            return ys[0] * np.maximum(x, xs[0]) / xs[0]
         return np.full(x.shape, ys[0])
     y = np.interp(x, xs, ys)  # constant outside [xs[0], xs[-1]]
     s1 = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
@@ -248,18 +252,21 @@ def _curves(rows, key: str) -> dict[int, dict[int, tuple[np.ndarray, np.ndarray]
     return out
 
 
-def _in_b(curves: dict[int, tuple[np.ndarray, np.ndarray]], b: float, x) -> np.ndarray:
+def _in_b(
+    curves: dict[int, tuple[np.ndarray, np.ndarray]], b: float, x, *, through_zero: bool = False
+) -> np.ndarray:
     """Interpolates the per-B curves at batch ``b`` (module docstring: the smallest B's
     curve below it, linear between neighbours, above the largest B the two largest
     B's slope if positive, else the largest B's curve)."""
     bs = sorted(curves)
     if len(bs) == 1 or b <= bs[0]:
-        return _pwl(x, *curves[bs[0]])
+        return _pwl(x, *curves[bs[0]], through_zero=through_zero)
     if b in curves:
-        return _pwl(x, *curves[int(b)])
+        return _pwl(x, *curves[int(b)], through_zero=through_zero)
     i = int(np.searchsorted(bs, b))
     lo, hi = (bs[-2], bs[-1]) if i >= len(bs) else (bs[i - 1], bs[i])
-    ylo, yhi = _pwl(x, *curves[lo]), _pwl(x, *curves[hi])
+    ylo = _pwl(x, *curves[lo], through_zero=through_zero)
+    yhi = _pwl(x, *curves[hi], through_zero=through_zero)
     if b > hi:
         return yhi + np.maximum(yhi - ylo, 0.0) * (b - hi) / (hi - lo)
     return ylo + (yhi - ylo) * (b - lo) / (hi - lo)
@@ -287,9 +294,10 @@ class Predictor:
         return _in_b(self._decode[tp], float(b), t)
 
     def prefill_seconds(self, tp: int, b: float, length) -> np.ndarray:
-        """Seconds of a prefill of ``b`` prompts of ``length`` tokens per DP group."""
+        """Seconds of a prefill of ``b`` prompts of ``length`` tokens per DP group (a B
+        profiled at one length only: proportional to ``length`` above it)."""
         self._check(self._prefill, tp, "prefill_seconds")
-        return _in_b(self._prefill[tp], float(b), length)
+        return _in_b(self._prefill[tp], float(b), length, through_zero=True)
 
     def est_rem_time(
         self,

@@ -141,6 +141,17 @@ def test_switch_cost_by_hand():
     assert c.total == pytest.approx(c.weights_s + min(c.move_s, c.recompute_s) + 0.5)
     cached = pat.switch_cost(p, tp_src=2, tp_dst=8, contexts=contexts, cached=True)
     assert cached.compile_s == 0 and cached.total == pytest.approx(c.total - 0.5)
+    # Compaction at the same TP moves no weights.
+    same = pat.switch_cost(p, tp_src=2, tp_dst=2, contexts=contexts, cached=True)
+    assert same.weights_s == 0 and same.move_s == pytest.approx(per_rank / 1e6)
+    # An engine profile times the prefill at one prompt length (8 here): above it the
+    # seconds grow in proportion to the tokens, below it they stay.
+    one = pat.Predictor(
+        dataclasses.replace(prof, prefill=tuple(r for r in prof.prefill if r["l"] == 8))
+    )
+    y = 1e-3 * 4 * 8 / 2  # tp 2, B 4, l 8
+    assert float(one.prefill_seconds(2, 4, 32)) == pytest.approx(y * 4, 1e-12)
+    assert float(one.prefill_seconds(2, 4, 2)) == pytest.approx(y, 1e-12)
 
 
 def _state(tp, slots, lengths, remaining, *, waiting=False, cached=True):
