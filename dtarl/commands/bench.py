@@ -333,11 +333,18 @@ def _profile(args: argparse.Namespace, model: ModelConfig) -> int:
     prof = pat_profile.profile_engine(m, nnx.split(m, nnx.Param)[1], grid, say=print)
     path = prof.save(args.profile)
     errs = pat.leave_one_out(prof)
-    mean = sum(e["rel_error"] for e in errs) / max(len(errs), 1)
+    held = (
+        f"held-out mean relative error {sum(e['rel_error'] for e in errs) / len(errs):.1%} "
+        f"({len(errs)} points inside the grid)"
+        if errs
+        else "no point inside the grid to hold out (3 windows or 3 slot levels needed)"
+    )
+    cvs = sorted(r["cv"] for r in prof.decode if "cv" in r)
     print(
         f"profile: {len(prof.decode)} decode points, {prof.devices} x {prof.device_kind}; "
-        f"held-out mean relative error {mean:.1%}; weights {prof.weights_bytes_per_s / 1e9:.2f} "
-        f"GB/s, K/V {prof.kv_bytes_per_s / 1e9:.2f} GB/s per rank; compile {prof.compile_s:.2f} s"
+        f"{held}; timing noise (median CV) {cvs[len(cvs) // 2] if cvs else 0:.1%}; weights "
+        f"{prof.weights_bytes_per_s / 1e9:.2f} GB/s, K/V {prof.kv_bytes_per_s / 1e9:.2f} GB/s "
+        f"per rank; compile {prof.compile_s:.2f} s"
     )
     print(f"total {time.perf_counter() - t0:.1f} s\nwrote {path}")
     return 0
