@@ -31,9 +31,12 @@ The predictor is checked twice: on held-out points inside the profile grid
 generations (its seconds predicted from the program it ran: slots, mesh, window;
 ``real_mean_rel_error`` over the static configurations' full calls, the calls that
 ran ``steps_per_call`` steps like the profiled ones; ``real_all_mean_rel_error`` with
-each generation's last, shorter call and PAT's calls too). ``profile_cv`` is the
-median coefficient of variation of the profiled steps: the timing noise of identical
-calls, a floor for any predictor.
+each generation's last, shorter call and PAT's calls too;
+``real_generation_mean_rel_error`` over whole generations' decode seconds).
+``profile_cv`` is the median coefficient of variation of identical profiled steps
+over the minutes of profiling, ``generation_cv`` that of identical calls inside one
+generation: on a shared machine the first is background load coming and going,
+which the profile's fastest-step statistic leaves out.
 
 ``--profile PATH`` loads a saved profile instead of profiling. ``--replay-profile
 PROFILE.json`` feeds the ``tp1`` generation's (B, T) trajectory to another saved
@@ -341,6 +344,9 @@ def run(
             warm_latency_s=warm[n]["latency_s"],
             compiled_in_warmup=warm[n]["compiled"],
             compiled_after_warmup=int(sum(x["compiled"] for x in runs)),
+            # The median run's recorded calls, their seconds as the profile predicts them.
+            calls_s=float(sum(c["seconds"] for c in best["calls"])),
+            calls_predicted_s=float(predict_calls(predictor, best["calls"], ccfg).sum()),
         )
         if n == "pat":
             row["timeline"] = best["timeline"]
@@ -369,6 +375,15 @@ def run(
                     if c["steps"] == cfg.steps_per_call
                 ]
     cvs = [r["cv"] for r in prof.decode if "cv" in r]
+    within = []  # CV of identical calls (same program, full) inside one timed generation
+    for n in names:
+        for x in samples[n]:
+            same: dict[tuple, list[float]] = {}
+            for c in x["calls"]:
+                if c["steps"] == cfg.steps_per_call:
+                    key = (c["dp"], c["tp"], c["slots"], c["window"])
+                    same.setdefault(key, []).append(c["seconds"])
+            within += [float(np.std(v) / np.mean(v)) for v in same.values() if len(v) >= 3]
 
     def mean(xs) -> float:
         return float(np.mean(xs)) if len(xs) else math.nan
@@ -390,6 +405,7 @@ def run(
             real_generation_mean_rel_error=mean(gens),
             real_generations=len(gens),
             profile_cv=float(np.median(cvs)) if cvs else math.nan,
+            generation_cv=float(np.median(within)) if within else math.nan,
             profile_s=profile_s,
         )
     )
@@ -399,6 +415,18 @@ def run(
         model=dataclasses.asdict(model_cfg),
         workload=dict(source=source, lengths=lengths.tolist()),
         held_out=loo,
+        calls={
+            n: [
+                [
+                    dict(c, predicted=float(p))
+                    for c, p in zip(
+                        x["calls"], predict_calls(predictor, x["calls"], ccfg), strict=True
+                    )
+                ]
+                for x in samples[n]
+            ]
+            for n in names
+        },
         machine=machine_info(),
     )
     say("")
@@ -462,8 +490,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{pred['real_all_mean_rel_error']:.1%} over all {pred['real_all_calls']} "
             f"calls (PAT's {pred['real_pat_mean_rel_error']:.1%}); the decode seconds of "
             f"whole generations {pred['real_generation_mean_rel_error']:.1%} "
-            f"({pred['real_generations']} generations); profile timing noise "
-            f"(median CV of identical steps) {pred['profile_cv']:.1%}"
+            f"({pred['real_generations']} generations); timing noise (median CV of "
+            f"identical steps) {pred['profile_cv']:.1%} over the profile, "
+            f"{pred['generation_cv']:.1%} inside one generation"
         )
     return out
 

@@ -10,9 +10,10 @@ and *to what*:
   engine's own decode programs for one engine config, for each TP in {1, 2, 4, 8}
   that divides the kv heads and D: B = slots per DP group on the levels the
   engine's slot merge reaches, L = the response window of the call (R/4, R/2, R);
-  per point one prefill then R forced decode steps on dummy tokens, the median
-  per-step seconds over the full calls that compiled nothing (and their
-  coefficient of variation, ``cv``); the prefill's seconds; the weight-reshard and
+  per point one prefill then R forced decode steps on dummy tokens, the fastest
+  per-step seconds over the full calls that compiled nothing (background load only
+  adds time; their median and coefficient of variation, ``cv``, are kept); the
+  prefill's seconds; the weight-reshard and
   K/V-move bandwidths (``jax.device_put`` between the shardings of two meshes); the
   seconds of one point's compiles. The JSON records the model, the engine config,
   the device kind, the jax version and the mesh axes (``Profile.save`` /
@@ -104,8 +105,8 @@ class Profile:
     compile_s: float
     steps_per_call: int = 0  # decode steps per call of the profiled programs (0: unknown)
     # The engine config whose programs were profiled (ContinuousConfig's fields; empty:
-    # not recorded). Decode rows may carry ``cv`` (coefficient of variation of the timed
-    # steps) and ``n`` (how many).
+    # not recorded). Decode rows may carry ``median``, ``cv`` (coefficient of variation)
+    # and ``n`` (how many) of the timed steps whose fastest is ``seconds``.
     engine: dict[str, int] = dataclasses.field(default_factory=dict)
     notes: str = ""
 
@@ -191,7 +192,7 @@ class Profile:
                         f"got {r['tp']}",
                     )
                 row = {k: r[k] for k in ("tp", "b", "l", "t", "seconds")}
-                for k in ("cv", "n"):
+                for k in ("median", "cv", "n"):
                     if k not in r:
                         continue
                     x = r[k]

@@ -478,7 +478,9 @@ def test_profile_engine_times_the_engines_own_programs(tiny, tmp_path):
         (2, 2, 16, 48),
     ]
     assert [(r["tp"], r["b"], r["l"]) for r in prof.prefill] == [(1, 1, 8), (2, 1, 8), (2, 2, 8)]
-    assert all(r["seconds"] > 0 and r["n"] >= 1 and r["cv"] >= 0 for r in prof.decode)
+    assert all(
+        0 < r["seconds"] <= r["median"] and r["n"] >= 1 and r["cv"] >= 0 for r in prof.decode
+    )
     assert prof.devices == 8 and prof.mesh_axes == ("dp", "tp") and prof.steps_per_call == 4
     assert prof.engine["slots"] == 8 and prof.engine["group_size"] == 4 and prof.window == 16
     assert prof.weights_bytes_per_s > 0 and prof.kv_bytes_per_s > 0 and prof.compile_s >= 0
