@@ -259,6 +259,12 @@ def run(
                 f"this run has {d}"
             )
         say(f"pat bench: profile {profile} ({prof.device_kind}, {len(prof.decode)} points)")
+        want = {k: int(v) for k, v in dataclasses.asdict(ccfg).items()}
+        if prof.engine and prof.engine != want:
+            say(
+                f"  note: the profile timed the engine {prof.engine}, this run's is {want}: "
+                "its calls are predicted by interpolation from other programs"
+            )
     else:
         grid = dataclasses.replace(cfg.grid, engine=ccfg, tps=tuple(tps))
         say(f"pat bench: profiling {d} devices, (tp, slots) {grid.points(d)}")
