@@ -12,24 +12,36 @@ lognormal stand-ins without the traces), all admitted at once
 Configurations, side by side: static ``tp1``, ``tp2``, ``tp4``, ``tp8`` (those
 dividing D and the kv heads) and ``pat``: starts at ``start_tp`` and lets the
 controller (Algorithm 1, every ``check_every`` decode calls) switch the mesh and
-compact the live requests. Every configuration runs one untimed generation first
-(compiles; PAT's switch targets too; the controller counts a target's compile
-seconds / ``compile_reuse``, the generations of a run expected to reuse it), then
+compact the live requests. All of them run on ONE engine (built on the ``start_tp``
+mesh): a static ``tpN`` generation starts after an idle reshard onto (D/N, N), which
+moves nothing but the weights and compiles nothing. The profile is taken on that same
+engine first (``dtarl.bench.pat_profile.profile_engine(..., engine=...)``: the grid is
+the engine's own (slots, window) programs), so it compiles the programs the
+generations run, PAT's merged-slot targets on the profiled levels included, and the
+generations compile little more. Every configuration then runs one untimed generation
+(it compiles what the profile did not: with ``--profile PATH``, everything), then
 ``rounds`` timed ones in alternating order; the median wall-clock seconds is
-``latency_s``. The per-stage breakdown:
-``decode_s`` (the engine's decode calls), ``switch_s`` (weight reshard),
-``kv_s`` (K/V migrate or recompute), ``other_s`` (prefill, host scheduling, the
-rest). PAT's greedy tokens are checked against ``tp1``'s (``tokens_match``).
+``latency_s``. The per-stage breakdown: ``decode_s`` (the engine's decode calls),
+``switch_s`` (weight reshard), ``kv_s`` (K/V migrate or recompute), ``other_s``
+(prefill, host scheduling, the rest). PAT's greedy tokens are checked against
+``tp1``'s (``tokens_match_tp1``).
 
-The predictor is checked twice: leave-one-out over the profile grid
-(``mean_rel_error``) and on the static generations (each decode call's seconds
-predicted from its program shape, ``real_mean_rel_error``).
+The predictor is checked twice: on held-out points inside the profile grid
+(``mean_rel_error``; ``pat.leave_one_out``) and on every decode call of the timed
+generations (its seconds predicted from the program it ran: slots, mesh, window;
+``real_mean_rel_error`` over the static configurations' full calls, the calls that
+ran ``steps_per_call`` steps like the profiled ones; ``real_all_mean_rel_error`` with
+each generation's last, shorter call and PAT's calls too;
+``real_generation_mean_rel_error`` over whole generations' decode seconds).
+``profile_cv`` is the median coefficient of variation of identical profiled steps
+over the minutes of profiling, ``generation_cv`` that of identical calls inside one
+generation: on a shared machine the first is background load coming and going,
+which the profile's fastest-step statistic leaves out.
 
-The profile is taken first (``dtarl.bench.pat_profile.profile_engine``; ``--profile
-PATH`` loads a saved one instead). ``--replay-profile PROFILE.json`` feeds the
-``tp1`` generation's (B, T) trajectory to another saved profile (e.g. one taken on
-a GPU machine) and prints the latency it PREDICTS there per static TP and with PAT;
-that is a prediction, not a measurement.
+``--profile PATH`` loads a saved profile instead of profiling. ``--replay-profile
+PROFILE.json`` feeds the ``tp1`` generation's (B, T) trajectory to another saved
+profile (e.g. one taken on a GPU machine) and prints the latency it PREDICTS there per
+static TP and with PAT; that is a prediction, not a measurement.
 
 On simulated CPU devices every "device" shares the same cores, so TP may never
 pay off; then the controller does not switch, which is a valid result.
@@ -40,7 +52,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +114,8 @@ class PatBenchConfig:
 
     @classmethod
     def quick(cls, **overrides) -> PatBenchConfig:
-        """``--quick``: a smaller batch, shorter responses, one timed round, a CPU grid."""
+        """``--quick``: a smaller batch, shorter responses, one timed round, a CPU grid
+        (3 slot levels per TP, 2 timed repeats)."""
         base = dict(
             prompts=8,
             group_size=4,
@@ -112,6 +126,19 @@ class PatBenchConfig:
         )
         base.update(overrides)
         return cls(**base)
+
+    def engine_config(self) -> ContinuousConfig:
+        """The engine every configuration runs on (and the profile's programs)."""
+        n = self.prompts * self.group_size
+        return ContinuousConfig(
+            slots=n,
+            groups=self.prompts,
+            group_size=self.group_size,
+            prompt_len=self.prompt_len,
+            response_len=self.max_new_tokens,
+            steps_per_call=self.steps_per_call,
+            prefill_batch=self.prompts,
+        )
 
 
 def workload_lengths(
@@ -134,62 +161,56 @@ def workload_lengths(
 
 
 class CallRecorder:
-    """An ``on_call`` hook that records each decode call with the program shape it ran
-    (slots, dp, tp and the window, which the engine picks from the longest running
-    request before the call), to predict its seconds afterwards."""
+    """An ``on_call`` hook that records each decode call that compiled nothing with the
+    program it ran (slots, dp, tp, and the response window the engine recorded), to
+    predict its seconds afterwards. ``then``: a hook to call after recording (e.g. PAT's
+    controller, which may switch the mesh for the next call)."""
 
-    def __init__(self, engine_config: ContinuousConfig):
-        self.config = engine_config
+    def __init__(self, then: Callable | None = None):
+        self.then = then
         self.reset()
 
     def reset(self) -> None:
         """Forgets the recorded calls (before a generation)."""
         self.rows: list[dict[str, Any]] = []
-        self._longest = 0  # before the next call
         self._seen = 0
 
     def __call__(self, engine, weights):
         v = engine.view()
-        c = self.config
-        need = self._longest + c.steps_per_call + 1
-        ws = pat.decode_windows(c.response_len)
-        window = next((w for w in ws if w >= need), ws[-1])
         if len(v.decode_calls) == self._seen + 1:  # this call compiled nothing
-            seconds, steps, *_ = v.decode_calls[-1]
+            seconds, steps, _, window = v.decode_calls[-1]
             self.rows.append(
                 dict(seconds=seconds, steps=steps, slots=v.slots, dp=v.dp, tp=v.tp, window=window)
             )
         self._seen = len(v.decode_calls)
-        self._longest = int(v.response_tokens.max()) if v.response_tokens.size else 0
-        return None
+        return None if self.then is None else self.then(engine, weights)
+
+
+def predict_calls(
+    predictor: pat.Predictor, rows: Sequence[dict[str, Any]], config: ContinuousConfig
+) -> np.ndarray:
+    """Each recorded call's predicted seconds: steps x the predicted seconds per step of
+    its program (B = slots / dp, T = (Q M P + slots x window) / dp)."""
+    cells = config.prompt_slots * config.group_size
+    out = []
+    for r in rows:
+        t = (cells * config.prompt_len + r["slots"] * r["window"]) / r["dp"]
+        out.append(r["steps"] * float(predictor.step_seconds(r["tp"], r["slots"] / r["dp"], t)))
+    return np.asarray(out, np.float64)
 
 
 def real_errors(
     predictor: pat.Predictor, rows: Sequence[dict[str, Any]], config: ContinuousConfig
 ) -> list[float]:
-    """Relative error of each recorded call's predicted seconds."""
-    cells = config.prompt_slots * config.group_size
-    out = []
-    for r in rows:
-        t = (cells * config.prompt_len + r["slots"] * r["window"]) / r["dp"]
-        pred = r["steps"] * float(predictor.step_seconds(r["tp"], r["slots"] / r["dp"], t))
-        out.append(abs(pred - r["seconds"]) / max(r["seconds"], 1e-12))
-    return out
+    """Relative error of each recorded call's predicted seconds (``predict_calls``)."""
+    pred = predict_calls(predictor, rows, config)
+    real = np.asarray([r["seconds"] for r in rows], np.float64)
+    return (np.abs(pred - real) / np.maximum(real, 1e-12)).tolist()
 
 
 def _sampler(model, cfg: PatBenchConfig, mesh) -> ContinuousSampler:
-    n = cfg.prompts * cfg.group_size
-    ccfg = ContinuousConfig(
-        slots=n,
-        groups=cfg.prompts,
-        group_size=cfg.group_size,
-        prompt_len=cfg.prompt_len,
-        response_len=cfg.max_new_tokens,
-        steps_per_call=cfg.steps_per_call,
-        prefill_batch=cfg.prompts,
-    )
     return ContinuousSampler(
-        model, ccfg, temperature=0.0, max_new_tokens=cfg.max_new_tokens, mesh=mesh
+        model, cfg.engine_config(), temperature=0.0, max_new_tokens=cfg.max_new_tokens, mesh=mesh
     )
 
 
@@ -223,7 +244,13 @@ def run(
         raise pat.PatError(f"bench pat: start_tp={cfg.start_tp} is not among the TP degrees {tps}")
     model = init_model(model_cfg, seed=0)
     _, weights = nnx.split(model, nnx.Param)
+    ccfg = cfg.engine_config()
+    # One engine for every configuration and the profile: one program cache.
+    sampler = _sampler(model, cfg, make_mesh(d // cfg.start_tp, cfg.start_tp))
+    engine = sampler.engine
+    compiled: list[tuple[int, int, int]] = []  # (dp, tp, slots) the profile compiled
 
+    t_prof = time.perf_counter()
     if profile is not None:
         prof = pat.Profile.load(profile)
         if prof.devices != d:
@@ -232,12 +259,20 @@ def run(
                 f"this run has {d}"
             )
         say(f"pat bench: profile {profile} ({prof.device_kind}, {len(prof.decode)} points)")
+        want = {k: int(v) for k, v in dataclasses.asdict(ccfg).items()}
+        if prof.engine and prof.engine != want:
+            say(
+                f"  note: the profile timed the engine {prof.engine}, this run's is {want}: "
+                "its calls are predicted by interpolation from other programs"
+            )
     else:
-        say(f"pat bench: profiling {d} devices, TP {tps}, grid {cfg.grid.points()}")
-        grid = dataclasses.replace(cfg.grid, tps=tuple(tps), steps_per_call=cfg.steps_per_call)
-        prof = pat_profile.profile_engine(model, weights, grid, say=say)
+        grid = dataclasses.replace(cfg.grid, engine=ccfg, tps=tuple(tps))
+        say(f"pat bench: profiling {d} devices, (tp, slots) {grid.points(d)}")
+        prof = pat_profile.profile_engine(model, weights, grid, engine=engine, say=say)
+        compiled = [(d // tp, tp, n) for tp, n in grid.points(d)]
         if profile_out is not None:
             say(f"  wrote {prof.save(profile_out)}")
+    profile_s = time.perf_counter() - t_prof
     predictor = pat.Predictor(prof)
     loo = pat.leave_one_out(prof)
     missing = [t for t in tps if t not in predictor.tps]
@@ -256,30 +291,29 @@ def run(
     )
     kwargs = dict(num_samples=cfg.group_size, seed=cfg.seed, forced_lengths=lengths.tolist())
     names = [f"tp{t}" for t in tps] + ["pat"]
-    samplers, hooks, recorders = {}, {}, {}
-    for t in tps:
-        s = _sampler(model, cfg, make_mesh(d // t, t))
-        samplers[f"tp{t}"] = s
-        recorders[f"tp{t}"] = hooks[f"tp{t}"] = CallRecorder(s.engine.config)
-    samplers["pat"] = _sampler(model, cfg, make_mesh(d // cfg.start_tp, cfg.start_tp))
-    # Compiles happen in PAT's untimed warm-up generation (as in an RL run's first
-    # iteration); the timed generations reuse them.
     controller = pat.PatController(
         predictor, candidates=tps, check_every=cfg.check_every, compile_reuse=cfg.compile_reuse
     )
-    hooks["pat"] = controller
+    controller.adopt(engine, compiled)
+    recorders = {n: CallRecorder(controller if n == "pat" else None) for n in names}
+
+    def at(tp: int) -> None:
+        """The idle engine onto (d / tp, tp) with every slot (moves the weights only)."""
+        v = engine.view()
+        if (v.dp, v.tp, v.slots) != (d // tp, tp, ccfg.slots):
+            engine.reshard((d // tp, tp), weights, slots=ccfg.slots, mode="recompute")
 
     samples: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     tokens: dict[str, Any] = {}
 
     def one(name: str) -> dict[str, Any]:
-        s = samplers[name]
+        at(cfg.start_tp if name == "pat" else int(name[2:]))
         if name == "pat":
             controller.begin()
-        else:
-            recorders[name].reset()
-        res = s.generate(weights, prompts, on_call=hooks[name], **kwargs)
-        st = s.engine.stats()
+        recorders[name].reset()
+        traces = sampler.trace_count
+        res = sampler.generate(weights, prompts, on_call=recorders[name], **kwargs)
+        st = engine.stats()
         tl = controller.timeline if name == "pat" else []
         switch_s = sum(e["info"].get("weights_s", 0.0) for e in tl)
         kv_s = sum(e["info"].get("kv_s", 0.0) for e in tl)
@@ -294,13 +328,13 @@ def run(
             other_s=latency - decode_s - switch_s - kv_s,
             switches=len(tl),
             decode_calls=int(st["decode_calls"]),
-            compiled=int(res.stats["trace_count"]),
+            compiled=sampler.trace_count - traces,
             timeline=[dict(e) for e in tl],
+            calls=list(recorders[name].rows),
         )
 
-    say("  warm-up generation per configuration (compiles)")
+    say("  warm-up generation per configuration (compiles what the profile did not)")
     warm = {n: one(n) for n in names}
-    traces_after_warm = {n: samplers[n].trace_count for n in names}
     for r in range(cfg.rounds):
         for n in alternating(r, names):
             samples[n].append(one(n))
@@ -314,7 +348,11 @@ def run(
             **{k: best[k] for k in ("decode_s", "switch_s", "kv_s", "other_s", "switches")},
             latency_samples=[x["latency_s"] for x in runs],
             warm_latency_s=warm[n]["latency_s"],
-            compiled_after_warmup=samplers[n].trace_count - traces_after_warm[n],
+            compiled_in_warmup=warm[n]["compiled"],
+            compiled_after_warmup=int(sum(x["compiled"] for x in runs)),
+            # The median run's recorded calls, their seconds as the profile predicts them.
+            calls_s=float(sum(c["seconds"] for c in best["calls"])),
+            calls_predicted_s=float(predict_calls(predictor, best["calls"], ccfg).sum()),
         )
         if n == "pat":
             row["timeline"] = best["timeline"]
@@ -325,16 +363,56 @@ def run(
                 )
             )
         rows.append(row)
-    errs = []
-    for n in names[:-1]:
-        errs += real_errors(predictor, recorders[n].rows, samplers[n].engine.config)
+    full, every, pat_errs, gens = [], [], [], []
+    for n in names:
+        for x in samples[n]:
+            if x["calls"]:  # the generation's decode seconds, predicted call by call
+                real = sum(c["seconds"] for c in x["calls"])
+                pred = float(predict_calls(predictor, x["calls"], ccfg).sum())
+                gens.append(abs(pred - real) / max(real, 1e-12))
+            errs = real_errors(predictor, x["calls"], ccfg)
+            every += errs
+            if n == "pat":
+                pat_errs += errs
+            else:
+                full += [
+                    e
+                    for e, c in zip(errs, x["calls"], strict=True)
+                    if c["steps"] == cfg.steps_per_call
+                ]
+    cvs = [r["cv"] for r in prof.decode if "cv" in r]
+    within = []  # CV of identical calls (same program, full) inside one timed generation
+    for n in names:
+        for x in samples[n]:
+            same: dict[tuple, list[float]] = {}
+            for c in x["calls"]:
+                if c["steps"] == cfg.steps_per_call:
+                    key = (c["dp"], c["tp"], c["slots"], c["window"])
+                    same.setdefault(key, []).append(c["seconds"])
+            within += [float(np.std(v) / np.mean(v)) for v in same.values() if len(v) >= 3]
+
+    def mean(xs) -> float:
+        return float(np.mean(xs)) if len(xs) else math.nan
+
     rows.append(
         dict(
             config="predictor",
-            mean_rel_error=float(np.mean([e["rel_error"] for e in loo])) if loo else math.nan,
+            mean_rel_error=mean([e["rel_error"] for e in loo]),
             held_out_points=len(loo),
-            real_mean_rel_error=float(np.mean(errs)) if errs else math.nan,
-            real_calls=len(errs),
+            held_out_t_error=mean([e["rel_error"] for e in loo if e["kind"] == "t"]),
+            held_out_t_points=sum(e["kind"] == "t" for e in loo),
+            held_out_b_error=mean([e["rel_error"] for e in loo if e["kind"] == "b"]),
+            held_out_b_points=sum(e["kind"] == "b" for e in loo),
+            real_mean_rel_error=mean(full),
+            real_calls=len(full),
+            real_all_mean_rel_error=mean(every),
+            real_all_calls=len(every),
+            real_pat_mean_rel_error=mean(pat_errs),
+            real_generation_mean_rel_error=mean(gens),
+            real_generations=len(gens),
+            profile_cv=float(np.median(cvs)) if cvs else math.nan,
+            generation_cv=float(np.median(within)) if within else math.nan,
+            profile_s=profile_s,
         )
     )
     result: dict[str, Any] = dict(
@@ -342,15 +420,28 @@ def run(
         config=dataclasses.asdict(cfg),
         model=dataclasses.asdict(model_cfg),
         workload=dict(source=source, lengths=lengths.tolist()),
+        held_out=loo,
+        calls={
+            n: [
+                [
+                    dict(c, predicted=float(p))
+                    for c, p in zip(
+                        x["calls"], predict_calls(predictor, x["calls"], ccfg), strict=True
+                    )
+                ]
+                for x in samples[n]
+            ]
+            for n in names
+        },
         machine=machine_info(),
     )
     say("")
     say(format_table(rows))
     if replay_profile is not None:
         other = pat.Predictor(pat.Profile.load(replay_profile))
-        s = samplers["tp1" if "tp1" in samplers else names[0]]
-        s.generate(weights, prompts, **kwargs)
-        st = s.engine.stats()
+        at(1 if 1 in tps else tps[0])
+        sampler.generate(weights, prompts, **kwargs)
+        st = engine.stats()
         rep = pat.replay(
             other,
             st["active_per_step"],
@@ -397,9 +488,17 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             out += f"\nPAT greedy tokens identical to tp1: {patrow['tokens_match_tp1']}"
     if pred is not None:
         out += (
-            f"\npredictor: held-out grid points mean relative error "
-            f"{pred['mean_rel_error']:.1%} ({pred['held_out_points']} points); real decode "
-            f"calls {pred['real_mean_rel_error']:.1%} ({pred['real_calls']} calls)"
+            f"\npredictor: held-out points inside the grid, mean relative error "
+            f"{pred['mean_rel_error']:.1%} ({pred['held_out_points']} points: "
+            f"{pred['held_out_t_error']:.1%} between windows, {pred['held_out_b_error']:.1%} "
+            f"between slot levels); real decode calls {pred['real_mean_rel_error']:.1%} "
+            f"({pred['real_calls']} full calls of the static runs), "
+            f"{pred['real_all_mean_rel_error']:.1%} over all {pred['real_all_calls']} "
+            f"calls (PAT's {pred['real_pat_mean_rel_error']:.1%}); the decode seconds of "
+            f"whole generations {pred['real_generation_mean_rel_error']:.1%} "
+            f"({pred['real_generations']} generations); timing noise (median CV of "
+            f"identical steps) {pred['profile_cv']:.1%} over the profile, "
+            f"{pred['generation_cv']:.1%} inside one generation"
         )
     return out
 
@@ -495,6 +594,7 @@ __all__ = [
     "json_rows",
     "pat_tiny",
     "plot",
+    "predict_calls",
     "real_errors",
     "run",
     "workload_lengths",

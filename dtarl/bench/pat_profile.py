@@ -1,7 +1,19 @@
 """PAT's offline profiler (``dtarl bench rollout --profile OUT.json``, ``dtarl bench pat``):
-decode-step and prefill latency of the rollout engine on a sparse (B, L) grid per TP,
-and the weight-reshard and K/V-move bandwidths, written as a ``dtarl.rollout.pat.Profile``
-that the predictor and the controller read (see ``dtarl.rollout.pat``'s docstring).
+decode-step and prefill latency of the rollout engine's own programs per TP, and the
+weight-reshard and K/V-move bandwidths, written as a ``dtarl.rollout.pat.Profile`` that
+the predictor and the controller read (see ``dtarl.rollout.pat``'s docstring).
+
+*The grid is the engine's program set.* A decode program's cost depends on its shape
+(slots, mesh, response window, the prompt pool), not on how many of its slots are still
+active, so the profiler times exactly the programs a generation runs: for one engine
+config (``ProfileGrid.engine``: Q prompt rows, M members, P prompt rows, R response
+rows, S slots at most), per TP, B = slots per DP group on the levels the engine's slot
+merge reaches (``merged_slots``: dp * 2^k up to S; ``levels`` of them, always the
+smallest and the largest), and the L axis is the response window of the call
+(``decode_windows(R)``: R/4, R/2, R). One point's T is the rows one DP group's program
+reads per step, (Q M P + slots x window) / dp. A generation that profiles the engine
+it then runs on (``profile_engine(..., engine=E)``) compiles nothing more: the profile
+compiled every program of the grid, on that engine.
 """
 
 from __future__ import annotations
@@ -25,41 +37,86 @@ from dtarl.timing import compile_seconds
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProfileGrid:
-    """The profiler's sparse grid: B (requests per DP group) x L (prompt tokens per
-    request), points with B * L <= ``token_cap``; ``window`` decode steps per point
-    (``steps_per_call`` per call: use the engine's own, since a call's fixed host and
-    dispatch cost is spread over its steps); ``repeats`` timed runs per point."""
+    """What the profiler times (module docstring). ``engine``: the engine config whose
+    programs are profiled (its ``steps_per_call`` too: a call's fixed host and
+    dispatch cost is spread over its steps). ``levels``: B levels per TP (0: every
+    level ``merged_slots`` reaches; otherwise the smallest, the largest and evenly
+    spaced ones between). ``repeats``: timed generations per point (each one prefill
+    and R forced decode steps)."""
 
-    bs: tuple[int, ...] = (1, 2, 4, 8, 16)
-    ls: tuple[int, ...] = (16, 64, 256, 1024)
-    token_cap: int = 4096
-    window: int = 32
-    steps_per_call: int = 8
+    engine: ContinuousConfig = dataclasses.field(
+        default_factory=lambda: ContinuousConfig(
+            slots=64,
+            groups=8,
+            group_size=8,
+            prompt_len=32,
+            response_len=256,
+            steps_per_call=8,
+            prefill_batch=8,
+        )
+    )
+    levels: int = 0
     repeats: int = 3
     tps: tuple[int, ...] = TP_DEGREES
 
     def __post_init__(self):
-        for name in ("bs", "ls", "tps"):
-            v = getattr(self, name)
-            if not v or any(not isinstance(x, int) or x < 1 for x in v):
-                raise PatError(f"ProfileGrid.{name}={v!r}: need ints >= 1")
-        for name in ("token_cap", "window", "steps_per_call", "repeats"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise PatError(f"ProfileGrid.{name}={v!r}: need an int >= 1")
-        if self.window < 16:
-            raise PatError(f"ProfileGrid.window={self.window}: need >= 16 (the engine's window)")
+        if not isinstance(self.engine, ContinuousConfig):
+            raise PatError(f"ProfileGrid.engine={self.engine!r}: need a ContinuousConfig")
+        if not self.tps or any(not isinstance(x, int) or x < 1 for x in self.tps):
+            raise PatError(f"ProfileGrid.tps={self.tps!r}: need ints >= 1")
+        if not isinstance(self.levels, int) or self.levels < 0:
+            raise PatError(f"ProfileGrid.levels={self.levels!r}: need an int >= 0 (0: all)")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise PatError(f"ProfileGrid.repeats={self.repeats!r}: need an int >= 1")
+        c = self.engine
+        if c.slots > c.prompt_slots * c.group_size:
+            raise PatError(
+                f"ProfileGrid.engine: slots={c.slots} > groups x group_size = "
+                f"{c.prompt_slots} x {c.group_size}: the profile admits every slot at once"
+            )
 
     @classmethod
     def quick(cls, **overrides) -> ProfileGrid:
-        """A CPU-sized grid (``--quick``)."""
-        base = dict(bs=(1, 16), ls=(16, 128), token_cap=2048, repeats=2)
+        """A CPU-sized grid (``--quick``): 3 B levels per TP, 2 timed repeats."""
+        base = dict(
+            engine=ContinuousConfig(
+                slots=32,
+                groups=8,
+                group_size=4,
+                prompt_len=16,
+                response_len=128,
+                steps_per_call=8,
+                prefill_batch=8,
+            ),
+            levels=3,
+            repeats=2,
+        )
         base.update(overrides)
         return cls(**base)
 
-    def points(self) -> list[tuple[int, int]]:
+    def slot_levels(self, dp: int) -> list[int]:
+        """Slot counts profiled at ``dp`` DP groups: dp * 2^k below the engine's slots, and
+        the slots (``levels`` of them when > 0)."""
+        cap = self.engine.slots
+        if cap % dp:
+            raise PatError(
+                f"ProfileGrid.engine.slots={cap} is not a multiple of dp={dp}: the slots "
+                "must spread evenly over the DP groups of every profiled TP"
+            )
+        chain, n = [], dp
+        while n < cap:
+            chain.append(n)
+            n *= 2
+        chain.append(cap)
+        if self.levels == 0 or self.levels >= len(chain):
+            return chain
+        idx = np.unique(np.round(np.linspace(0, len(chain) - 1, self.levels)).astype(int))
+        return [chain[i] for i in idx]
+
+    def points(self, devices: int) -> list[tuple[int, int]]:
+        """(tp, slots) per point."""
         return [
-            (b, ln) for b in sorted(self.bs) for ln in sorted(self.ls) if b * ln <= self.token_cap
+            (tp, s) for tp in self.tps if devices % tp == 0 for s in self.slot_levels(devices // tp)
         ]
 
 
@@ -72,59 +129,59 @@ def _tree_bytes(tree) -> int:
     )
 
 
-class _Point:
-    """One grid point's engine: B * dp slots, one member per prompt, prompt rows = L."""
+class _Profiler:
+    """Runs the points on one engine, resharded (idle) between them."""
 
-    def __init__(self, model, weights, mesh, b: int, length: int, grid: ProfileGrid, seed: int):
-        slots = b * mesh.shape["dp"]
-        cfg = ContinuousConfig(
-            slots=slots,
-            groups=slots,
-            group_size=1,
-            prompt_len=length,
-            response_len=grid.window,
-            steps_per_call=grid.steps_per_call,
-            prefill_batch=slots,
-        )
-        self.b, self.length, self.grid = b, length, grid
-        self.engine = RolloutEngine(model, cfg, mesh=mesh)
-        self.weights = self.engine.place(weights)
-        rng = np.random.default_rng([seed, b, length])
-        vocab = model.cfg.vocab_size
-        self.prompts = [rng.integers(1, vocab, length).tolist() for _ in range(slots)]
-        self.prefill: list[float] = []
-        self.steps: list[float] = []
-        c0 = compile_seconds()
-        self.run()  # compiles the prefill bucket and the decode window
-        self.compile_s = compile_seconds() - c0
+    def __init__(self, engine: RolloutEngine, weights, seed: int):
+        self.engine, self.weights = engine, weights
+        c = engine.config
+        self.rng = np.random.default_rng([seed, 7])
+        vocab = engine.cfg.vocab_size
+        self.prompts = [
+            self.rng.integers(1, vocab, c.prompt_len).tolist() for _ in range(c.prompt_slots)
+        ]
+        # (tp, slots) -> {"steps": {window: [s/step]}, "prefill": [s], "calls": [(s, steps)]}
+        self.data: dict[tuple[int, int], dict[str, Any]] = {}
 
-    def run(self) -> tuple[float, list[float]]:
-        """One prefill and ``window`` decode steps: (prefill seconds, seconds per step of
-        every full call)."""
-        eng, g = self.engine, self.grid
-        for p in self.prompts:
-            eng.submit(p, n=1, forced_lengths=[g.window], temperature=0.0)
-        eng.stats(reset=True)
+    def _idle_to(self, dp: int, tp: int, slots: int) -> None:
+        """Moves the idle engine to (dp, tp) and ``slots`` slots; nothing is live, so this
+        moves the weights and re-creates the empty pool (no compile)."""
+        e = self.engine
+        if e.mesh.devices.shape != (dp, tp) or e.view().slots != slots:
+            e.reshard((dp, tp), self.weights, slots=slots, mode="recompute")
+
+    def run(self, dp: int, tp: int, slots: int, *, timed: bool) -> None:
+        """One generation at the point: ``slots`` requests (spread over the prompt rows,
+        up to M each) forced to R tokens, admitted and prefilled at the engine's full
+        slot count, then (when ``slots`` is smaller) merged into ``slots`` slots, then
+        decoded to the end."""
+        e, c = self.engine, self.engine.config
+        self._idle_to(dp, tp, c.slots)
+        w = e.place(self.weights)
+        q = min(c.prompt_slots, slots)
+        counts = [slots // q + (i < slots % q) for i in range(q)]
+        for i, n in enumerate(counts):
+            e.submit(self.prompts[i], n=n, forced_lengths=[c.response_len] * n, temperature=0.0)
+        e.stats(reset=True)
         t0 = time.perf_counter()
-        eng.step(self.weights)  # admission, the prefill, the first decode call
+        e.step(w)  # admission, the prefill, the first decode call (at full slots)
         first = time.perf_counter() - t0
-        eng.run(self.weights)
-        calls = eng.stats()["calls"]
-        pre = first - calls[0][0] if calls else first
-        return pre, [sec / steps for sec, steps, *_ in calls if steps == g.steps_per_call]
-
-    def timed(self) -> None:
-        pre, per_step = self.run()
-        self.prefill.append(pre)
-        self.steps.extend(per_step)
-
-    def result(self) -> tuple[float, float]:
-        if not self.steps:
-            raise PatError(
-                f"profile: no full decode call at b={self.b}, l={self.length} "
-                f"(window {self.grid.window}, steps_per_call {self.grid.steps_per_call})"
-            )
-        return float(np.median(self.steps)), float(np.median(self.prefill))
+        calls0 = list(e.stats()["calls"])
+        skip = len(calls0)
+        if slots < c.slots:
+            w, _ = e.reshard((dp, tp), w, slots=slots, mode="migrate")
+        else:
+            skip = 0
+        e.run(w)
+        if not timed:
+            return
+        d = self.data.setdefault((tp, slots), dict(steps={}, prefill=[], calls=[]))
+        if calls0:  # the first call compiled nothing: the rest of the round is the prefill
+            d["prefill"].append(first - calls0[0][0])
+        for sec, steps, _, window in e.stats()["calls"][skip:]:
+            d["calls"].append((sec, steps, window))
+            if steps == c.steps_per_call:
+                d["steps"].setdefault(window, []).append(sec / steps)
 
 
 def _bandwidths(weights, model_cfg, meshes: dict[int, Any]) -> tuple[float, float]:
@@ -160,49 +217,105 @@ def profile_engine(
     weights,
     grid: ProfileGrid | None = None,
     *,
+    engine: RolloutEngine | None = None,
     devices: Sequence[jax.Device] | None = None,
     seed: int = 0,
     say: Callable[[str], None] | None = None,
 ) -> Profile:
-    """Profiles the rollout engine on ``devices`` (default: all) for every TP of
-    ``grid.tps`` that divides the devices and the kv heads (module docstring).
+    """Profiles the rollout engine's programs (module docstring) for every TP of
+    ``grid.tps`` that divides the devices and the kv heads.
 
-    Per point: an engine of B * dp slots (one member per prompt, prompt rows = L)
-    and one untimed run (its compile seconds are recorded). Then ``repeats`` rounds,
-    each timing every point once (the order alternates between rounds, so a slow
-    stretch of the machine is spread over all points): one prefill and ``window``
-    forced decode steps. Decode = the median seconds per step of the calls that ran
-    ``steps_per_call`` steps; prefill = the first scheduling round's seconds less
-    its decode call's."""
+    ``engine``: profile on this engine (idle, on a mesh of the devices, its config
+    ``grid.engine``); its compiled programs are then the grid's, so a generation on it
+    compiles nothing more. Default: a new engine over ``devices`` (default all).
+
+    Per point (tp, slots): one untimed generation (compiles; the compile seconds are
+    recorded), then ``repeats`` rounds, each timing every point once (the order
+    alternates between rounds, so a slow stretch of the machine is spread over all
+    points). Decode: per response window, the fastest seconds per step of the calls
+    that ran ``steps_per_call`` steps (background load only adds time, so the fastest
+    is the program's own cost; ``median`` and ``cv``, their coefficient of variation,
+    record the spread); prefill: the median of the first scheduling round's seconds
+    less its decode call's."""
     grid = grid or ProfileGrid()
-    devs = list(jax.devices() if devices is None else devices)
+    c = grid.engine
+    if engine is not None:
+        if engine.mesh is None:
+            raise PatError("profile: the engine has no mesh (RolloutEngine(..., mesh=...))")
+        if engine.config != c:
+            raise PatError(
+                f"profile: the engine's config {engine.config} is not the grid's {c} "
+                "(ProfileGrid(engine=engine.config))"
+            )
+        if engine.pending():
+            raise PatError("profile: the engine has requests in flight (profile an idle one)")
+        devs = list(engine.mesh.devices.flat)
+    else:
+        devs = list(jax.devices() if devices is None else devices)
     d, kv_heads = len(devs), model.cfg.num_kv_heads
     tps = [tp for tp in grid.tps if tp in TP_DEGREES and d % tp == 0 and kv_heads % tp == 0]
     if not tps:
         raise PatError(
             f"profile: no TP of {grid.tps} divides the {d} devices and the {kv_heads} kv heads"
         )
-    meshes = {tp: make_mesh(d // tp, tp, devices=devs) for tp in tps}
-    points = {}
-    for tp in tps:  # compile every point first ...
-        for b, length in grid.points():
-            points[tp, b, length] = _Point(model, weights, meshes[tp], b, length, grid, seed)
-    keys = list(points)
+    grid = dataclasses.replace(grid, tps=tuple(tps))
+    if engine is None:
+        engine = RolloutEngine(model, c, mesh=make_mesh(d // tps[0], tps[0], devices=devs))
+    first_mesh = tuple(int(x) for x in engine.mesh.devices.shape)
+    prof = _Profiler(engine, weights, seed)
+    keys = grid.points(d)
+    compiles: dict[tuple[int, int], float] = {}
+    for tp, s in keys:  # compile every point first ...
+        c0 = compile_seconds()
+        prof.run(d // tp, tp, s, timed=False)
+        compiles[tp, s] = compile_seconds() - c0
     for r in range(grid.repeats):  # ... then time them in rounds (the order alternates)
-        for k in keys if r % 2 == 0 else keys[::-1]:
-            points[k].timed()
+        for tp, s in keys if r % 2 == 0 else keys[::-1]:
+            prof.run(d // tp, tp, s, timed=True)
+    prof._idle_to(*first_mesh, c.slots)
+    engine.reset()
+    cells = c.prompt_slots * c.group_size * c.prompt_len
     dec, pre = [], []
-    for (tp, b, length), pt in points.items():
-        step_s, pre_s = pt.result()
-        dec.append(dict(tp=tp, b=b, l=length, t=b * (length + grid.window), seconds=step_s))
-        pre.append(dict(tp=tp, b=b, l=length, t=b * length, seconds=pre_s))
-        if say:
-            say(
-                f"  tp={tp} B={b} L={length}: decode {step_s * 1e3:.3f} ms/step, "
-                f"prefill {pre_s * 1e3:.2f} ms, compile {pt.compile_s:.2f} s"
+    for tp, s in keys:
+        dp, pt = d // tp, prof.data.get((tp, s))
+        if not pt or not pt["steps"]:
+            raise PatError(
+                f"profile: no full decode call at tp={tp}, slots={s} (response_len "
+                f"{c.response_len}, steps_per_call {c.steps_per_call})"
             )
-    compiles = [pt.compile_s for pt in points.values()]
-    del points
+        for window, xs in sorted(pt["steps"].items()):
+            xs = np.asarray(xs)
+            dec.append(
+                dict(
+                    tp=tp,
+                    b=s // dp,
+                    l=int(window),
+                    t=(cells + s * window) / dp,
+                    seconds=float(xs.min()),
+                    median=float(np.median(xs)),
+                    cv=float(xs.std() / xs.mean()) if xs.size > 1 else 0.0,
+                    n=int(xs.size),
+                )
+            )
+        if pt["prefill"]:
+            pre.append(
+                dict(
+                    tp=tp,
+                    b=s // dp,
+                    l=c.prompt_len,
+                    t=s * c.prompt_len / dp,
+                    seconds=float(np.median(pt["prefill"])),
+                )
+            )
+        if say:
+            per = ", ".join(
+                f"w{r['l']} {r['seconds'] * 1e3:.2f} ms (median {r['median'] * 1e3:.2f}, "
+                f"cv {r['cv']:.0%})"
+                for r in dec
+                if r["tp"] == tp and r["b"] == s // dp
+            )
+            say(f"  tp={tp} slots={s} (B={s // dp}): {per}; compile {compiles[tp, s]:.1f} s")
+    meshes = {tp: engine.mesh_for(d // tp, tp) for tp in tps}
     weights_bw, kv_bw = _bandwidths(weights, model.cfg, meshes)
     dev = devs[0]
     return Profile(
@@ -215,16 +328,17 @@ def profile_engine(
         jax_version=jax.__version__,
         devices=d,
         mesh_axes=("dp", "tp"),
-        token_cap=grid.token_cap,
-        window=grid.window,
+        token_cap=int(np.ceil(max(r["t"] for r in dec))),
+        window=c.response_len,
         decode=tuple(dec),
         prefill=tuple(pre),
         weight_bytes=_tree_bytes(weights),
         weights_bytes_per_s=weights_bw,
         kv_bytes_per_s=kv_bw,
-        compile_s=float(np.median(compiles)),
-        steps_per_call=grid.steps_per_call,
-        notes=f"grid {dataclasses.asdict(grid)}",
+        compile_s=float(np.median(list(compiles.values()))),
+        steps_per_call=c.steps_per_call,
+        engine={k: int(v) for k, v in dataclasses.asdict(c).items()},
+        notes=f"grid levels={grid.levels} repeats={grid.repeats} tps={list(tps)}",
     )
 
 

@@ -4,6 +4,7 @@ parse arguments, call ``dtarl.bench``)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -293,9 +294,12 @@ def _add_rollout(sub) -> None:
         "--profile",
         metavar="OUT.json",
         help="instead of the comparison: PAT's offline profile of the engine on every device "
-        "(8 simulated CPU devices unless XLA_FLAGS sets a count): decode and prefill latency "
-        "per TP on a (B, L) grid, reshard and K/V-move bandwidths (dtarl.rollout.pat); "
-        "--quick: a CPU-sized grid; --steps-per-call: the engine's steps per call to profile",
+        "(8 simulated CPU devices unless XLA_FLAGS sets a count): decode latency of the "
+        "engine's own programs per TP (B = slots per DP group, L = the response window), "
+        "prefill, reshard and K/V-move bandwidths (dtarl.rollout.pat); the engine's shape "
+        "from --slots, --prompts (prompt rows), --group-size, --prompt-len, "
+        "--max-new-tokens, --steps-per-call (profile the shape the run will use); --quick: a "
+        "CPU-sized engine and grid",
     )
     p.set_defaults(func=_rollout)
 
@@ -310,19 +314,37 @@ def simulated_devices(n: int = 8) -> None:
 
 def _profile(args: argparse.Namespace, model: ModelConfig) -> int:
     simulated_devices()
-    grid = (pat_profile.ProfileGrid.quick if args.quick else pat_profile.ProfileGrid)(
-        steps_per_call=args.steps_per_call or bench_rollout.RolloutBenchConfig().steps_per_call
+    # The profiled programs are the engine's: its shape from the rollout flags given.
+    grid = pat_profile.ProfileGrid.quick() if args.quick else pat_profile.ProfileGrid()
+    shape = dict(
+        slots=args.slots,
+        groups=args.prompts,
+        group_size=args.group_size,
+        prompt_len=args.prompt_len,
+        response_len=args.max_new_tokens,
+        steps_per_call=args.steps_per_call,
+    )
+    engine = dataclasses.replace(grid.engine, **{k: v for k, v in shape.items() if v})
+    grid = dataclasses.replace(
+        grid, engine=dataclasses.replace(engine, prefill_batch=engine.prompt_slots)
     )
     t0 = time.perf_counter()
     m = init_model(model, seed=0)
     prof = pat_profile.profile_engine(m, nnx.split(m, nnx.Param)[1], grid, say=print)
     path = prof.save(args.profile)
     errs = pat.leave_one_out(prof)
-    mean = sum(e["rel_error"] for e in errs) / max(len(errs), 1)
+    held = (
+        f"held-out mean relative error {sum(e['rel_error'] for e in errs) / len(errs):.1%} "
+        f"({len(errs)} points inside the grid)"
+        if errs
+        else "no point inside the grid to hold out (3 windows or 3 slot levels needed)"
+    )
+    cvs = sorted(r["cv"] for r in prof.decode if "cv" in r)
     print(
         f"profile: {len(prof.decode)} decode points, {prof.devices} x {prof.device_kind}; "
-        f"held-out mean relative error {mean:.1%}; weights {prof.weights_bytes_per_s / 1e9:.2f} "
-        f"GB/s, K/V {prof.kv_bytes_per_s / 1e9:.2f} GB/s per rank; compile {prof.compile_s:.2f} s"
+        f"{held}; timing noise (median CV) {cvs[len(cvs) // 2] if cvs else 0:.1%}; weights "
+        f"{prof.weights_bytes_per_s / 1e9:.2f} GB/s, K/V {prof.kv_bytes_per_s / 1e9:.2f} GB/s "
+        f"per rank; compile {prof.compile_s:.2f} s"
     )
     print(f"total {time.perf_counter() - t0:.1f} s\nwrote {path}")
     return 0

@@ -6,15 +6,18 @@ requests into fewer slots) between two decode calls. This module decides *when*
 and *to what*:
 
 * **Profile** (``dtarl.bench.pat_profile.profile_engine``; ``dtarl bench rollout
-  --profile OUT.json``; the JSON format and its checks are ``Profile`` here):
-  for each TP in {1, 2, 4, 8} that divides the kv heads and D, on a sparse grid of
-  (B, L) with B * L <= ``token_cap`` (B: requests per DP group, L: context tokens
-  per request): one prefill of B * dp dummy prompts of L tokens, then a short decode
-  window (median per-step seconds over the calls that compiled nothing); the
-  prefill's seconds on the same grid; the weight-reshard and K/V-move bandwidths
-  (``jax.device_put`` between the shardings of two meshes); the seconds of one
-  decode compile. The JSON records the model, the device kind, the jax version and
-  the mesh axes (``Profile.save`` / ``Profile.load``).
+  --profile OUT.json``; the JSON format and its checks are ``Profile`` here): the
+  engine's own decode programs for one engine config, for each TP in {1, 2, 4, 8}
+  that divides the kv heads and D: B = slots per DP group on the levels the
+  engine's slot merge reaches, L = the response window of the call (R/4, R/2, R);
+  per point one prefill then R forced decode steps on dummy tokens, the fastest
+  per-step seconds over the full calls that compiled nothing (background load only
+  adds time; their median and coefficient of variation, ``cv``, are kept); the
+  prefill's seconds; the weight-reshard and
+  K/V-move bandwidths (``jax.device_put`` between the shardings of two meshes); the
+  seconds of one point's compiles. The JSON records the model, the engine config,
+  the device kind, the jax version and the mesh axes (``Profile.save`` /
+  ``Profile.load``).
 * **Predictor** (``Predictor``): per-step latency ``l(B, T; tp)`` with T the
   aggregate context tokens *per DP group*: piecewise linear in T for every
   profiled B (below the smallest profiled T its value; above the largest T the last
@@ -24,30 +27,34 @@ and *to what*:
   Latency is taken never to fall with more tokens or a larger batch outside the
   grid, so a noisy negative slope is not extrapolated. ``est_rem_time`` sums it
   over the remaining steps as the context grows (Alg. 1's ``est_rem_time``).
-  ``leave_one_out`` reports the error on held-out grid points.
+  ``leave_one_out`` reports the error on held-out points inside the grid (between
+  windows of one B; between B levels).
 * **Switch cost** (``switch_cost``): weight bytes / reshard bandwidth +
   min(T_move, T_recomp) + a compile when the target program is not cached.
   T_move is Eq. 1-2 (valid K/V bytes per source rank / per-rank bandwidth),
-  T_recomp Eq. 3-4 (profiled prefill at the RMS context length).
+  T_recomp Eq. 3-4 (profiled prefill at the RMS context length). A switch that
+  keeps the TP (compaction into fewer slots) has no weight term.
 * **Controller** (``PatController``; Alg. 1): every ``check_every`` decode calls,
   when no request waits, it compares the predicted remaining time now with the
   remaining time + switch cost of every candidate TP (the live requests merged
-  into the fewest slots the target DP spreads evenly) and switches to the best one
-  when it is lower. It can switch several times per generation, records a
+  into the fewest slots the target DP spreads evenly; the current TP counts too,
+  compacted into fewer slots without moving the weights) and switches to the best
+  one when it is lower. It can switch several times per generation, records a
   timeline, and plugs in as the engine's ``on_call`` hook.
 
 *What B and T mean on this engine.* A decode program computes every slot and
-reads padded K/V: the whole prompt pool (Q prompt rows x M members x P rows, the
-cascade's prompt part) and every slot's response rows up to the call's window. So
-its cost depends on the program's shape, not on how many slots are still active:
-the controller predicts with B = slots / dp and T = (Q M P + slots x window) / dp,
-the rows one DP group's program reads per step. The profile's programs are built
-so that the same definition holds there (one member per prompt: T = B (L + W)
-with W the profile's response window). The *paper's* B and T (active requests and
-their summed contexts, ``stats()['active_per_step']`` / ``['context_per_step']``)
-are what ``replay`` feeds a saved profile, to predict the gain on an engine whose
-step cost follows the active batch (e.g. a GPU server); that is a prediction and
-is labelled so.
+reads padded K/V: the prompt part of the cascade (Q prompt rows x M members x P
+rows) and every slot's response rows up to the call's window. So its cost depends
+on the program's shape, not on how many slots are still active: the controller
+predicts with B = slots / dp and T = (Q M P + slots x window) / dp, the rows one DP
+group's program reads per step, and the profile times exactly these programs (T
+of a profiled point is defined the same way), so a generation's call lands on a
+profiled (B, T) point or between two. Profile the engine config the run uses: a
+profile of other shapes is interpolated and extrapolated from programs the run
+never executes. The *paper's* B and T (active requests and their summed contexts,
+``stats()['active_per_step']`` / ``['context_per_step']``) are what ``replay``
+feeds a saved profile, to predict the gain on an engine whose step cost follows
+the active batch (e.g. a GPU server); that is a prediction and is labelled so.
 """
 
 from __future__ import annotations
@@ -97,6 +104,10 @@ class Profile:
     kv_bytes_per_s: float
     compile_s: float
     steps_per_call: int = 0  # decode steps per call of the profiled programs (0: unknown)
+    # The engine config whose programs were profiled (ContinuousConfig's fields; empty:
+    # not recorded). Decode rows may carry ``median``, ``cv`` (coefficient of variation)
+    # and ``n`` (how many) of the timed steps whose fastest is ``seconds``.
+    engine: dict[str, int] = dataclasses.field(default_factory=dict)
     notes: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,6 +115,7 @@ class Profile:
         d["mesh_axes"] = list(self.mesh_axes)
         d["decode"] = [dict(r) for r in self.decode]
         d["prefill"] = [dict(r) for r in self.prefill]
+        d["engine"] = dict(self.engine)
         return {"format": FORMAT, **d}
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -179,27 +191,46 @@ class Profile:
                         f"must be one of {TP_DEGREES} dividing devices={data['devices']}, "
                         f"got {r['tp']}",
                     )
-                out.append({k: r[k] for k in ("tp", "b", "l", "t", "seconds")})
+                row = {k: r[k] for k in ("tp", "b", "l", "t", "seconds")}
+                for k in ("median", "cv", "n"):
+                    if k not in r:
+                        continue
+                    x = r[k]
+                    if not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
+                        fail(f"{table}[{i}].{k}", f"must be a finite number >= 0, got {x!r}")
+                    row[k] = x
+                out.append(row)
             tables[table] = tuple(out)
         fields = {f.name for f in dataclasses.fields(cls)}
         known = {k: data[k] for k in fields if k in data}
         spc = data.get("steps_per_call", 0)
         if not isinstance(spc, int) or isinstance(spc, bool) or spc < 0:
             fail("steps_per_call", f"must be an int >= 0, got {spc!r}")
-        known.update(tables, mesh_axes=tuple(axes), notes=str(data.get("notes", "")))
+        eng = data.get("engine", {})
+        if not isinstance(eng, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in eng.values()
+        ):
+            fail("engine", f"must be an object of ints >= 0 (the engine config), got {eng!r}")
+        known.update(
+            tables, mesh_axes=tuple(axes), engine=dict(eng), notes=str(data.get("notes", ""))
+        )
         return cls(**known)
 
 
 # ----------------------------------------------------------------------------- predictor
 
 
-def _pwl(x, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+def _pwl(x, xs: np.ndarray, ys: np.ndarray, *, through_zero: bool = False) -> np.ndarray:
     """Piecewise linear through (xs, ys) (sorted, distinct). Below the first point: its
     value; above the last: the last segment's slope if positive, else flat (latency
     never falls with more tokens, so a noisy negative slope is not extended). A single
-    point is a constant."""
+    point is a constant, or with ``through_zero`` proportional above it (the prefill
+    of an engine profile, timed at the engine's one prompt length: its seconds grow
+    with the tokens)."""
     x = np.asarray(x, np.float64)
     if xs.size == 1:
+        if through_zero:
+            return ys[0] * np.maximum(x, xs[0]) / xs[0]
         return np.full(x.shape, ys[0])
     y = np.interp(x, xs, ys)  # constant outside [xs[0], xs[-1]]
     s1 = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
@@ -222,18 +253,21 @@ def _curves(rows, key: str) -> dict[int, dict[int, tuple[np.ndarray, np.ndarray]
     return out
 
 
-def _in_b(curves: dict[int, tuple[np.ndarray, np.ndarray]], b: float, x) -> np.ndarray:
+def _in_b(
+    curves: dict[int, tuple[np.ndarray, np.ndarray]], b: float, x, *, through_zero: bool = False
+) -> np.ndarray:
     """Interpolates the per-B curves at batch ``b`` (module docstring: the smallest B's
     curve below it, linear between neighbours, above the largest B the two largest
     B's slope if positive, else the largest B's curve)."""
     bs = sorted(curves)
     if len(bs) == 1 or b <= bs[0]:
-        return _pwl(x, *curves[bs[0]])
+        return _pwl(x, *curves[bs[0]], through_zero=through_zero)
     if b in curves:
-        return _pwl(x, *curves[int(b)])
+        return _pwl(x, *curves[int(b)], through_zero=through_zero)
     i = int(np.searchsorted(bs, b))
     lo, hi = (bs[-2], bs[-1]) if i >= len(bs) else (bs[i - 1], bs[i])
-    ylo, yhi = _pwl(x, *curves[lo]), _pwl(x, *curves[hi])
+    ylo = _pwl(x, *curves[lo], through_zero=through_zero)
+    yhi = _pwl(x, *curves[hi], through_zero=through_zero)
     if b > hi:
         return yhi + np.maximum(yhi - ylo, 0.0) * (b - hi) / (hi - lo)
     return ylo + (yhi - ylo) * (b - lo) / (hi - lo)
@@ -261,9 +295,10 @@ class Predictor:
         return _in_b(self._decode[tp], float(b), t)
 
     def prefill_seconds(self, tp: int, b: float, length) -> np.ndarray:
-        """Seconds of a prefill of ``b`` prompts of ``length`` tokens per DP group."""
+        """Seconds of a prefill of ``b`` prompts of ``length`` tokens per DP group (a B
+        profiled at one length only: proportional to ``length`` above it)."""
         self._check(self._prefill, tp, "prefill_seconds")
-        return _in_b(self._prefill[tp], float(b), length)
+        return _in_b(self._prefill[tp], float(b), length, through_zero=True)
 
     def est_rem_time(
         self,
@@ -286,19 +321,38 @@ class Predictor:
         return float(np.sum(self.step_seconds(tp, b, t)))
 
 
-def leave_one_out(profile: Profile) -> list[dict[str, float]]:
-    """Each decode grid point predicted from the profile without it (points whose TP has
-    no other point are skipped): rows ``{tp, b, l, t, seconds, predicted, rel_error}``."""
+def leave_one_out(profile: Profile) -> list[dict[str, Any]]:
+    """Held-out error of the decode predictions, on points *inside* the grid (a point
+    outside it would test the extrapolation rule, not the fit):
+
+    * ``kind="t"``: each point whose T lies strictly between two other points of its
+      (tp, B) curve, predicted from the profile without it (piecewise linear in T);
+    * ``kind="b"``: each point of a B level strictly between two other levels of its
+      TP, predicted from the profile without that whole level (interpolated between
+      the two nearest profiled B).
+
+    Rows ``{tp, b, l, t, seconds, predicted, rel_error, kind}``."""
     out = []
     rows = list(profile.decode)
     for i, r in enumerate(rows):
-        rest = rows[:i] + rows[i + 1 :]
-        if not any(x["tp"] == r["tp"] for x in rest):
+        ts = [x["t"] for x in rows if (x["tp"], x["b"]) == (r["tp"], r["b"]) and x is not r]
+        if not ts or not min(ts) < r["t"] < max(ts):
             continue
-        p = Predictor(dataclasses.replace(profile, decode=tuple(rest)))
+        p = Predictor(dataclasses.replace(profile, decode=tuple(rows[:i] + rows[i + 1 :])))
         pred = float(p.step_seconds(r["tp"], r["b"], r["t"]))
         rel = abs(pred - r["seconds"]) / max(r["seconds"], 1e-12)
-        out.append(dict(r, predicted=pred, rel_error=rel))
+        out.append(dict(r, predicted=pred, rel_error=rel, kind="t"))
+    for tp in sorted({x["tp"] for x in rows}):
+        levels = sorted({x["b"] for x in rows if x["tp"] == tp})
+        for b in levels[1:-1]:
+            rest = tuple(x for x in rows if (x["tp"], x["b"]) != (tp, b))
+            p = Predictor(dataclasses.replace(profile, decode=rest))
+            for r in rows:
+                if (r["tp"], r["b"]) != (tp, b):
+                    continue
+                pred = float(p.step_seconds(tp, b, r["t"]))
+                rel = abs(pred - r["seconds"]) / max(r["seconds"], 1e-12)
+                out.append(dict(r, predicted=pred, rel_error=rel, kind="b"))
     return out
 
 
@@ -348,7 +402,8 @@ def switch_cost(
     compile (when the target program is not ``cached``)."""
     prof = predictor.profile
     dp_dst = prof.devices // tp_dst
-    weights_s = prof.weight_bytes / prof.weights_bytes_per_s
+    # The same TP (compaction into fewer slots) keeps the weights where they are.
+    weights_s = 0.0 if tp_dst == tp_src else prof.weight_bytes / prof.weights_bytes_per_s
     ctx = np.asarray(contexts, np.float64)
     if ctx.size == 0:
         return SwitchCost(weights_s, 0.0, 0.0, 0.0 if cached else prof.compile_s)
@@ -457,11 +512,13 @@ def decide(
     if state.waiting or state.lengths.size == 0:
         return best
     contexts = state.prompts + state.lengths
-    for tp in candidates:
-        if tp == state.tp:
-            continue
+    # The current TP is a candidate too, with the live requests compacted into fewer
+    # slots (no weight move).
+    for tp in sorted(set(candidates) | {state.tp}):
         dp = state.devices // tp
         slots = merged_slots(live, dp, state.max_slots)
+        if tp == state.tp and slots >= state.slots:
+            continue
         rem = engine_rem_time(predictor, state, tp, slots)
         cost = switch_cost(
             predictor,
@@ -473,7 +530,7 @@ def decide(
         if compile_reuse > 1:
             cost = dataclasses.replace(cost, compile_s=cost.compile_s / compile_reuse)
         total = rem + cost.total
-        best.candidates[tp] = total
+        best.candidates[tp] = min(total, best.candidates.get(tp, total))
         if total < best.best_s:
             best = Decision(tp, slots, cost.mode, now, total, cost, best.candidates)
     return best
@@ -556,6 +613,14 @@ class PatController:
         self._t0 = time.perf_counter()
         self.timeline = []
         self.history.append(self.timeline)
+
+    def adopt(self, engine, compiled: Sequence[tuple[int, int, int]] = ()) -> None:
+        """Starts tracking ``engine`` whose programs for the (dp, tp, slots) shapes in
+        ``compiled`` exist already (e.g. the profile was taken on it:
+        ``dtarl.bench.pat_profile.profile_engine(..., engine=engine)``), so switching
+        into them is not charged a compile."""
+        self._engine = engine
+        self._cached = {(int(a), int(b), int(c)) for a, b, c in compiled}
 
     def cached(self, dp: int, tp: int, slots: int) -> bool:
         return (dp, tp, slots) in self._cached

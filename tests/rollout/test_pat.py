@@ -97,13 +97,20 @@ def test_predictor_linear_profile_is_exact_everywhere_and_loo_zero():
     # Below the smallest profiled T (B = 1: 1 x (8 + 16) = 24): that point's value.
     assert float(p.step_seconds(2, 1, 1.0)) == pytest.approx(linear(2, 1, 24), 1e-12)
     errs = pat.leave_one_out(p.profile)
-    assert len(errs) == len(p.profile.decode)
-    # Held out, a curve's smallest T is predicted at the next point's value (clamped);
-    # every other point lies on the line through its neighbours.
+    # Held out: only points inside the grid. Between windows (kind t): the middle T of
+    # each (tp, B) curve, on the line through its neighbours. Between B levels (kind b):
+    # every point of the middle level, from B = 1 and 16 at its T (B = 16's curve starts
+    # at T = 16 x 24 = 384: below it, held at that point's value).
+    assert sorted((e["kind"], e["tp"], e["b"], e["l"]) for e in errs) == sorted(
+        [("t", tp, b, 64) for tp in pat.TP_DEGREES for b in (1, 4, 16)]
+        + [("b", tp, 4, ln) for tp in pat.TP_DEGREES for ln in (8, 64, 512)]
+    )
     for e in errs:
-        first = e["l"] == 8
-        want = linear(e["tp"], e["b"], e["b"] * (64 + 16)) if first else e["seconds"]
-        assert e["predicted"] == pytest.approx(want, 1e-9)
+        if e["kind"] == "t":
+            assert e["predicted"] == pytest.approx(e["seconds"], 1e-9)
+    e = next(x for x in errs if (x["kind"], x["tp"], x["l"]) == ("b", 1, 64))
+    y1, y16 = linear(1, 1, 320), linear(1, 16, 384)
+    assert e["t"] == 320 and e["predicted"] == pytest.approx(y1 + (y16 - y1) * 3 / 15, 1e-9)
 
 
 def test_est_rem_time_by_hand():
@@ -134,6 +141,17 @@ def test_switch_cost_by_hand():
     assert c.total == pytest.approx(c.weights_s + min(c.move_s, c.recompute_s) + 0.5)
     cached = pat.switch_cost(p, tp_src=2, tp_dst=8, contexts=contexts, cached=True)
     assert cached.compile_s == 0 and cached.total == pytest.approx(c.total - 0.5)
+    # Compaction at the same TP moves no weights.
+    same = pat.switch_cost(p, tp_src=2, tp_dst=2, contexts=contexts, cached=True)
+    assert same.weights_s == 0 and same.move_s == pytest.approx(per_rank / 1e6)
+    # An engine profile times the prefill at one prompt length (8 here): above it the
+    # seconds grow in proportion to the tokens, below it they stay.
+    one = pat.Predictor(
+        dataclasses.replace(prof, prefill=tuple(r for r in prof.prefill if r["l"] == 8))
+    )
+    y = 1e-3 * 4 * 8 / 2  # tp 2, B 4, l 8
+    assert float(one.prefill_seconds(2, 4, 32)) == pytest.approx(y * 4, 1e-12)
+    assert float(one.prefill_seconds(2, 4, 2)) == pytest.approx(y, 1e-12)
 
 
 def _state(tp, slots, lengths, remaining, *, waiting=False, cached=True):
@@ -173,9 +191,16 @@ def test_controller_switches_when_tp_pays_and_not_when_it_does_not():
     # Never with a waiting request (the tail only), nor with nothing live.
     assert not pat.decide(p, _state(1, 64, [40], [200], waiting=True), (1, 8)).switch
     assert not pat.decide(p, _state(1, 64, [], []), (1, 8)).switch
-    # A profile where tp 1 is always fastest: no switch.
+    # A profile where tp 1 is always fastest: no TP switch, but the 3 live requests are
+    # compacted from 64 slots (B = 8) into 8 (B = 1) at tp 1, weights unmoved.
     slow_tp = pat.Predictor(make_profile(lambda tp, b, t: 1e-3 * tp + 1e-4 * b + 1e-7 * t))
-    assert not pat.decide(slow_tp, st, (1, 2, 4, 8)).switch
+    d = pat.decide(slow_tp, st, (1, 2, 4, 8))
+    assert d.switch and (d.tp, d.slots) == (1, 8) and d.cost.weights_s == 0
+    assert d.candidates[1] == d.best_s < d.now_s
+    # Compaction is weighed like a TP switch: with a slot count that costs the same,
+    # nothing pays for the K/V move.
+    flat_b = pat.Predictor(make_profile(lambda tp, b, t: 1e-3 * tp + 1e-7 * t))
+    assert not pat.decide(flat_b, st, (1, 2, 4, 8)).switch
     # A switch that would pay but for a large cost (an uncached compile) is not made.
     costly = pat.Predictor(make_profile(tp_pays_small, compile_s=1e6))
     assert not pat.decide(costly, _state(1, 64, [40], [20], cached=False), (1, 8)).switch
@@ -186,7 +211,10 @@ def test_controller_switches_when_tp_pays_and_not_when_it_does_not():
 
 
 def test_controller_switches_several_times():
-    # Large batches favour tp 1, small ones tp 8: as requests finish the choice moves up.
+    # Large batches per DP group favour tp 1, small ones a larger TP: as requests finish
+    # the choice moves. 12 live: compacted at tp 1 into 16 slots (B 2: 0.014 s a step,
+    # tp 2 at B 4 would cost 0.021); 2 live: tp 2 in 4 slots (B 1: 0.009 s; tp 1 in 8
+    # slots 0.012, tp 4 in 2 slots 0.0105).
     p = pat.Predictor(make_profile(tp_pays_small, bs=(1, 2, 4, 8, 16, 32)))
     tp, slots, picks = 1, 64, []
     for live in (64, 12, 2):
@@ -194,8 +222,8 @@ def test_controller_switches_several_times():
         d = pat.decide(p, st, (1, 2, 4, 8))
         if d.switch:
             tp, slots = d.tp, d.slots
-        picks.append(tp)
-    assert picks[0] == 1 and picks[1] > 1 and picks[2] > picks[1]
+        picks.append((tp, slots))
+    assert picks == [(1, 64), (1, 16), (2, 4)]
 
 
 def test_engine_rem_time_follows_windows():
@@ -331,8 +359,10 @@ def test_e2e_controller_switches_and_keeps_greedy_tokens(tiny):
     ctl.begin()
     got = _generate(model, weights, on_call=ctl)
     steps = [(e["src"][1], e["dst"][1], e["mode"]) for e in ctl.timeline]
-    assert steps == [(1, 2, "migrate"), (2, 4, "recompute")], steps
-    assert [e["info"]["mode"] for e in ctl.timeline] == ["migrate", "recompute"]
+    # tp 1 -> 2, then at tp 2 the live requests compacted into fewer slots, then -> 4.
+    assert steps == [(1, 2, "migrate"), (2, 2, "migrate"), (2, 4, "recompute")], steps
+    assert ctl.timeline[1]["dst"][2] < ctl.timeline[1]["src"][2]
+    assert [e["info"]["mode"] for e in ctl.timeline] == ["migrate", "migrate", "recompute"]
     assert all(e["predicted_gain_s"] > 0 for e in ctl.timeline)
     ref = _generate(model, weights)
     for (t, lp), (t_ref, lp_ref) in zip(got, ref, strict=True):
@@ -415,26 +445,60 @@ def test_trainer_refuses_pat_without_a_mesh(tmp_path):
         Trainer(cfg)
 
 
+def test_profile_grid_levels_and_checks():
+    cfg = ContinuousConfig(slots=32, groups=8, group_size=4, prompt_len=8, response_len=64)
+    grid = pat_profile.ProfileGrid(engine=cfg)
+    assert grid.slot_levels(8) == [8, 16, 32]
+    assert grid.slot_levels(1) == [1, 2, 4, 8, 16, 32]
+    three = dataclasses.replace(grid, levels=3)
+    assert three.slot_levels(1) == [1, 4, 32] and three.slot_levels(2) == [2, 8, 32]
+    assert three.points(8)[:3] == [(1, 8), (1, 16), (1, 32)]
+    with pytest.raises(pat.PatError, match="slots=32 is not a multiple of dp=3"):
+        grid.slot_levels(3)
+    with pytest.raises(pat.PatError, match="slots=32 > groups x group_size = 4 x 4"):
+        pat_profile.ProfileGrid(engine=dataclasses.replace(cfg, groups=4))
+    with pytest.raises(pat.PatError, match="ProfileGrid.levels=-1"):
+        pat_profile.ProfileGrid(engine=cfg, levels=-1)
+
+
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
-def test_profile_engine_tiny_grid(tiny, tmp_path):
+def test_profile_engine_times_the_engines_own_programs(tiny, tmp_path):
     model, weights = tiny
-    grid = pat_profile.ProfileGrid(
-        bs=(1,), ls=(16,), window=16, steps_per_call=4, repeats=1, tps=(1, 2)
+    cfg = ContinuousConfig(
+        slots=8, groups=2, group_size=4, prompt_len=8, response_len=16, steps_per_call=4
     )
-    prof = pat_profile.profile_engine(model, weights, grid)
+    grid = pat_profile.ProfileGrid(engine=cfg, repeats=1, tps=(1, 2))
+    eng = RolloutEngine(model, cfg, mesh=make_mesh(8, 1))
+    prof = pat_profile.profile_engine(model, weights, grid, engine=eng)
+    # Points: tp 1 at 8 slots (B 1), tp 2 at 4 and 8 slots (B 1, 2); one window (16).
+    # T = (Q M P + slots x window) / dp = (2 x 4 x 8 + slots x 16) / dp.
     assert [(r["tp"], r["b"], r["l"], r["t"]) for r in prof.decode] == [
-        (1, 1, 16, 32),
+        (1, 1, 16, 24),
         (2, 1, 16, 32),
+        (2, 2, 16, 48),
     ]
-    assert [(r["tp"], r["b"], r["l"], r["t"]) for r in prof.prefill] == [
-        (1, 1, 16, 16),
-        (2, 1, 16, 16),
-    ]
-    assert all(r["seconds"] > 0 for r in prof.decode + prof.prefill)
+    assert [(r["tp"], r["b"], r["l"]) for r in prof.prefill] == [(1, 1, 8), (2, 1, 8), (2, 2, 8)]
+    assert all(
+        0 < r["seconds"] <= r["median"] and r["n"] >= 1 and r["cv"] >= 0 for r in prof.decode
+    )
     assert prof.devices == 8 and prof.mesh_axes == ("dp", "tp") and prof.steps_per_call == 4
+    assert prof.engine["slots"] == 8 and prof.engine["group_size"] == 4 and prof.window == 16
     assert prof.weights_bytes_per_s > 0 and prof.kv_bytes_per_s > 0 and prof.compile_s >= 0
     assert prof.weight_bytes == sum(x.nbytes for x in jax.tree.leaves(weights))
     assert prof.model["num_kv_heads"] == 8 and prof.platform == jax.devices()[0].platform
     assert pat.Profile.load(prof.save(tmp_path / "p.json")) == prof
+    # The engine is back on its mesh, idle, and holds every profiled program: a
+    # generation on the profiled shapes compiles nothing.
+    assert eng.view().slots == 8 and eng.mesh.devices.shape == (8, 1) and not eng.pending()
+    traces = eng.trace_count
+    for i in range(2):
+        eng.submit([1 + i] * 8, n=4, forced_lengths=[3, 16, 9, 16])
+    eng.run(eng.place(weights))
+    assert eng.trace_count == traces
     with pytest.raises(pat.PatError, match="no TP of"):
         pat_profile.profile_engine(model, weights, dataclasses.replace(grid, tps=(3,)))
+    with pytest.raises(pat.PatError, match="the engine's config .* is not the grid's"):
+        other = dataclasses.replace(cfg, steps_per_call=2)
+        pat_profile.profile_engine(
+            model, weights, grid, engine=RolloutEngine(model, other, mesh=make_mesh(8, 1))
+        )
