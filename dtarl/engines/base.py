@@ -27,7 +27,7 @@ from flax import nnx
 
 from dtarl.batch import BatchError, RolloutBatch
 from dtarl.losses import SequenceData, TokenData
-from dtarl.model.decoder import Decoder, KVCache, rope_inv_freq
+from dtarl.model.decoder import Decoder
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -401,109 +401,6 @@ def training_temperature(sampling_temperature: float) -> float:
 
 def zeros_like_f32(params: nnx.State) -> nnx.State:
     return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-
-
-class LayerScan:
-    """The decoder's forward with its layers run as one ``lax.scan`` over stacked
-    layer weights, for the engines' programs.
-
-    A Python loop over the layers (``Decoder.__call__``) puts L copies of the layer
-    into the program, and an engine program holds many forwards (a DFS plan's switch
-    has a push, pop, row-pop and wide-pop branch per prefix bucket, each a forward
-    and most a backward too): compile time grows with L times that. The scan holds
-    one layer (forward, and one backward under ``jax.vjp``), whatever L. The layer
-    is the decoder's own ``DecoderLayer`` (same operations, same order), and the
-    embedding and final norm are computed as ``Decoder.__call__`` does.
-
-    ``pack(params)`` -> ``(rest, layers)``: ``rest`` the non-layer weights (a dict
-    by the model's attribute names), ``layers`` the layer weights stacked on a new
-    leading axis [L, ...]. An engine packs once per program (outside its loops),
-    differentiates with respect to the packed form, accumulates gradients in it,
-    and ``unpack``s them at the end into the params' own structure.
-    """
-
-    def __init__(self, model: Decoder):
-        self.cfg = model.cfg
-        _, params = nnx.split(model, nnx.Param)
-        self.treedef = jax.tree.structure(params)
-        index = jax.tree.unflatten(self.treedef, list(range(self.treedef.num_leaves)))
-        self.num_layers = len(model.layers)
-        self.layer_graphdef, layer0 = nnx.split(model.layers[0], nnx.Param)
-        layer_def = jax.tree.structure(layer0)
-        self._layer_index = []
-        for i in range(self.num_layers):
-            ix = index["layers"][i]
-            if jax.tree.structure(ix) != layer_def:
-                raise ValueError(f"LayerScan: layer {i} differs in structure from layer 0")
-            self._layer_index.append(jax.tree.leaves(ix))
-        self._rest_keys = tuple(k for k in params.keys() if k != "layers")
-        self._rest_index = {k: jax.tree.leaves(index[k]) for k in self._rest_keys}
-        self.norm_graphdef, _ = nnx.split(model.norm, nnx.Param)
-
-    def pack(self, params):
-        rest = {k: params[k] for k in self._rest_keys}
-        layers = [params["layers"][i] for i in range(self.num_layers)]
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-        return rest, stacked
-
-    def unpack(self, packed) -> nnx.State:
-        """The inverse of ``pack`` (for gradients: the params' structure)."""
-        rest, stacked = packed
-        leaves: list[Any] = [None] * self.treedef.num_leaves
-        for k in self._rest_keys:
-            for ix, x in zip(self._rest_index[k], jax.tree.leaves(rest[k]), strict=True):
-                leaves[ix] = x
-        stacked_leaves = jax.tree.leaves(stacked)
-        for i, idx in enumerate(self._layer_index):
-            for ix, x in zip(idx, stacked_leaves, strict=True):
-                leaves[ix] = x[i]
-        return jax.tree.unflatten(self.treedef, leaves)
-
-    def lm_head_weight(self, packed) -> jax.Array:
-        """The output projection [E, V] (the transposed embedding when tied)."""
-        rest, _ = packed
-        if self.cfg.tie_word_embeddings:
-            return rest["embed_tokens"][...].T
-        return rest["lm_head"][...]
-
-    def __call__(
-        self,
-        packed,
-        tokens_BxT,
-        positions_BxT,
-        kv_prefix: KVCache | None = None,
-        prefix_len_B=None,
-        *,
-        remat: bool = False,
-        segment_ids_BxT=None,
-    ):
-        """``Decoder.__call__(..., return_hidden=True)`` on packed weights: the final
-        hidden states [B, T, E] and the chunk's K/V [L, B, T, K, D]."""
-        cfg = self.cfg
-        rest, stacked = packed
-        cd = jnp.dtype(cfg.compute_dtype)
-        b, _ = tokens_BxT.shape
-        if kv_prefix is None:
-            kv_prefix = KVCache.zeros(cfg, b, 0, cd)
-        p = kv_prefix.k.shape[2]
-        if prefix_len_B is None:
-            prefix_len_B = jnp.full((b,), p, jnp.int32)
-        prefix_len_B = jnp.broadcast_to(jnp.asarray(prefix_len_B, jnp.int32), (b,))
-        inv_freq = rope_inv_freq(cfg)
-        x = rest["embed_tokens"][...].astype(cd)[tokens_BxT]
-
-        def layer(x, xs):
-            state, k_prefix, v_prefix = xs
-            out = nnx.merge(self.layer_graphdef, state)(
-                x, positions_BxT, k_prefix, v_prefix, prefix_len_B, segment_ids_BxT, inv_freq
-            )
-            return out[0], out[1:]
-
-        if remat:  # the papers' per-layer rematerialisation ("Dense + CKPT")
-            layer = jax.checkpoint(layer)
-        x, (ks, vs) = jax.lax.scan(layer, x, (stacked, kv_prefix.k, kv_prefix.v))
-        x = nnx.merge(self.norm_graphdef, rest["norm"])(x)
-        return x, KVCache(ks, vs)
 
 
 def split_model(model: Decoder):

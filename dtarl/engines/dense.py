@@ -16,6 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dtarl.batch import RolloutBatch
 from dtarl.engines import base
@@ -57,7 +58,6 @@ class DenseEngine(base.BucketState):
         self.name = name
         self.temperature = base.logprob_temperature(temperature)
         self.graphdef, _ = base.split_model(self.model)
-        self.layers = base.LayerScan(self.model)  # the forward, layers scanned
         self.cfg = self.model.cfg
         self.jit = base.JitCache(self)
         self._min = dict(length=8, seqs=1, flat=1)
@@ -85,12 +85,13 @@ class DenseEngine(base.BucketState):
         # Entropy only when the loss uses it: otherwise the program is unchanged.
         with_entropy = bool(getattr(loss, "needs_entropy", False))
 
-        def microbatch_loss(packed, tokens_BxT, rows_B, seq):
+        def microbatch_loss(params, tokens_BxT, rows_B, seq):
+            model = nnx.merge(self.graphdef, params)
             b = tokens_BxT.shape[0]
             pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-            hidden, _ = self.layers(packed, tokens_BxT, pos, remat=self.config.remat)
+            hidden, _ = model(tokens_BxT, pos, return_hidden=True, remat=self.config.remat)
             lp_pred, ent_pred = token_logprobs(
-                self.layers.lm_head_weight(packed),
+                model.lm_head_weight(),
                 hidden[:, :-1],
                 tokens_BxT[:, 1:],
                 chunk=self.cfg.logits_chunk,
@@ -109,9 +110,6 @@ class DenseEngine(base.BucketState):
         grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
 
         def run(params, tokens_NxT, rows_N, seq):
-            # Packed once (``LayerScan``): gradients accumulate packed, unpacked at the end.
-            params = self.layers.pack(params)
-
             def body(acc, xs):
                 total, grads = acc
                 (val, logp), g = grad_fn(params, xs[0], xs[1], seq)
@@ -121,7 +119,7 @@ class DenseEngine(base.BucketState):
             xs = (tokens_NxT.reshape(num_mb, mb, t), rows_N.reshape(num_mb, mb))
             init = (jnp.zeros((), jnp.float32), base.zeros_like_f32(params))
             (total, grads), logp = jax.lax.scan(body, init, xs)
-            return total, self.layers.unpack(grads), logp.reshape(num_mb * mb, t)
+            return total, grads, logp.reshape(num_mb * mb, t)
 
         return run
 

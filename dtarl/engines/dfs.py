@@ -135,7 +135,6 @@ class DFSEngine(base.BucketState):
         self.name = name
         self.temperature = base.logprob_temperature(temperature)
         self.graphdef, _ = base.split_model(self.model)
-        self.layers = base.LayerScan(self.model)  # the forward, layers scanned
         self.cfg = self.model.cfg
         self.jit = base.JitCache(self)
         self._single_segment = not self.config.pack_leaves
@@ -145,22 +144,22 @@ class DFSEngine(base.BucketState):
 
     # ------------------------------------------------------------ device side
 
-    def _chunk_forward(self, packed, stack_k, stack_v, st: _Step, rows: int = 1, ent=False):
+    def _chunk_forward(self, params, stack_k, stack_v, st: _Step, rows: int = 1, ent=False):
         """Forward of a step's ``rows`` rows (flat [rows * C] entries) over the
         stack prefix (batch 1, shared by the rows); logprobs and entropies (zeros
-        unless ``ent``) flat [rows * C], and the rows' K/V. ``packed``: the weights
-        in ``LayerScan.pack`` form."""
+        unless ``ent``) flat [rows * C], and the rows' K/V."""
+        model = nnx.merge(self.graphdef, params)
         shape = (rows, st.inputs.shape[0] // rows)
-        hidden, kv_new = self.layers(
-            packed,
+        hidden, kv_new = model(
             st.inputs.reshape(shape),
             st.positions.reshape(shape),
             KVCache(stack_k, stack_v),
             jnp.broadcast_to(st.start, (rows,)),
+            return_hidden=True,
             segment_ids_BxT=None if self._single_segment else st.seg.reshape(shape),
         )
         logp, entropy = token_logprobs(
-            self.layers.lm_head_weight(packed),
+            model.lm_head_weight(),
             hidden,
             st.targets.reshape(shape),
             chunk=self.cfg.logits_chunk,
@@ -188,9 +187,6 @@ class DFSEngine(base.BucketState):
         buf = s + c
         cd = jnp.dtype(cfg.compute_dtype)
         kv_shape = (cfg.num_layers, 1, buf, cfg.num_kv_heads, cfg.head_dim)
-        # Packed once: every step's forward scans the stacked layer weights, and the
-        # gradient accumulates in the packed form (unpacked at the end).
-        params = self.layers.pack(params)
         carry = _Carry(
             stack_k=jnp.zeros(kv_shape, cd),
             stack_v=jnp.zeros(kv_shape, cd),
@@ -369,7 +365,7 @@ class DFSEngine(base.BucketState):
             return jax.lax.switch(index, branches, cr, st), None
 
         out, _ = jax.lax.scan(body, carry, steps)
-        return jnp.sum(out.seq_loss), self.layers.unpack(out.grads), out.tree_logp
+        return jnp.sum(out.seq_loss), out.grads, out.tree_logp
 
     # -------------------------------------------------------------- host side
 

@@ -79,6 +79,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dtarl.batch import RolloutBatch
 from dtarl.engines import base
@@ -348,7 +349,6 @@ class PrefixReuseEngine(base.BucketState):
                 self.model, chunk_len=self.config.dfs_chunk_len, temperature=self.temperature
             )
         self.graphdef, _ = base.split_model(self.model)
-        self.layers = base.LayerScan(self.model)  # the forward, layers scanned
         self.cfg = self.model.cfg
         self.jit = base.JitCache(self)
         self._min = dict(groups=1, prefix=1, rows=1, row_len=1, slots=1, pslots=1, path=1)
@@ -432,17 +432,17 @@ class PrefixReuseEngine(base.BucketState):
 
     # ------------------------------------------------------------ device side
 
-    def _prefix_forward(self, packed, inputs_P, targets_P, entropy: bool = False):
-        """(per-token, K, V [L, 1, P, K, D]) of one prefix (``packed``: the weights in
-        ``LayerScan.pack`` form).
+    def _prefix_forward(self, params, inputs_P, targets_P, entropy: bool = False):
+        """(per-token, K, V [L, 1, P, K, D]) of one prefix.
 
         per-token = (logp [P],) or, with ``entropy``, (logp [P], entropy [P]);
         entry t is token t+1's (its logprob, the entropy of its predictor).
         """
+        model = nnx.merge(self.graphdef, params)
         p = inputs_P.shape[0]
-        hidden, kv = self.layers(packed, inputs_P[None], jnp.arange(p)[None])
+        hidden, kv = model(inputs_P[None], jnp.arange(p)[None], return_hidden=True)
         logp, ent = token_logprobs(
-            self.layers.lm_head_weight(packed),
+            model.lm_head_weight(),
             hidden,
             targets_P[None],
             chunk=self.cfg.logits_chunk,
@@ -455,14 +455,14 @@ class PrefixReuseEngine(base.BucketState):
     def _suffix_loss(
         self, loss, params, k32, v32, paths_S, n_in, inputs, targets, n_valid, slots, seq
     ):
-        """Sum of the losses evaluated on one microbatch of suffix rows (``params``:
-        the weights in ``LayerScan.pack`` form).
+        """Sum of the losses evaluated on one microbatch of suffix rows.
 
         k32/v32: the group's prefix K/V [L, 1, P, K, D] in fp32 (broadcast to the
         rows here, so their cotangent is summed over the rows in fp32);
         paths_S: (logp_S,) or (logp_S, ent_S), the prefix's per-token values on the
         path (entry t = token t, 0 from b on).
         """
+        model = nnx.merge(self.graphdef, params)
         cd = jnp.dtype(self.cfg.compute_dtype)
         b, c = inputs.shape
         shape = (k32.shape[0], b) + k32.shape[2:]
@@ -470,10 +470,10 @@ class PrefixReuseEngine(base.BucketState):
             jnp.broadcast_to(k32, shape).astype(cd), jnp.broadcast_to(v32, shape).astype(cd)
         )
         pos = jnp.broadcast_to(n_in + jnp.arange(c, dtype=jnp.int32), (b, c))
-        hidden, _ = self.layers(params, inputs, pos, kv, jnp.full((b,), n_in, jnp.int32))
+        hidden, _ = model(inputs, pos, kv, jnp.full((b,), n_in, jnp.int32), return_hidden=True)
         with_entropy = len(paths_S) > 1
         logp_BxC, ent_BxC = token_logprobs(
-            self.layers.lm_head_weight(params),
+            model.lm_head_weight(),
             hidden,
             targets,
             chunk=self.cfg.logits_chunk,
@@ -547,9 +547,6 @@ class PrefixReuseEngine(base.BucketState):
         if offload:
             policy = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
 
-        # Packed once (``LayerScan``): gradients accumulate packed, unpacked at the end.
-        params = self.layers.pack(params)
-
         def group(carry, g):
             total, grads = carry
             g_in, g_tg, n_in, g_slots, r_in, r_tg, r_nv, r_slots = g
@@ -596,7 +593,7 @@ class PrefixReuseEngine(base.BucketState):
         init = (jnp.zeros((), jnp.float32), base.zeros_like_f32(params))
         xs = (*groups, *rows)
         (total, grads), out = jax.lax.scan(group, init, xs)
-        return total, self.layers.unpack(grads), out
+        return total, grads, out
 
     # -------------------------------------------------------------- host side
 
@@ -817,8 +814,7 @@ class PrefixReuseEngine(base.BucketState):
         s = prepared.static.path
 
         def phase(prm, grads, k32, v32, paths_S, n_in, rows_g, seq_):
-            packed, grads = self.layers.pack(prm), self.layers.pack(grads)  # as ``_run``
-            return self._suffix_phase(loss, packed, grads, k32, v32, paths_S, n_in, rows_g, seq_)
+            return self._suffix_phase(loss, prm, grads, k32, v32, paths_S, n_in, rows_g, seq_)
 
         rows0 = jax.tree.map(lambda a: a[0], rows)
         grads = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), params)
