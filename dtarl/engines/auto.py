@@ -48,7 +48,9 @@ loss), so the first batch of each loss times all of them, whatever the margin, a
 compiles ahead of time the ones it does not time (tuning budget spent, a cached
 choice): a later batch whose signature is new may pick another engine, but it never
 compiles or tunes (a candidate out of margin on the first batch that came into it
-later used to be compiled and timed mid-run). The signature that ``reuse_choices``
+later used to be compiled and timed mid-run; so did every candidate of a new
+signature after a cached first choice, which times nothing: such a batch now gets
+the cost model's pick). The signature that ``reuse_choices``
 compares is bucketed (depth included), ``budget_seconds`` bounds the tuning, and
 ``cache_path`` carries measured choices over to the next run.
 """
