@@ -20,7 +20,10 @@ global step it happened in. Printed:
 * the programs compiled: per program (the jitted function's name; an engine's
   program is named after the engine), how many compiles, their seconds (trace +
   lowering + XLA), and the steps they happened in. A program compiled after the
-  first step of its phase is marked.
+  first step of its phase is marked;
+* with ``--set compile_cache_dir=DIR`` (JAX's persistent compilation cache): how many
+  programs were read back from it and how many compiled and written (a second run of
+  the same config reads every one back; it still traces and lowers them).
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ from dtarl.rl.trainer import Trainer
 from dtarl.timing import COMPILE_EVENTS, load_avg
 
 XLA_EVENT = "/jax/core/compile/backend_compile_duration"
+# JAX's persistent compilation cache (``compile_cache_dir``): an executable read back
+# from it (its backend compile event then times the read), and one compiled and
+# written to it.
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+CACHE_MISS = "/jax/compilation_cache/cache_misses"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,6 +65,11 @@ class CompileRecorder:
     def __init__(self):
         self.step = 0
         self.events: list[CompileEvent] = []
+        self.cache = collections.Counter()  # persistent-cache hits / misses
+
+    def on_event(self, event: str, **kwargs) -> None:
+        if event in (CACHE_HIT, CACHE_MISS):
+            self.cache["hits" if event == CACHE_HIT else "misses"] += 1
 
     def __call__(self, event: str, duration: float, **kwargs) -> None:
         if event in COMPILE_EVENTS:
@@ -69,10 +82,12 @@ class CompileRecorder:
 
     def __enter__(self) -> CompileRecorder:
         jax.monitoring.register_event_duration_secs_listener(self)
+        jax.monitoring.register_event_listener(self.on_event)
         return self
 
     def __exit__(self, *exc) -> None:
         jax.monitoring.unregister_event_duration_listener(self)
+        jax.monitoring.unregister_event_listener(self.on_event)
 
 
 def run(
@@ -125,7 +140,9 @@ def _run(cfg: TrainerConfig, log: Callable[[str], None]) -> dict[str, Any]:
         trainer.add_hook(hook)
         rec.step = 1
         result = trainer.run()
-    return report(cfg, rows, rec.events, wall=result.seconds, build_seconds=build_s)
+    res = report(cfg, rows, rec.events, wall=result.seconds, build_seconds=build_s)
+    res["persistent_cache"] = dict(dir=cfg.compile_cache_dir, **rec.cache)
+    return res
 
 
 def report(
@@ -260,6 +277,13 @@ def format_report(res: dict[str, Any], top: int = 15) -> str:
             f"{len(rest)} more programs: {sum(p['compiles'] for p in rest)} compiles, "
             f"{sum(p['seconds'] for p in rest):.2f} s"
         )
+    pc = res.get("persistent_cache")
+    if pc and pc.get("dir"):
+        lines += [
+            "",
+            f"persistent compilation cache {pc['dir']}: {pc.get('hits', 0)} programs read "
+            f"back, {pc.get('misses', 0)} compiled and written",
+        ]
     late = res["late_events"]
     if late:
         lines += ["", f"compile events after the first step of their phase ({len(late)}):"]

@@ -48,7 +48,9 @@ loss), so the first batch of each loss times all of them, whatever the margin, a
 compiles ahead of time the ones it does not time (tuning budget spent, a cached
 choice): a later batch whose signature is new may pick another engine, but it never
 compiles or tunes (a candidate out of margin on the first batch that came into it
-later used to be compiled and timed mid-run). The signature that ``reuse_choices``
+later used to be compiled and timed mid-run; so did every candidate of a new
+signature after a cached first choice, which times nothing: such a batch now gets
+the cost model's pick). The signature that ``reuse_choices``
 compares is bucketed (depth included), ``budget_seconds`` bounds the tuning, and
 ``cache_path`` carries measured choices over to the next run.
 """
@@ -510,6 +512,11 @@ class AutoEngine:
         keys = {e: (e, prepared[e].static, loss) for e in work}
         timed_now: list[str] = []
         over_budget = False
+        # After ``reserve`` only the first batch of a loss tunes: its programs are the
+        # run's. A later batch whose candidates were not timed (the first batch took a
+        # cached choice, or a bucket outgrew the reserve) gets the cost model's pick,
+        # corrected by what was timed, and is not timed mid-run.
+        settled = self.reserved and loss in self._warm_losses
         t0 = time.perf_counter()
         # A step is host work (prepare, finish) plus the device program. A timed
         # candidate was timed a whole step at a time, so its (bucket-corrected)
@@ -528,7 +535,7 @@ class AutoEngine:
                 e for e in work if cheap or total[e] <= self.config.tune_margin * total[best]
             ]
             todo = [e for e in in_margin if keys[e] not in self.timings]
-            if not tune or not todo:
+            if not tune or settled or not todo:
                 break
             if self.budget_spent:  # checked before each round: one round may overrun it
                 over_budget = True

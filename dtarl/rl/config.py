@@ -562,6 +562,7 @@ RESUME_FREE_KEYS = (
     "algo.engine",
     "algo.autotune_budget_seconds",
     "algo.autotune_cache",
+    "compile_cache_dir",
     "engine",
     "mesh",
 )
@@ -616,12 +617,23 @@ class TrainerConfig:
     tensorboard: bool = True  # when tensorboardX / torch.utils.tensorboard is importable
     console: bool = True
     reward_on_error: RewardErrorPolicy = RewardErrorPolicy.RAISE
+    # JAX's persistent compilation cache for this process (None: off, or whatever
+    # the process set up itself); a second run of the same config reads its programs
+    # from there instead of compiling them. See ``Trainer`` / ``enable_compile_cache``.
+    compile_cache_dir: str | None = None
 
     def __post_init__(self):
         _nonneg(self, "steps", "seed", "checkpoint_every", "eval_problems", "eval_every")
         _positive(self, "keep_checkpoints")
         if not self.out_dir:
             raise ConfigError("out_dir='' must name a directory")
+        if self.compile_cache_dir is not None and not (
+            isinstance(self.compile_cache_dir, str) and self.compile_cache_dir
+        ):
+            raise ConfigError(
+                f"compile_cache_dir={self.compile_cache_dir!r} must be a directory path "
+                "(or null: off)"
+            )
         d = self.algo.darts
         if d.enabled and self.rollout.engine is not RolloutEngineKind.CONTINUOUS:
             raise ConfigError(

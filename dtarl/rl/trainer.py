@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
+from jax.experimental.compilation_cache import compilation_cache
 
 from dtarl.batch import RolloutBatch
 from dtarl.engines import Capacity, EngineConfig, make_engine, training_temperature
@@ -227,6 +228,33 @@ def engine_config(cfg: TrainerConfig) -> EngineConfig:
     return dataclasses.replace(cfg.engine, auto=auto)
 
 
+def enable_compile_cache(path: str) -> str:
+    """Points JAX's persistent compilation cache at ``path`` (created if missing; ``~``
+    expanded) for the rest of the process, and caches every program, however short its
+    compile (JAX's defaults skip the ones under 1 s: most of a small model's on a CPU).
+    The next process that compiles the same program (same JAX/XLA versions, device
+    kind, options) reads the executable from there instead of compiling it; tracing
+    and lowering still run. A cache JAX was already using elsewhere is switched over
+    (JAX reads its directory once: the cache is reset). Returns the absolute path.
+
+    The cache is trusted code: anyone who can write to ``path`` can make this process
+    run arbitrary code (JAX's warning), so keep it private to the user."""
+    path = os.path.abspath(os.path.expanduser(path))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"compile_cache_dir={path!r} cannot be created: {e}") from e
+    if not os.access(path, os.W_OK):
+        raise ConfigError(f"compile_cache_dir={path!r} is not writable")
+    current = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if current is None or os.path.abspath(current) != path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        compilation_cache.reset_cache()  # JAX opens its directory once per process
+    return path
+
+
 class Trainer:
     """Runs a ``TrainerConfig``. ``reward_fn`` (sync or async) replaces the task's verifier."""
 
@@ -238,6 +266,9 @@ class Trainer:
         task: Task | None = None,
     ):
         self.cfg = cfg
+        # compile_cache_dir: before anything compiles (the model's initialisation does)
+        if cfg.compile_cache_dir is not None:
+            enable_compile_cache(cfg.compile_cache_dir)
         self.mesh = train_mesh(cfg.mesh)  # before the model: a bad mesh fails at once
         self.model, self.tokenizer = build_model(cfg)
         self.graphdef, self.params = nnx.split(self.model, nnx.Param)

@@ -139,6 +139,26 @@ def test_cache_file_carries_choices_to_the_next_run(model_params, tmp_path):
     assert other._cached(second.signature(batch, loss), batch, loss, None) is None
 
 
+def test_a_reserved_run_from_the_cache_file_tunes_nothing_later(model_params, tmp_path):
+    """A second run of a reserved auto with the first run's cache file: the loss's first
+    batch takes the cached choice (its candidates compiled ahead of time, not timed),
+    and a later batch with a signature the file does not hold gets the cost model's
+    pick without being timed mid-run."""
+    model, params = model_params
+    path = str(tmp_path / "autotune.json")
+    loss = MaskedNLLLoss()
+    batch = forked_batch(3, prompts=2, group=4, fork_at=0)
+    earlier = make_auto(model, cache_path=path)  # the earlier run's measured choice
+    earlier.cache.put(earlier.signature(batch, loss), "dfs", SECONDS["dfs"])
+    warm = make_auto(model, cache_path=path)
+    assert warm.value_and_grad(params, batch, loss)[2].stats["choice_basis"] == "cached"
+    later = forked_batch(4, prompts=1, group=3, fork_at=0)
+    assert warm.signature(later, loss) != warm.signature(batch, loss)
+    aux = warm.value_and_grad(params, later, loss)[2]
+    assert warm.timer.calls == [] and aux.stats["choice_basis"] == "predicted"
+    assert aux.stats["autotune_seconds"] == 0.0
+
+
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"entries": 3}), "[1, 2]"])
 def test_corrupt_cache_file_is_ignored_with_a_warning(model_params, tmp_path, content):
     model, params = model_params

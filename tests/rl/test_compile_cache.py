@@ -1,0 +1,80 @@
+"""``compile_cache_dir``: a second run of the same config reads its programs from JAX's
+persistent compilation cache instead of compiling them.
+
+The runs happen in a subprocess: the cache is process-wide JAX state, and the suite's
+own cache (tests/conftest.py) must stay in place for the other tests. Structural, not
+timed: JAX's cache events are counted (a miss is an executable compiled and written,
+a hit one read back), and the run's programs are the same in both runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dtarl.rl.config import ConfigError, load_config
+
+_SCRIPT = r"""
+import json, sys
+import jax
+from dtarl.rl.config import load_config
+from dtarl.rl.trainer import Trainer
+
+counts = {}
+def on_event(event, **kwargs):
+    counts[event] = counts.get(event, 0) + 1
+jax.monitoring.register_event_listener(on_event)
+
+cache, out = sys.argv[1], sys.argv[2]
+over = [
+    "model.overrides={num_layers: 1}", "task.max_operand=5", "sft.steps=1",
+    "sft.batch_size=2", "steps=1", "rollout.prompts_per_step=1", "rollout.group_size=2",
+    "rollout.max_new_tokens=3", "eval_problems=0", "console=false", "tensorboard=false",
+    "mesh.dp=1", "algo.engine=dense", f"compile_cache_dir={cache}",
+]
+report = []
+for run in range(2):
+    counts.clear()
+    jax.clear_caches()  # the second run finds nothing in memory: only the disk cache
+    t = Trainer(load_config(None, over + [f"out_dir={out}/{run}"]))
+    t.run()
+    report.append(dict(
+        hits=counts.get("/jax/compilation_cache/cache_hits", 0),
+        misses=counts.get("/jax/compilation_cache/cache_misses", 0),
+        requests=counts.get("/jax/compilation_cache/compile_requests_use_cache", 0),
+        cache_dir=jax.config.jax_compilation_cache_dir,
+    ))
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_second_run_reads_every_program_from_the_cache(tmp_path):
+    cache = tmp_path / "jax-cache"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(cache), str(tmp_path / "runs")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT "))
+    cold, warm = json.loads(line[len("REPORT ") :])
+    assert cold["cache_dir"] == warm["cache_dir"] == str(cache)
+    # The first run compiles its programs (model init, rollout, engine, optimiser) and
+    # writes each; the second asks for the same programs and reads every one back.
+    assert cold["misses"] >= 5 and cold["hits"] == 0, cold
+    assert warm["requests"] == cold["requests"], (cold, warm)
+    assert warm["misses"] == 0 and warm["hits"] == warm["requests"], warm
+    assert len(os.listdir(cache)) >= cold["misses"]
+
+
+def test_compile_cache_dir_is_checked(tmp_path):
+    assert load_config(None, ["console=false"]).compile_cache_dir is None  # default: off
+    cfg = load_config(None, [f"compile_cache_dir={tmp_path}", "console=false"])
+    assert cfg.compile_cache_dir == str(tmp_path)
+    with pytest.raises(ConfigError, match="compile_cache_dir=''"):
+        load_config(None, ["compile_cache_dir=''"])
