@@ -261,6 +261,14 @@ class DFSEngine(base.BucketState):
             total = functools.partial(jnp.sum, axis=0)
             return vals, jax.tree.map(total, d_chunk), jax.tree.map(total, d_path)
 
+        def prefix32(cr: _Carry, p: int):
+            """The stack's first p rows in fp32 (exact: values of the compute dtype),
+            so the chunk's cotangents for them come back in fp32 (no rounding to
+            the compute dtype before they join the fp32 dstack carry)."""
+            return cr.stack_k[:, :, :p].astype(jnp.float32), cr.stack_v[:, :, :p].astype(
+                jnp.float32
+            )
+
         def path_of(cr: _Carry):
             return (cr.logp, cr.ent if with_ent else None)
 
@@ -268,9 +276,7 @@ class DFSEngine(base.BucketState):
             st = row0(st)
             valid = st.seg >= 0
             fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, ent=with_ent)
-            (logp, ent, _, _), vjp = jax.vjp(
-                fwd, params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p]
-            )
+            (logp, ent, _, _), vjp = jax.vjp(fwd, params, *prefix32(cr, p))
             logp = jnp.where(valid, logp, 0.0)
             ent = jnp.where(valid, ent, 0.0) if with_ent else None
             losses, (d_chunk, d_chunk_ent), (d_path, d_path_ent) = visit(
@@ -320,9 +326,7 @@ class DFSEngine(base.BucketState):
             st = first(st, n_rows * width)
             valid = st.seg >= 0
             fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, n_rows, with_ent)
-            (logp, ent, k_new, v_new), vjp = jax.vjp(
-                fwd, params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p]
-            )
+            (logp, ent, k_new, v_new), vjp = jax.vjp(fwd, params, *prefix32(cr, p))
             logp = jnp.where(valid, logp, 0.0)
             ent = jnp.where(valid, ent, 0.0) if with_ent else None
             losses, (d_chunk, d_chunk_ent), (d_path, d_path_ent) = visit(

@@ -19,6 +19,7 @@ E hidden, H query heads, K kv heads, G = H / K, D head dim, F mlp, V vocab, L la
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -30,6 +31,118 @@ from dtarl import axes
 from dtarl.model.config import AttentionBackend, ModelConfig
 
 _NEG = -1e30
+
+
+# ------------------------------------------------------------------ mixed precision
+# With bf16 compute and fp32 master weights a parameter is cast to bf16 where it
+# is used. Plain autodiff then rounds each parameter's gradient to bf16 before it
+# reaches the fp32 master (the transpose of a bf16 op produces bf16): a partial
+# weight gradient per microbatch or chunk, rounded where programs differ. The
+# helpers below keep today's forward exactly and give the backward fp32 weight
+# gradients: the weight-gradient dot accumulates in fp32 and its result stays fp32;
+# the activation cotangent is what plain autodiff computes. In fp32 compute they
+# are the plain ops. The same holds for prefix K/V passed as fp32: their
+# cotangents come back fp32 (the engines carry them across steps).
+
+
+def _einsum_transposes(spec: str) -> tuple[str, str]:
+    """For "x,w->y": the specs of dx ("y,w->x") and dw ("x,y->w")."""
+    ins, y = spec.replace(" ", "").split("->")
+    x, w = ins.split(",")
+    return f"{y},{w}->{x}", f"{x},{y}->{w}"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _cast_einsum(spec, wide, w_dtype, x, w):
+    pet = jnp.float32 if wide else None
+    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=pet)
+
+
+def _cast_einsum_fwd(spec, wide, w_dtype, x, w):
+    wc = w.astype(x.dtype)
+    pet = jnp.float32 if wide else None
+    return jnp.einsum(spec, x, wc, preferred_element_type=pet), (x, wc)
+
+
+def _cast_einsum_bwd(spec, wide, w_dtype, res, g):
+    x, wc = res
+    dx_spec, dw_spec = _einsum_transposes(spec)
+    pet = jnp.float32 if wide else None
+    dx = jnp.einsum(dx_spec, g, wc, preferred_element_type=pet).astype(x.dtype)
+    dw = jnp.einsum(dw_spec, x, g, preferred_element_type=jnp.float32)
+    return dx, dw.astype(w_dtype)
+
+
+_cast_einsum.defvjp(_cast_einsum_fwd, _cast_einsum_bwd)
+
+
+def cast_einsum(spec: str, x, w, *, wide: bool = False):
+    """``einsum(spec, x, w.astype(x.dtype))``, fp32 output when ``wide``, whose
+    gradient for ``w`` is accumulated in fp32 and returned in ``w``'s own dtype
+    (fp32 for an fp32 master weight: never rounded to the compute dtype).
+
+    ``spec`` is "x,w->y" with every index of x in w or y and every index of w in
+    x or y ("..." allowed in x and y); x's cotangent is plain autodiff's.
+    """
+    return _cast_einsum(spec, wide, jnp.dtype(w.dtype).name, x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _cast_broadcast(op, w_dtype, x, w):
+    wc = w.astype(x.dtype)
+    return x * wc if op == "mul" else x + wc
+
+
+def _cast_broadcast_fwd(op, w_dtype, x, w):
+    return _cast_broadcast(op, w_dtype, x, w), (x, w.astype(x.dtype))
+
+
+def _cast_broadcast_bwd(op, w_dtype, res, g):
+    x, wc = res
+    lead = tuple(range(g.ndim - wc.ndim))
+    if op == "mul":
+        dx = g * wc
+        dw = jnp.sum(g.astype(jnp.float32) * x.astype(jnp.float32), axis=lead)
+    else:
+        dx = g
+        dw = jnp.sum(g.astype(jnp.float32), axis=lead)
+    return dx, dw.astype(w_dtype)
+
+
+_cast_broadcast.defvjp(_cast_broadcast_fwd, _cast_broadcast_bwd)
+
+
+def cast_scale(x, w):
+    """``x * w.astype(x.dtype)`` (w over x's trailing axes), w's gradient summed in fp32."""
+    return _cast_broadcast("mul", jnp.dtype(w.dtype).name, x, w)
+
+
+def cast_bias(x, w):
+    """``x + w.astype(x.dtype)`` (w over x's trailing axes), w's gradient summed in fp32."""
+    return _cast_broadcast("add", jnp.dtype(w.dtype).name, x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _cast_embed(cd, w_dtype, shape, table, tokens):
+    return table.astype(cd)[tokens]
+
+
+def _cast_embed_fwd(cd, w_dtype, shape, table, tokens):
+    return table.astype(cd)[tokens], tokens
+
+
+def _cast_embed_bwd(cd, w_dtype, shape, tokens, g):
+    dtable = jnp.zeros(shape, jnp.float32).at[tokens].add(g.astype(jnp.float32))
+    return dtable.astype(w_dtype), None
+
+
+_cast_embed.defvjp(_cast_embed_fwd, _cast_embed_bwd)
+
+
+def cast_embed(table, tokens, cd):
+    """``table.astype(cd)[tokens]``, the table's gradient scatter-added in fp32."""
+    name = jnp.dtype(table.dtype).name
+    return _cast_embed(jnp.dtype(cd).name, name, tuple(table.shape), table, tokens)
 
 
 class KVCache(NamedTuple):
@@ -65,7 +178,7 @@ class RMSNorm(nnx.Module):
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         # HF order: normalise in fp32, cast to the input dtype, then scale.
-        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
+        return cast_scale(xf.astype(x.dtype), self.weight[...])
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -112,14 +225,14 @@ def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segmen
     p = k_prefix.shape[1]
     scale = 1.0 / np.sqrt(d)
     q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kh, g, d)
-    kp, vp = k_prefix.astype(k_new.dtype), v_prefix.astype(v_new.dtype)
+    # The prefix K/V may come in fp32 (values of the compute dtype): cast for the
+    # products, their cotangents accumulated and returned in fp32.
+    kp, vp = k_prefix, v_prefix
     shared = kp.shape[0] == 1 and b > 1
     if shared:
-        s_pre = jnp.einsum(
-            "btkgd,pkd->bkgtp", q_BxTxKxGxD, kp[0], preferred_element_type=jnp.float32
-        )
+        s_pre = cast_einsum("btkgd,pkd->bkgtp", q_BxTxKxGxD, kp[0], wide=True)
     else:
-        s_pre = jnp.einsum("btkgd,bpkd->bkgtp", q_BxTxKxGxD, kp, preferred_element_type=jnp.float32)
+        s_pre = cast_einsum("btkgd,bpkd->bkgtp", q_BxTxKxGxD, kp, wide=True)
     s_new = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_new, preferred_element_type=jnp.float32)
     att_BxKxGxTxS = jnp.concatenate([s_pre, s_new], axis=-1) * scale
     key_pos = jnp.arange(p + t)
@@ -136,9 +249,9 @@ def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segmen
     probs = jax.nn.softmax(att_BxKxGxTxS, axis=-1).astype(v_new.dtype)
     p_pre, p_new = probs[..., :p], probs[..., p:]
     if shared:
-        out_pre = jnp.einsum("bkgtp,pkd->btkgd", p_pre, vp[0], preferred_element_type=jnp.float32)
+        out_pre = cast_einsum("bkgtp,pkd->btkgd", p_pre, vp[0], wide=True)
     else:
-        out_pre = jnp.einsum("bkgtp,bpkd->btkgd", p_pre, vp, preferred_element_type=jnp.float32)
+        out_pre = cast_einsum("bkgtp,bpkd->btkgd", p_pre, vp, wide=True)
     out_BxTxKxGxD = out_pre + jnp.einsum(
         "bkgts,bskd->btkgd", p_new, v_new, preferred_element_type=jnp.float32
     )
@@ -196,14 +309,13 @@ class Attention(nnx.Module):
     def qkv(self, x_BxTxE, positions_BxT, inv_freq):
         """Projections with bias, q/k norm and RoPE: q [B,T,H,D], k and v [B,T,K,D]."""
         cfg = self.cfg
-        cd = x_BxTxE.dtype
-        q = jnp.einsum("bte,ehd->bthd", x_BxTxE, self.q_proj[...].astype(cd))
-        k = jnp.einsum("bte,ekd->btkd", x_BxTxE, self.k_proj[...].astype(cd))
-        v = jnp.einsum("bte,ekd->btkd", x_BxTxE, self.v_proj[...].astype(cd))
+        q = cast_einsum("bte,ehd->bthd", x_BxTxE, self.q_proj[...])
+        k = cast_einsum("bte,ekd->btkd", x_BxTxE, self.k_proj[...])
+        v = cast_einsum("bte,ekd->btkd", x_BxTxE, self.v_proj[...])
         if cfg.attention_bias:
-            q = q + self.q_bias[...].astype(cd)
-            k = k + self.k_bias[...].astype(cd)
-            v = v + self.v_bias[...].astype(cd)
+            q = cast_bias(q, self.q_bias[...])
+            k = cast_bias(k, self.k_bias[...])
+            v = cast_bias(v, self.v_bias[...])
         if cfg.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -213,7 +325,7 @@ class Attention(nnx.Module):
 
     def out(self, out_BxTxHxD):
         """The output projection of the attention result."""
-        return jnp.einsum("bthd,hde->bte", out_BxTxHxD, self.o_proj[...].astype(out_BxTxHxD.dtype))
+        return cast_einsum("bthd,hde->bte", out_BxTxHxD, self.o_proj[...])
 
     def __call__(self, x_BxTxE, positions_BxT, k_prefix, v_prefix, prefix_len_B, inv_freq, seg):
         q, k, v = self.qkv(x_BxTxE, positions_BxT, inv_freq)
@@ -231,10 +343,9 @@ class MLP(nnx.Module):
         self.down_proj = _param(rngs, (f, e), (axes.MLP, axes.EMBED), pd)
 
     def __call__(self, x):
-        cd = x.dtype
-        gate = x @ self.gate_proj[...].astype(cd)
-        up = x @ self.up_proj[...].astype(cd)
-        return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(cd)
+        gate = cast_einsum("...e,ef->...f", x, self.gate_proj[...])
+        up = cast_einsum("...e,ef->...f", x, self.up_proj[...])
+        return cast_einsum("...f,fe->...e", jax.nn.silu(gate) * up, self.down_proj[...])
 
 
 class DecoderLayer(nnx.Module):
@@ -312,7 +423,7 @@ class Decoder(nnx.Module):
             prefix_len_B = jnp.full((b,), p, jnp.int32)
         prefix_len_B = jnp.broadcast_to(jnp.asarray(prefix_len_B, jnp.int32), (b,))
         inv_freq = rope_inv_freq(cfg)
-        x = self.embed_tokens[...].astype(cd)[tokens_BxT]
+        x = cast_embed(self.embed_tokens[...], tokens_BxT, cd)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             args = (x, positions_BxT, kv_prefix.k[i], kv_prefix.v[i], prefix_len_B, segment_ids_BxT)
@@ -332,9 +443,7 @@ class Decoder(nnx.Module):
         kv_new = KVCache(jnp.stack(ks), jnp.stack(vs))
         if return_hidden:
             return x, kv_new
-        logits = jnp.einsum(
-            "bte,ev->btv", x, self.lm_head_weight().astype(cd), preferred_element_type=jnp.float32
-        )
+        logits = cast_einsum("bte,ev->btv", x, self.lm_head_weight(), wide=True)
         return logits, kv_new
 
 
@@ -358,12 +467,7 @@ def token_logprobs(
     """
 
     def one(h_BxCxE, tgt_BxC):
-        logits = jnp.einsum(
-            "bce,ev->bcv",
-            h_BxCxE,
-            lm_head_ExV.astype(h_BxCxE.dtype),
-            preferred_element_type=jnp.float32,
-        )
+        logits = cast_einsum("bce,ev->bcv", h_BxCxE, lm_head_ExV, wide=True)
         if temperature != 1.0:
             logits = logits / temperature
         logz = jax.nn.logsumexp(logits, axis=-1)
