@@ -262,9 +262,11 @@ class DFSEngine(base.BucketState):
             return vals, jax.tree.map(total, d_chunk), jax.tree.map(total, d_path)
 
         def prefix32(cr: _Carry, p: int):
-            """The stack's first p rows in fp32 (exact: values of the compute dtype),
-            so the chunk's cotangents for them come back in fp32 (no rounding to
-            the compute dtype before they join the fp32 dstack carry)."""
+            """The stack's first p rows in fp32 (exact: values of the compute dtype).
+            The chunk's K/V then leave in fp32 too (``Decoder``), so the cotangents
+            for the prefix come back fp32 into the dstack carry, and the carried
+            cotangent of the chunk's own K/V enters in fp32: a key's cotangent is
+            summed in fp32 and rounded to the compute dtype once, as in dense."""
             return cr.stack_k[:, :, :p].astype(jnp.float32), cr.stack_v[:, :, :p].astype(
                 jnp.float32
             )
@@ -301,7 +303,7 @@ class DFSEngine(base.BucketState):
                 0.0,
             )
             g_k, g_v = take(cr.dstack_k), take(cr.dstack_v)
-            dparams, dk, dv = vjp((g_logp, g_ent, g_k.astype(cd), g_v.astype(cd)))
+            dparams, dk, dv = vjp((g_logp, g_ent, g_k, g_v))  # fp32 K/V cotangents
             dstack_k = cr.dstack_k.at[:, :, :p].add(dk.astype(jnp.float32))
             dstack_v = cr.dstack_v.at[:, :, :p].add(dv.astype(jnp.float32))
             real = st.slots >= 0

@@ -440,7 +440,10 @@ class PrefixReuseEngine(base.BucketState):
         """
         model = nnx.merge(self.graphdef, params)
         p = inputs_P.shape[0]
-        hidden, kv = model(inputs_P[None], jnp.arange(p)[None], return_hidden=True)
+        # An empty fp32 prefix: the K/V leave in fp32 (compute-dtype values), so the
+        # suffixes' fp32 K/V cotangent enters the prefix's VJP unrounded.
+        empty = KVCache.zeros(self.cfg, 1, 0, jnp.float32)
+        hidden, kv = model(inputs_P[None], jnp.arange(p)[None], empty, return_hidden=True)
         logp, ent = token_logprobs(
             model.lm_head_weight(),
             hidden,

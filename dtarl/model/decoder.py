@@ -10,7 +10,9 @@ chunk (post-RoPE keys); only its first ``prefix_len[b]`` rows are valid. A
 ``kv_prefix`` with batch 1 is shared by all B rows (B continuations of one
 prefix, e.g. sibling leaves of a prefix tree) without being copied. The
 chunk's mask is bottom-right aligned: chunk query i sees every valid prefix key
-and chunk keys 0..i. ``kv_new`` holds the chunk's own K/V only ([L, B, T, ...]);
+and chunk keys 0..i. ``kv_new`` holds the chunk's own K/V only ([L, B, T, ...]),
+in the wider of the compute dtype and ``kv_prefix``'s (the values are the compute
+dtype's; an fp32 prefix makes their cotangents fp32, which the tree engines carry);
 callers place it into whatever buffer they keep (stack, paged cache, ...).
 
 Letters: B batch, T chunk (query) tokens, P prefix tokens, S = P + T keys,
@@ -38,11 +40,13 @@ _NEG = -1e30
 # is used. Plain autodiff then rounds each parameter's gradient to bf16 before it
 # reaches the fp32 master (the transpose of a bf16 op produces bf16): a partial
 # weight gradient per microbatch or chunk, rounded where programs differ. The
-# helpers below keep today's forward exactly and give the backward fp32 weight
-# gradients: the weight-gradient dot accumulates in fp32 and its result stays fp32;
-# the activation cotangent is what plain autodiff computes. In fp32 compute they
-# are the plain ops. The same holds for prefix K/V passed as fp32: their
-# cotangents come back fp32 (the engines carry them across steps).
+# helpers below keep the forward of the plain op exactly and give the backward an
+# fp32 gradient for every operand held in fp32: the gradient product accumulates
+# in fp32 and is never rounded to the compute dtype. An operand already in the
+# compute dtype gets plain autodiff's cotangent. In fp32 compute they are the
+# plain ops. The attention uses the same for its Q/K/V (fp32-typed, compute-dtype
+# values): a key's cotangent is summed over the prefix and chunk parts, and over
+# the chunks of a tree engine's carry, in fp32 and rounded once.
 
 
 def _einsum_transposes(spec: str) -> tuple[str, str]:
@@ -52,39 +56,43 @@ def _einsum_transposes(spec: str) -> tuple[str, str]:
     return f"{y},{w}->{x}", f"{x},{y}->{w}"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _cast_einsum(spec, wide, w_dtype, x, w):
-    pet = jnp.float32 if wide else None
-    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=pet)
+def _pet(wide: bool):
+    return jnp.float32 if wide else None
 
 
-def _cast_einsum_fwd(spec, wide, w_dtype, x, w):
-    wc = w.astype(x.dtype)
-    pet = jnp.float32 if wide else None
-    return jnp.einsum(spec, x, wc, preferred_element_type=pet), (x, wc)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _cast_einsum(spec, wide, cd, x_dtype, w_dtype, x, w):
+    return jnp.einsum(spec, x.astype(cd), w.astype(cd), preferred_element_type=_pet(wide))
 
 
-def _cast_einsum_bwd(spec, wide, w_dtype, res, g):
-    x, wc = res
+def _cast_einsum_fwd(spec, wide, cd, x_dtype, w_dtype, x, w):
+    xc, wc = x.astype(cd), w.astype(cd)
+    return jnp.einsum(spec, xc, wc, preferred_element_type=_pet(wide)), (xc, wc)
+
+
+def _cast_einsum_bwd(spec, wide, cd, x_dtype, w_dtype, res, g):
+    xc, wc = res
     dx_spec, dw_spec = _einsum_transposes(spec)
-    pet = jnp.float32 if wide else None
-    dx = jnp.einsum(dx_spec, g, wc, preferred_element_type=pet).astype(x.dtype)
-    dw = jnp.einsum(dw_spec, x, g, preferred_element_type=jnp.float32)
-    return dx, dw.astype(w_dtype)
+    dx = jnp.einsum(dx_spec, g, wc, preferred_element_type=_pet(wide or x_dtype != cd))
+    dw = jnp.einsum(dw_spec, xc, g, preferred_element_type=_pet(wide or w_dtype != cd))
+    return dx.astype(x_dtype), dw.astype(w_dtype)
 
 
 _cast_einsum.defvjp(_cast_einsum_fwd, _cast_einsum_bwd)
 
 
-def cast_einsum(spec: str, x, w, *, wide: bool = False):
-    """``einsum(spec, x, w.astype(x.dtype))``, fp32 output when ``wide``, whose
-    gradient for ``w`` is accumulated in fp32 and returned in ``w``'s own dtype
-    (fp32 for an fp32 master weight: never rounded to the compute dtype).
+def cast_einsum(spec: str, x, w, *, wide: bool = False, dtype=None):
+    """``einsum(spec, x.astype(dtype), w.astype(dtype))`` (``dtype``: x's by
+    default), fp32 output when ``wide``. Each operand's gradient comes back in the
+    operand's own dtype; for an operand not in ``dtype`` (an fp32 master weight,
+    fp32-typed K/V) it is accumulated in fp32 and never rounded to ``dtype``.
 
     ``spec`` is "x,w->y" with every index of x in w or y and every index of w in
-    x or y ("..." allowed in x and y); x's cotangent is plain autodiff's.
+    x or y ("..." allowed in x and y).
     """
-    return _cast_einsum(spec, wide, jnp.dtype(w.dtype).name, x, w)
+    name = lambda a: jnp.dtype(a).name  # noqa: E731
+    cd = name(dtype or x.dtype)
+    return _cast_einsum(spec, wide, cd, name(x.dtype), name(w.dtype), x, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -224,16 +232,19 @@ def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segmen
     g = h // kh
     p = k_prefix.shape[1]
     scale = 1.0 / np.sqrt(d)
-    q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kh, g, d)
-    # The prefix K/V may come in fp32 (values of the compute dtype): cast for the
-    # products, their cotangents accumulated and returned in fp32.
-    kp, vp = k_prefix, v_prefix
-    shared = kp.shape[0] == 1 and b > 1
+    cd = q_BxTxHxD.dtype
+    # K/V (chunk and prefix) may come fp32-typed with compute-dtype values: the
+    # products cast them to ``cd``, their cotangents stay fp32. q is made so here,
+    # so its cotangent (prefix plus chunk parts) is summed in fp32 and rounded
+    # once, by the cast's transpose.
+    q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kh, g, d).astype(jnp.float32)
+    ein = functools.partial(cast_einsum, wide=True, dtype=cd)
+    shared = k_prefix.shape[0] == 1 and b > 1
     if shared:
-        s_pre = cast_einsum("btkgd,pkd->bkgtp", q_BxTxKxGxD, kp[0], wide=True)
+        s_pre = ein("btkgd,pkd->bkgtp", q_BxTxKxGxD, k_prefix[0])
     else:
-        s_pre = cast_einsum("btkgd,bpkd->bkgtp", q_BxTxKxGxD, kp, wide=True)
-    s_new = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_new, preferred_element_type=jnp.float32)
+        s_pre = ein("btkgd,bpkd->bkgtp", q_BxTxKxGxD, k_prefix)
+    s_new = ein("btkgd,bskd->bkgts", q_BxTxKxGxD, k_new)
     att_BxKxGxTxS = jnp.concatenate([s_pre, s_new], axis=-1) * scale
     key_pos = jnp.arange(p + t)
     prefix_ok_BxS = (key_pos[None, :] < prefix_len_B[:, None]) & (key_pos[None, :] < p)
@@ -246,16 +257,14 @@ def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segmen
         chunk_ok_BxTxS = chunk_ok_BxTxS & (segment_ids_BxT[:, :, None] == seg_keys_BxS[:, None, :])
     mask_BxTxS = prefix_ok_BxS[:, None, :] | chunk_ok_BxTxS
     att_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], att_BxKxGxTxS, _NEG)
-    probs = jax.nn.softmax(att_BxKxGxTxS, axis=-1).astype(v_new.dtype)
+    probs = jax.nn.softmax(att_BxKxGxTxS, axis=-1).astype(cd)
     p_pre, p_new = probs[..., :p], probs[..., p:]
     if shared:
-        out_pre = cast_einsum("bkgtp,pkd->btkgd", p_pre, vp[0], wide=True)
+        out_pre = ein("bkgtp,pkd->btkgd", p_pre, v_prefix[0])
     else:
-        out_pre = cast_einsum("bkgtp,bpkd->btkgd", p_pre, vp, wide=True)
-    out_BxTxKxGxD = out_pre + jnp.einsum(
-        "bkgts,bskd->btkgd", p_new, v_new, preferred_element_type=jnp.float32
-    )
-    return out_BxTxKxGxD.reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
+        out_pre = ein("bkgtp,bpkd->btkgd", p_pre, v_prefix)
+    out_BxTxKxGxD = out_pre + ein("bkgts,bskd->btkgd", p_new, v_new)
+    return out_BxTxKxGxD.reshape(b, t, h, d).astype(cd)
 
 
 def attend_pallas(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segment_ids_BxT=None):
@@ -275,9 +284,11 @@ def attend_pallas(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, seg
     if k_prefix.shape[0] != b:  # a shared prefix: the kernel wants one K/V per row
         k_prefix = jnp.broadcast_to(k_prefix, (b,) + k_prefix.shape[1:])
         v_prefix = jnp.broadcast_to(v_prefix, (b,) + v_prefix.shape[1:])
-    pad = jnp.zeros((b, t) + k_new.shape[2:], k_new.dtype)
-    k_all = jnp.concatenate([k_prefix.astype(k_new.dtype), pad], axis=1)
-    v_all = jnp.concatenate([v_prefix.astype(v_new.dtype), pad], axis=1)
+    cd = q_BxTxHxD.dtype
+    k_new, v_new = k_new.astype(cd), v_new.astype(cd)
+    pad = jnp.zeros((b, t) + k_new.shape[2:], cd)
+    k_all = jnp.concatenate([k_prefix.astype(cd), pad], axis=1)
+    v_all = jnp.concatenate([v_prefix.astype(cd), pad], axis=1)
     start_B = jnp.minimum(prefix_len_B, p).astype(jnp.int32)
     put = jax.vmap(lambda buf, x, s: jax.lax.dynamic_update_slice_in_dim(buf, x, s, axis=0))
     k_all = put(k_all, k_new, start_B)
@@ -329,6 +340,12 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxTxE, positions_BxT, k_prefix, v_prefix, prefix_len_B, inv_freq, seg):
         q, k, v = self.qkv(x_BxTxE, positions_BxT, inv_freq)
+        # The chunk's K/V leave in the wider of the compute and prefix dtypes (same
+        # values): given an fp32 prefix (a tree engine's carry), a key's cotangent
+        # from this chunk and from its descendants meets in fp32 and is rounded to
+        # the compute dtype once, by this cast's transpose.
+        kv_dtype = jnp.promote_types(k.dtype, k_prefix.dtype)
+        k, v = k.astype(kv_dtype), v.astype(kv_dtype)
         pallas = self.cfg.attention_backend is AttentionBackend.PALLAS
         attend = attend_pallas if pallas else attend_xla
         return self.out(attend(q, k_prefix, v_prefix, prefix_len_B, k, v, seg)), k, v
