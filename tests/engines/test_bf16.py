@@ -303,7 +303,8 @@ def test_adamw_trajectories_track_dense_bf16():
     ||theta_e - theta_d|| / ||theta_d - theta_0|| per tensor, is at most 2 max_k rho_k,
     with rho_k the tensor's gradient spread at step k (bounded by C u kappa_T at
     the start and measured along the way, since the trajectories drift apart and
-    kappa_T changes). Observed: drift <= 0.095 of the travel, <= 0.22 of the bound."""
+    kappa_T changes). Observed: drift <= 0.098 of the travel, <= 0.46 of the bound
+    (dense_remat, the same engine: 0.043, 0.15)."""
     _, _, params0 = _models()
     batch = _batch()
     opt = make_optimizer(
