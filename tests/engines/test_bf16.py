@@ -89,7 +89,14 @@ from test_equivalence import LOSSES, REF_LEN, _model, _reference_fn
 from dtarl.engines import AutoEngine, RolloutBatch, make_engine
 from dtarl.engines.prefix_reuse import deep_sequences
 from dtarl.model import ModelFamily, init_model
-from dtarl.model.decoder import attend_xla, cast_bias, cast_einsum, cast_embed, cast_scale
+from dtarl.model.decoder import (
+    KVCache,
+    attend_xla,
+    cast_bias,
+    cast_einsum,
+    cast_embed,
+    cast_scale,
+)
 from dtarl.rl.config import OptimSection, Schedule
 from dtarl.rl.optim import make_optimizer
 from dtarl.testing import grpo_groups
@@ -253,6 +260,14 @@ def test_cast_helpers_give_fp32_weight_gradients():
     assert jnp.array_equal(out, attend_xla(q, kp.astype(bf), kp.astype(bf), plen, kv_new, kv_new))
     dk = jax.grad(lambda k: jnp.sum(attend_xla(q, k, k, plen, kv_new, kv_new)).astype(f32))(kp)
     assert dk.dtype == f32 and _rounded_away(dk)
+    # the decoder: given an fp32 prefix (a tree engine's carry) the chunk's K/V leave
+    # in fp32 with the same (bf16) values; without one, in the compute dtype
+    m16, _, _ = _models()
+    toks, pos = jnp.asarray([[5, 9, 7]]), jnp.arange(3)[None]
+    h16, kv16 = m16(toks, pos, return_hidden=True)
+    h32, kv32 = m16(toks, pos, KVCache.zeros(m16.cfg, 1, 0, f32), return_hidden=True)
+    assert kv16.k.dtype == bf and kv32.k.dtype == f32 and kv32.v.dtype == f32
+    assert jnp.array_equal(kv32.k, kv16.k.astype(f32)) and jnp.array_equal(h32, h16)
 
 
 def rel_diffs(got, want):
