@@ -68,8 +68,9 @@ small norm-weight gradients cancel most), so C u kappa_T is 3.6e-2 to 7.5e-2
 already moves a tensor by u kappa_T (0.9e-2 to 1.9e-2 here), and (iii) and (iv)
 are intrinsic to bf16 activation cotangents (the second to computing a shared
 prefix once). This is a first-order model, not a proof: (iii) and (iv) act at
-many rounding points, each counted here as one rounding per side; a worst-case
-sum over all of them would be vacuous, the errors being independent and small.
+many rounding points, each counted here as one rounding per side (a worst-case
+sum over all of them would exceed 1; their errors are independent and largely
+cancel).
 Observed: at most 1.0 u kappa_T, 0.25 of the bound (1.5e-2 on a norm weight, 1.05e-2
 on the matrices, dense_remat alike); dfs and prefix_reuse now produce the same
 gradients (equal with excess precision off, where they differ from dense by
