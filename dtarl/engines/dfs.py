@@ -261,6 +261,16 @@ class DFSEngine(base.BucketState):
             total = functools.partial(jnp.sum, axis=0)
             return vals, jax.tree.map(total, d_chunk), jax.tree.map(total, d_path)
 
+        def prefix32(cr: _Carry, p: int):
+            """The stack's first p rows in fp32 (exact: values of the compute dtype).
+            The chunk's K/V then leave in fp32 too (``Decoder``), so the cotangents
+            for the prefix come back fp32 into the dstack carry, and the carried
+            cotangent of the chunk's own K/V enters in fp32: a key's cotangent is
+            summed in fp32 and rounded to the compute dtype once, as in dense."""
+            return cr.stack_k[:, :, :p].astype(jnp.float32), cr.stack_v[:, :, :p].astype(
+                jnp.float32
+            )
+
         def path_of(cr: _Carry):
             return (cr.logp, cr.ent if with_ent else None)
 
@@ -268,9 +278,7 @@ class DFSEngine(base.BucketState):
             st = row0(st)
             valid = st.seg >= 0
             fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, ent=with_ent)
-            (logp, ent, _, _), vjp = jax.vjp(
-                fwd, params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p]
-            )
+            (logp, ent, _, _), vjp = jax.vjp(fwd, params, *prefix32(cr, p))
             logp = jnp.where(valid, logp, 0.0)
             ent = jnp.where(valid, ent, 0.0) if with_ent else None
             losses, (d_chunk, d_chunk_ent), (d_path, d_path_ent) = visit(
@@ -295,7 +303,7 @@ class DFSEngine(base.BucketState):
                 0.0,
             )
             g_k, g_v = take(cr.dstack_k), take(cr.dstack_v)
-            dparams, dk, dv = vjp((g_logp, g_ent, g_k.astype(cd), g_v.astype(cd)))
+            dparams, dk, dv = vjp((g_logp, g_ent, g_k, g_v))  # fp32 K/V cotangents
             dstack_k = cr.dstack_k.at[:, :, :p].add(dk.astype(jnp.float32))
             dstack_v = cr.dstack_v.at[:, :, :p].add(dv.astype(jnp.float32))
             real = st.slots >= 0
@@ -320,9 +328,7 @@ class DFSEngine(base.BucketState):
             st = first(st, n_rows * width)
             valid = st.seg >= 0
             fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, n_rows, with_ent)
-            (logp, ent, k_new, v_new), vjp = jax.vjp(
-                fwd, params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p]
-            )
+            (logp, ent, k_new, v_new), vjp = jax.vjp(fwd, params, *prefix32(cr, p))
             logp = jnp.where(valid, logp, 0.0)
             ent = jnp.where(valid, ent, 0.0) if with_ent else None
             losses, (d_chunk, d_chunk_ent), (d_path, d_path_ent) = visit(

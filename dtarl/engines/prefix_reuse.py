@@ -440,7 +440,10 @@ class PrefixReuseEngine(base.BucketState):
         """
         model = nnx.merge(self.graphdef, params)
         p = inputs_P.shape[0]
-        hidden, kv = model(inputs_P[None], jnp.arange(p)[None], return_hidden=True)
+        # An empty fp32 prefix: the K/V leave in fp32 (compute-dtype values), so the
+        # suffixes' fp32 K/V cotangent enters the prefix's VJP unrounded.
+        empty = KVCache.zeros(self.cfg, 1, 0, jnp.float32)
+        hidden, kv = model(inputs_P[None], jnp.arange(p)[None], empty, return_hidden=True)
         logp, ent = token_logprobs(
             model.lm_head_weight(),
             hidden,
@@ -457,18 +460,17 @@ class PrefixReuseEngine(base.BucketState):
     ):
         """Sum of the losses evaluated on one microbatch of suffix rows.
 
-        k32/v32: the group's prefix K/V [L, 1, P, K, D] in fp32 (broadcast to the
-        rows here, so their cotangent is summed over the rows in fp32);
+        k32/v32: the group's prefix K/V [L, 1, P, K, D] in fp32 (values of the
+        compute dtype; broadcast to the rows and cast to the compute dtype inside
+        the attention's products, so their cotangent is accumulated, summed over
+        the rows and returned in fp32);
         paths_S: (logp_S,) or (logp_S, ent_S), the prefix's per-token values on the
         path (entry t = token t, 0 from b on).
         """
         model = nnx.merge(self.graphdef, params)
-        cd = jnp.dtype(self.cfg.compute_dtype)
         b, c = inputs.shape
         shape = (k32.shape[0], b) + k32.shape[2:]
-        kv = KVCache(
-            jnp.broadcast_to(k32, shape).astype(cd), jnp.broadcast_to(v32, shape).astype(cd)
-        )
+        kv = KVCache(jnp.broadcast_to(k32, shape), jnp.broadcast_to(v32, shape))
         pos = jnp.broadcast_to(n_in + jnp.arange(c, dtype=jnp.int32), (b, c))
         hidden, _ = model(inputs, pos, kv, jnp.full((b,), n_in, jnp.int32), return_hidden=True)
         with_entropy = len(paths_S) > 1

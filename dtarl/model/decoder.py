@@ -10,7 +10,9 @@ chunk (post-RoPE keys); only its first ``prefix_len[b]`` rows are valid. A
 ``kv_prefix`` with batch 1 is shared by all B rows (B continuations of one
 prefix, e.g. sibling leaves of a prefix tree) without being copied. The
 chunk's mask is bottom-right aligned: chunk query i sees every valid prefix key
-and chunk keys 0..i. ``kv_new`` holds the chunk's own K/V only ([L, B, T, ...]);
+and chunk keys 0..i. ``kv_new`` holds the chunk's own K/V only ([L, B, T, ...]),
+in the wider of the compute dtype and ``kv_prefix``'s (the values are the compute
+dtype's; an fp32 prefix makes their cotangents fp32, which the tree engines carry);
 callers place it into whatever buffer they keep (stack, paged cache, ...).
 
 Letters: B batch, T chunk (query) tokens, P prefix tokens, S = P + T keys,
@@ -19,6 +21,7 @@ E hidden, H query heads, K kv heads, G = H / K, D head dim, F mlp, V vocab, L la
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -30,6 +33,124 @@ from dtarl import axes
 from dtarl.model.config import AttentionBackend, ModelConfig
 
 _NEG = -1e30
+
+
+# ------------------------------------------------------------------ mixed precision
+# With bf16 compute and fp32 master weights a parameter is cast to bf16 where it
+# is used. Plain autodiff then rounds each parameter's gradient to bf16 before it
+# reaches the fp32 master (the transpose of a bf16 op produces bf16): a partial
+# weight gradient per microbatch or chunk, rounded where programs differ. The
+# helpers below keep the forward of the plain op exactly and give the backward an
+# fp32 gradient for every operand held in fp32: the gradient product accumulates
+# in fp32 and is never rounded to the compute dtype. An operand already in the
+# compute dtype gets plain autodiff's cotangent. In fp32 compute they are the
+# plain ops. The attention uses the same for its Q/K/V (fp32-typed, compute-dtype
+# values): a key's cotangent is summed over the prefix and chunk parts, and over
+# the chunks of a tree engine's carry, in fp32 and rounded once.
+
+
+def _einsum_transposes(spec: str) -> tuple[str, str]:
+    """For "x,w->y": the specs of dx ("y,w->x") and dw ("x,y->w")."""
+    ins, y = spec.replace(" ", "").split("->")
+    x, w = ins.split(",")
+    return f"{y},{w}->{x}", f"{x},{y}->{w}"
+
+
+def _pet(wide: bool):
+    return jnp.float32 if wide else None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _cast_einsum(spec, wide, cd, x_dtype, w_dtype, x, w):
+    return jnp.einsum(spec, x.astype(cd), w.astype(cd), preferred_element_type=_pet(wide))
+
+
+def _cast_einsum_fwd(spec, wide, cd, x_dtype, w_dtype, x, w):
+    xc, wc = x.astype(cd), w.astype(cd)
+    return jnp.einsum(spec, xc, wc, preferred_element_type=_pet(wide)), (xc, wc)
+
+
+def _cast_einsum_bwd(spec, wide, cd, x_dtype, w_dtype, res, g):
+    xc, wc = res
+    dx_spec, dw_spec = _einsum_transposes(spec)
+    dx = jnp.einsum(dx_spec, g, wc, preferred_element_type=_pet(wide or x_dtype != cd))
+    dw = jnp.einsum(dw_spec, xc, g, preferred_element_type=_pet(wide or w_dtype != cd))
+    return dx.astype(x_dtype), dw.astype(w_dtype)
+
+
+_cast_einsum.defvjp(_cast_einsum_fwd, _cast_einsum_bwd)
+
+
+def cast_einsum(spec: str, x, w, *, wide: bool = False, dtype=None):
+    """``einsum(spec, x.astype(dtype), w.astype(dtype))`` (``dtype``: x's by
+    default), fp32 output when ``wide``. Each operand's gradient comes back in the
+    operand's own dtype; for an operand not in ``dtype`` (an fp32 master weight,
+    fp32-typed K/V) it is accumulated in fp32 and never rounded to ``dtype``.
+
+    ``spec`` is "x,w->y" with every index of x in w or y and every index of w in
+    x or y ("..." allowed in x and y).
+    """
+    name = lambda a: jnp.dtype(a).name  # noqa: E731
+    cd = name(dtype or x.dtype)
+    return _cast_einsum(spec, wide, cd, name(x.dtype), name(w.dtype), x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _cast_broadcast(op, w_dtype, x, w):
+    wc = w.astype(x.dtype)
+    return x * wc if op == "mul" else x + wc
+
+
+def _cast_broadcast_fwd(op, w_dtype, x, w):
+    return _cast_broadcast(op, w_dtype, x, w), (x, w.astype(x.dtype))
+
+
+def _cast_broadcast_bwd(op, w_dtype, res, g):
+    x, wc = res
+    lead = tuple(range(g.ndim - wc.ndim))
+    if op == "mul":
+        dx = g * wc
+        dw = jnp.sum(g.astype(jnp.float32) * x.astype(jnp.float32), axis=lead)
+    else:
+        dx = g
+        dw = jnp.sum(g.astype(jnp.float32), axis=lead)
+    return dx, dw.astype(w_dtype)
+
+
+_cast_broadcast.defvjp(_cast_broadcast_fwd, _cast_broadcast_bwd)
+
+
+def cast_scale(x, w):
+    """``x * w.astype(x.dtype)`` (w over x's trailing axes), w's gradient summed in fp32."""
+    return _cast_broadcast("mul", jnp.dtype(w.dtype).name, x, w)
+
+
+def cast_bias(x, w):
+    """``x + w.astype(x.dtype)`` (w over x's trailing axes), w's gradient summed in fp32."""
+    return _cast_broadcast("add", jnp.dtype(w.dtype).name, x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _cast_embed(cd, w_dtype, shape, table, tokens):
+    return table.astype(cd)[tokens]
+
+
+def _cast_embed_fwd(cd, w_dtype, shape, table, tokens):
+    return table.astype(cd)[tokens], tokens
+
+
+def _cast_embed_bwd(cd, w_dtype, shape, tokens, g):
+    dtable = jnp.zeros(shape, jnp.float32).at[tokens].add(g.astype(jnp.float32))
+    return dtable.astype(w_dtype), None
+
+
+_cast_embed.defvjp(_cast_embed_fwd, _cast_embed_bwd)
+
+
+def cast_embed(table, tokens, cd):
+    """``table.astype(cd)[tokens]``, the table's gradient scatter-added in fp32."""
+    name = jnp.dtype(table.dtype).name
+    return _cast_embed(jnp.dtype(cd).name, name, tuple(table.shape), table, tokens)
 
 
 class KVCache(NamedTuple):
@@ -65,7 +186,7 @@ class RMSNorm(nnx.Module):
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         # HF order: normalise in fp32, cast to the input dtype, then scale.
-        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
+        return cast_scale(xf.astype(x.dtype), self.weight[...])
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -111,16 +232,19 @@ def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segmen
     g = h // kh
     p = k_prefix.shape[1]
     scale = 1.0 / np.sqrt(d)
-    q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kh, g, d)
-    kp, vp = k_prefix.astype(k_new.dtype), v_prefix.astype(v_new.dtype)
-    shared = kp.shape[0] == 1 and b > 1
+    cd = q_BxTxHxD.dtype
+    # K/V (chunk and prefix) may come fp32-typed with compute-dtype values: the
+    # products cast them to ``cd``, their cotangents stay fp32. q is made so here,
+    # so its cotangent (prefix plus chunk parts) is summed in fp32 and rounded
+    # once, by the cast's transpose.
+    q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kh, g, d).astype(jnp.float32)
+    ein = functools.partial(cast_einsum, wide=True, dtype=cd)
+    shared = k_prefix.shape[0] == 1 and b > 1
     if shared:
-        s_pre = jnp.einsum(
-            "btkgd,pkd->bkgtp", q_BxTxKxGxD, kp[0], preferred_element_type=jnp.float32
-        )
+        s_pre = ein("btkgd,pkd->bkgtp", q_BxTxKxGxD, k_prefix[0])
     else:
-        s_pre = jnp.einsum("btkgd,bpkd->bkgtp", q_BxTxKxGxD, kp, preferred_element_type=jnp.float32)
-    s_new = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_new, preferred_element_type=jnp.float32)
+        s_pre = ein("btkgd,bpkd->bkgtp", q_BxTxKxGxD, k_prefix)
+    s_new = ein("btkgd,bskd->bkgts", q_BxTxKxGxD, k_new)
     att_BxKxGxTxS = jnp.concatenate([s_pre, s_new], axis=-1) * scale
     key_pos = jnp.arange(p + t)
     prefix_ok_BxS = (key_pos[None, :] < prefix_len_B[:, None]) & (key_pos[None, :] < p)
@@ -133,16 +257,14 @@ def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segmen
         chunk_ok_BxTxS = chunk_ok_BxTxS & (segment_ids_BxT[:, :, None] == seg_keys_BxS[:, None, :])
     mask_BxTxS = prefix_ok_BxS[:, None, :] | chunk_ok_BxTxS
     att_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], att_BxKxGxTxS, _NEG)
-    probs = jax.nn.softmax(att_BxKxGxTxS, axis=-1).astype(v_new.dtype)
+    probs = jax.nn.softmax(att_BxKxGxTxS, axis=-1).astype(cd)
     p_pre, p_new = probs[..., :p], probs[..., p:]
     if shared:
-        out_pre = jnp.einsum("bkgtp,pkd->btkgd", p_pre, vp[0], preferred_element_type=jnp.float32)
+        out_pre = ein("bkgtp,pkd->btkgd", p_pre, v_prefix[0])
     else:
-        out_pre = jnp.einsum("bkgtp,bpkd->btkgd", p_pre, vp, preferred_element_type=jnp.float32)
-    out_BxTxKxGxD = out_pre + jnp.einsum(
-        "bkgts,bskd->btkgd", p_new, v_new, preferred_element_type=jnp.float32
-    )
-    return out_BxTxKxGxD.reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
+        out_pre = ein("bkgtp,bpkd->btkgd", p_pre, v_prefix)
+    out_BxTxKxGxD = out_pre + ein("bkgts,bskd->btkgd", p_new, v_new)
+    return out_BxTxKxGxD.reshape(b, t, h, d).astype(cd)
 
 
 def attend_pallas(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segment_ids_BxT=None):
@@ -162,9 +284,11 @@ def attend_pallas(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, seg
     if k_prefix.shape[0] != b:  # a shared prefix: the kernel wants one K/V per row
         k_prefix = jnp.broadcast_to(k_prefix, (b,) + k_prefix.shape[1:])
         v_prefix = jnp.broadcast_to(v_prefix, (b,) + v_prefix.shape[1:])
-    pad = jnp.zeros((b, t) + k_new.shape[2:], k_new.dtype)
-    k_all = jnp.concatenate([k_prefix.astype(k_new.dtype), pad], axis=1)
-    v_all = jnp.concatenate([v_prefix.astype(v_new.dtype), pad], axis=1)
+    cd = q_BxTxHxD.dtype
+    k_new, v_new = k_new.astype(cd), v_new.astype(cd)
+    pad = jnp.zeros((b, t) + k_new.shape[2:], cd)
+    k_all = jnp.concatenate([k_prefix.astype(cd), pad], axis=1)
+    v_all = jnp.concatenate([v_prefix.astype(cd), pad], axis=1)
     start_B = jnp.minimum(prefix_len_B, p).astype(jnp.int32)
     put = jax.vmap(lambda buf, x, s: jax.lax.dynamic_update_slice_in_dim(buf, x, s, axis=0))
     k_all = put(k_all, k_new, start_B)
@@ -196,14 +320,13 @@ class Attention(nnx.Module):
     def qkv(self, x_BxTxE, positions_BxT, inv_freq):
         """Projections with bias, q/k norm and RoPE: q [B,T,H,D], k and v [B,T,K,D]."""
         cfg = self.cfg
-        cd = x_BxTxE.dtype
-        q = jnp.einsum("bte,ehd->bthd", x_BxTxE, self.q_proj[...].astype(cd))
-        k = jnp.einsum("bte,ekd->btkd", x_BxTxE, self.k_proj[...].astype(cd))
-        v = jnp.einsum("bte,ekd->btkd", x_BxTxE, self.v_proj[...].astype(cd))
+        q = cast_einsum("bte,ehd->bthd", x_BxTxE, self.q_proj[...])
+        k = cast_einsum("bte,ekd->btkd", x_BxTxE, self.k_proj[...])
+        v = cast_einsum("bte,ekd->btkd", x_BxTxE, self.v_proj[...])
         if cfg.attention_bias:
-            q = q + self.q_bias[...].astype(cd)
-            k = k + self.k_bias[...].astype(cd)
-            v = v + self.v_bias[...].astype(cd)
+            q = cast_bias(q, self.q_bias[...])
+            k = cast_bias(k, self.k_bias[...])
+            v = cast_bias(v, self.v_bias[...])
         if cfg.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -213,10 +336,16 @@ class Attention(nnx.Module):
 
     def out(self, out_BxTxHxD):
         """The output projection of the attention result."""
-        return jnp.einsum("bthd,hde->bte", out_BxTxHxD, self.o_proj[...].astype(out_BxTxHxD.dtype))
+        return cast_einsum("bthd,hde->bte", out_BxTxHxD, self.o_proj[...])
 
     def __call__(self, x_BxTxE, positions_BxT, k_prefix, v_prefix, prefix_len_B, inv_freq, seg):
         q, k, v = self.qkv(x_BxTxE, positions_BxT, inv_freq)
+        # The chunk's K/V leave in the wider of the compute and prefix dtypes (same
+        # values): given an fp32 prefix (a tree engine's carry), a key's cotangent
+        # from this chunk and from its descendants meets in fp32 and is rounded to
+        # the compute dtype once, by this cast's transpose.
+        kv_dtype = jnp.promote_types(k.dtype, k_prefix.dtype)
+        k, v = k.astype(kv_dtype), v.astype(kv_dtype)
         pallas = self.cfg.attention_backend is AttentionBackend.PALLAS
         attend = attend_pallas if pallas else attend_xla
         return self.out(attend(q, k_prefix, v_prefix, prefix_len_B, k, v, seg)), k, v
@@ -231,10 +360,9 @@ class MLP(nnx.Module):
         self.down_proj = _param(rngs, (f, e), (axes.MLP, axes.EMBED), pd)
 
     def __call__(self, x):
-        cd = x.dtype
-        gate = x @ self.gate_proj[...].astype(cd)
-        up = x @ self.up_proj[...].astype(cd)
-        return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(cd)
+        gate = cast_einsum("...e,ef->...f", x, self.gate_proj[...])
+        up = cast_einsum("...e,ef->...f", x, self.up_proj[...])
+        return cast_einsum("...f,fe->...e", jax.nn.silu(gate) * up, self.down_proj[...])
 
 
 class DecoderLayer(nnx.Module):
@@ -312,7 +440,7 @@ class Decoder(nnx.Module):
             prefix_len_B = jnp.full((b,), p, jnp.int32)
         prefix_len_B = jnp.broadcast_to(jnp.asarray(prefix_len_B, jnp.int32), (b,))
         inv_freq = rope_inv_freq(cfg)
-        x = self.embed_tokens[...].astype(cd)[tokens_BxT]
+        x = cast_embed(self.embed_tokens[...], tokens_BxT, cd)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             args = (x, positions_BxT, kv_prefix.k[i], kv_prefix.v[i], prefix_len_B, segment_ids_BxT)
@@ -332,9 +460,7 @@ class Decoder(nnx.Module):
         kv_new = KVCache(jnp.stack(ks), jnp.stack(vs))
         if return_hidden:
             return x, kv_new
-        logits = jnp.einsum(
-            "bte,ev->btv", x, self.lm_head_weight().astype(cd), preferred_element_type=jnp.float32
-        )
+        logits = cast_einsum("bte,ev->btv", x, self.lm_head_weight(), wide=True)
         return logits, kv_new
 
 
@@ -358,12 +484,7 @@ def token_logprobs(
     """
 
     def one(h_BxCxE, tgt_BxC):
-        logits = jnp.einsum(
-            "bce,ev->bcv",
-            h_BxCxE,
-            lm_head_ExV.astype(h_BxCxE.dtype),
-            preferred_element_type=jnp.float32,
-        )
+        logits = cast_einsum("bce,ev->bcv", h_BxCxE, lm_head_ExV, wide=True)
         if temperature != 1.0:
             logits = logits / temperature
         logz = jax.nn.logsumexp(logits, axis=-1)
