@@ -13,7 +13,11 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# LLVM's optimisation level 0: the suite's programs are tiny and compile-bound (a DFS
+# program compiled in half the time, ran no slower, and gave bit-identical values).
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _CACHE_ENV = "DTARL_TEST_JAX_CACHE"

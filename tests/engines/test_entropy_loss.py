@@ -60,8 +60,10 @@ def _engine(kind: str, mode: PrefixActivations = PrefixActivations.OFFLOAD):
                 sequences=16, length=48, group_size=8, groups=2, prompt_len=24, response_len=32
             )
         )
-    if kind == "dfs":
-        return DFSEngine(model, chunk_len=8)
+    if kind == "dfs":  # both batches within the reserve: one program per loss
+        return DFSEngine(model, chunk_len=8).reserve(
+            Capacity(sequences=16, length=48, group_size=8, groups=2)
+        )
     raise ValueError(kind)
 
 
@@ -266,7 +268,10 @@ def test_entropy_prefix_reuse(loss_name, mode, batch_name):
 @pytest.mark.parametrize("batch_name", sorted(BATCHES))
 @pytest.mark.parametrize("loss_name", sorted(LOSSES))
 def test_entropy_dfs(loss_name, batch_name):
-    check(_engine("dfs"), BATCHES[batch_name](), LOSSES[loss_name])
+    engine = _engine("dfs")
+    reserved = engine.buckets
+    check(engine, BATCHES[batch_name](), LOSSES[loss_name])
+    assert engine.buckets == reserved, f"batch outgrew the reserve: {engine.buckets}"
 
 
 @pytest.mark.parametrize("kind", ["dense"])

@@ -83,11 +83,14 @@ def pr_engine(
     return engine
 
 
-def check_pr(batch, loss, family=ModelFamily.QWEN3, **kw):
+def check_pr(batch, loss, family=ModelFamily.QWEN3, split=None, **kw):
+    """``split``: run the engine in its two-program form (``None``: when the batch
+    has deep groups, the form a fresh engine would take for it)."""
     model, params = _model(family)
-    split = kw.get("deep", DeepTrees.DFS) is DeepTrees.DFS and bool(
-        deep_sequences(build_tree(batch.tokens)).any()
-    )
+    if split is None:
+        split = kw.get("deep", DeepTrees.DFS) is DeepTrees.DFS and bool(
+            deep_sequences(build_tree(batch.tokens)).any()
+        )
     engine = pr_engine(family, split=split, **kw)
     want_loss, want_grads, want_logp = reference(model, params, batch, loss)
     reserved = engine.buckets
@@ -110,10 +113,14 @@ def check_pr(batch, loss, family=ModelFamily.QWEN3, **kw):
 )
 @given(batch=tree_batches(), loss_name=st.sampled_from(sorted(LOSSES)))
 def test_prefix_reuse_matches_dense_grad_random_trees(batch, loss_name):
+    """Every example runs the two-program form (rows + DFS; a batch without deep
+    groups gives the DFS side its zero-weight stand-in), so the examples share one
+    compiled program per loss whatever hypothesis draws. The one-program form runs
+    the hand-made trees and the GRPO groups below."""
     loss = LOSSES[loss_name]
     if loss_name != "nll":
         batch = with_logprob_data(batch)
-    check_pr(batch, loss)
+    check_pr(batch, loss, split=True)
 
 
 @pytest.mark.parametrize(
