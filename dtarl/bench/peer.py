@@ -59,6 +59,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -577,7 +578,7 @@ def run_worker(name: str, w: Workload, repeats: int, python: str | None = None) 
         "--repeats",
         str(repeats),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env())
     for line in proc.stdout.splitlines():
         if line.startswith("PEER_RESULT "):
             return json.loads(line[len("PEER_RESULT ") :])
@@ -596,13 +597,23 @@ PAIRS = {
 }
 
 
+def worker_env() -> dict[str, str]:
+    """The environment of a measurement process: this one's, with the directory of
+    the dtarl that runs the command first on PYTHONPATH, so that every worker (in
+    any ``--python``) measures this same dtarl."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def check_python(python: str) -> None:
     """Raises ``PeerMissing`` when ``python`` cannot import ``tunix``."""
     if python == sys.executable:
         require_tunix()
         return
     code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('tunix') is None)"
-    if subprocess.run([python, "-c", code]).returncode != 0:
+    if subprocess.run([python, "-c", code], env=worker_env()).returncode != 0:
         raise PeerMissing(
             f"dtarl bench peer needs Tunix (google-tunix) in {python}; install the optional "
             f"extra: {PEER_INSTALL}"

@@ -425,7 +425,8 @@ def _add_peer(sub) -> None:
     p.add_argument(
         "--python",
         help="interpreter for the measurement processes (default: this one); it needs "
-        "dtarl importable and Tunix installed",
+        "Tunix and dtarl's dependencies installed (the workers import the dtarl that "
+        "runs this command: its directory goes first on their PYTHONPATH)",
     )
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results here")
     p.set_defaults(func=_peer)

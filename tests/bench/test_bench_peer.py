@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 
+import dtarl
 from dtarl import cli
 from dtarl.bench import peer
 
@@ -94,3 +96,11 @@ def test_table_and_json(monkeypatch, tmp_path, capsys):
     assert set(res["workloads"]) == {w.name for w in peer.QUICK_WORKLOADS}
     ratios = next(iter(res["workloads"].values()))["ratios"]
     assert ratios == {"tunix_rollout/dtarl_static": [0.5], "tunix_rollout/dtarl_engine": [2.0]}
+
+
+def test_workers_import_the_commands_dtarl(monkeypatch):
+    """Every measurement process (in any ``--python``) gets this dtarl's directory first
+    on PYTHONPATH, so it measures the dtarl that runs the command."""
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(dtarl.__file__)))
+    assert peer.worker_env()["PYTHONPATH"].split(os.pathsep) == [root, "/elsewhere"]
