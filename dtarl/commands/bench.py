@@ -29,6 +29,15 @@ from dtarl.model import ModelConfig, init_model
 from dtarl.parallel.partition import FlopCost
 from dtarl.rollout import pat
 
+
+def _write_json(path: Path, obj, **dumps_kw) -> None:
+    """Writes a bench's ``--json`` result (parent folders created) and says where."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, **dumps_kw))
+    print(f"wrote {path}")
+
+
 # ----------------------------------------------------------------------------- train
 
 
@@ -232,9 +241,7 @@ def _partition(args: argparse.Namespace) -> int:
     if args.measure:
         print(bench_partition.format_measured(result))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
+        _write_json(args.json, result)
     return 0
 
 
@@ -387,14 +394,9 @@ def _rollout(args: argparse.Namespace) -> int:
     )
     print(f"total {time.perf_counter() - t0:.1f} s")
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(bench_rollout.json_rows(res), indent=1))
-        print(f"wrote {path}")
+        _write_json(args.json, bench_rollout.json_rows(res))
         if "kv" in res:
-            kv_path = path.with_suffix(".kv.json")
-            kv_path.write_text(json.dumps(res["kv"], indent=1))
-            print(f"wrote {kv_path}")
+            _write_json(Path(args.json).with_suffix(".kv.json"), res["kv"])
 
 
 # ----------------------------------------------------------------------------- peer
@@ -450,9 +452,7 @@ def _peer(args: argparse.Namespace) -> int:
     print()
     print(bench_peer.format_table(res))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1))
-        print(f"wrote {args.json}")
+        _write_json(args.json, res)
     return 0
 
 
@@ -518,10 +518,7 @@ def _darts(args: argparse.Namespace) -> int:
     if args.png:
         print(f"wrote {bench_darts.plot(res, args.png)}")
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(bench_darts.json_rows(res), indent=1))
-        print(f"wrote {path}")
+        _write_json(args.json, bench_darts.json_rows(res))
     return 0
 
 
@@ -600,10 +597,7 @@ def _pat(args: argparse.Namespace) -> int:
     )
     print(f"total {time.perf_counter() - t0:.1f} s")
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(bench_pat.json_rows(res), indent=1, default=str))
-        print(f"wrote {path}")
+        _write_json(args.json, bench_pat.json_rows(res), default=str)
     return 0
 
 
@@ -670,10 +664,7 @@ def _stream(args: argparse.Namespace) -> int:
             shutil.rmtree(out, ignore_errors=True)
     print(bench_stream.format_table(res))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(bench_stream.json_rows(res), indent=1))
-        print(f"wrote {path}")
+        _write_json(args.json, bench_stream.json_rows(res))
     return 0
 
 
@@ -719,10 +710,7 @@ def _stalls(args: argparse.Namespace) -> int:
     print()
     print(bench_stalls.format_report(res, top=args.top))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res, indent=1))
-        print(f"wrote {path}")
+        _write_json(args.json, res)
     return 0
 
 
