@@ -45,13 +45,12 @@ engine ran, why (``choice_basis``: "measured", "reused", "cached" or "predicted"
 
 In a run (after ``reserve``), the candidates' programs are fixed (one per engine and
 loss), so the first batch of each loss times all of them, whatever the margin, and
-compiles ahead of time the ones it does not time (tuning budget spent, a cached
-choice): a later batch whose signature is new may pick another engine, but it never
-compiles or tunes (a candidate out of margin on the first batch that came into it
-later used to be compiled and timed mid-run; so did every candidate of a new
-signature after a cached first choice, which times nothing: such a batch now gets
-the cost model's pick). The signature that ``reuse_choices``
-compares is bucketed (depth included), ``budget_seconds`` bounds the tuning, and
+compiles ahead of time the ones it does not time (tuning budget spent; after a
+cached choice only the engines the cache file names for that loss). A later batch
+whose signature is new may pick another engine among the compiled programs (the
+cost model's pick, corrected by what was timed), but it never compiles or tunes.
+The signature that ``reuse_choices`` compares is bucketed (depth included),
+``budget_seconds`` bounds the tuning, and
 ``cache_path`` carries measured choices over to the next run.
 """
 
@@ -201,6 +200,12 @@ class ChoiceCache:
 
     def get(self, sig: tuple) -> dict[str, Any] | None:
         return self.entries.get(self.key(self.scope, sig))
+
+    def kinds(self, loss) -> set[str]:
+        """The engines this scope's cached choices for ``loss`` name (a signature's
+        first element is its loss)."""
+        head = f"{self.scope}|({loss!r}, "
+        return {v["kind"] for k, v in self.entries.items() if k.startswith(head)}
 
     def put(self, sig: tuple, kind: str, seconds: float) -> None:
         if self.path is None:
@@ -367,8 +372,9 @@ class AutoEngine:
         ``capacity``, so the first ``value_and_grad`` of each loss times every
         candidate (within ``budget_seconds``; ``tune_margin`` is ignored for it) and
         compiles ahead of time, without running, the ones it does not time (budget
-        spent, ``autotune`` off, a cached choice): no later batch, whatever its
-        signature and pick, compiles or tunes anything."""
+        spent, ``autotune`` off; after a cached choice, the ones the cache names for
+        the loss, and later picks are made among the compiled programs): no later
+        batch, whatever its signature and pick, compiles or tunes anything."""
         for engine in self.engines.values():
             engine.reserve(capacity)
         self.reserved = True
@@ -523,10 +529,14 @@ class AutoEngine:
         # estimate is a step's; an untimed one's estimate is the device program's,
         # to which its prepare time, measured above, is added.
         host = {e: float(prepared[e].stats.get("prepare_seconds", 0.0)) for e in work}
+        # A settled batch picks among the programs already compiled (every candidate
+        # unless the first batch took a cached choice: then the ones the cache names).
+        pool = [e for e in work if keys[e] in self.compiled] if settled else []
+        pool = pool or list(work)
         while True:
             est = {e: self._estimate(e, keys[e], pred[e]) for e in work}
             total = {e: est[e] + (0.0 if keys[e] in self.timings else host[e]) for e in work}
-            best = min(total, key=lambda e: (total[e], ENGINES.index(e)))
+            best = min(pool, key=lambda e: (total[e], ENGINES.index(e)))
             # Time every candidate: on a small batch (host work and fixed costs decide),
             # and on the first batch of a loss after ``reserve`` (its programs are the
             # run's only ones for that loss: timed now, no later batch tunes).
@@ -691,14 +701,18 @@ class AutoEngine:
     def _compile_rest(self, choice: _Choice, params, batch, loss, weights) -> dict[str, Any]:
         """After ``reserve``, on the first batch of ``loss``: compiles ahead of time
         (lowered and compiled, not run) every candidate's program that is neither
-        timed nor the pick, so that a later batch picking it compiles nothing.
-        Returns the stats ``warmup_compiled`` (those engines) and
-        ``warmup_compile_seconds``."""
+        timed nor the pick, so that a later batch picking it compiles nothing. After
+        a cached choice only the engines the cache names for ``loss`` (what a later
+        cached signature may pick; a signature the cache lacks picks among the
+        compiled programs): a warm run whose cached choices are all one engine
+        builds nothing else. Returns the stats ``warmup_compiled`` (those engines)
+        and ``warmup_compile_seconds``."""
         t0 = time.perf_counter()
         done = []
+        wanted = self.cache.kinds(loss) if choice.basis == "cached" else set(self.candidates)
         for kind in self.candidates:
-            if kind == choice.kind:
-                continue  # compiled when it runs
+            if kind == choice.kind or kind not in wanted:
+                continue  # the pick is compiled when it runs
             prep = choice.prepared.get(kind)
             if prep is None:  # a reused or cached choice: only the pick prepared
                 prep = self.engines[kind].prepare(batch, loss, weights=weights)

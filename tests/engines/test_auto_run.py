@@ -141,22 +141,39 @@ def test_cache_file_carries_choices_to_the_next_run(model_params, tmp_path):
 
 def test_a_reserved_run_from_the_cache_file_tunes_nothing_later(model_params, tmp_path):
     """A second run of a reserved auto with the first run's cache file: the loss's first
-    batch takes the cached choice (its candidates compiled ahead of time, not timed),
-    and a later batch with a signature the file does not hold gets the cost model's
-    pick without being timed mid-run."""
+    batch takes the cached choice and compiles ahead of time only the engines the
+    file names for that loss (not timed), and a later batch with a signature the
+    file does not hold gets the cost model's pick among the compiled programs,
+    without being timed or compiling mid-run."""
     model, params = model_params
     path = str(tmp_path / "autotune.json")
     loss = MaskedNLLLoss()
     batch = forked_batch(3, prompts=2, group=4, fork_at=0)
-    earlier = make_auto(model, cache_path=path)  # the earlier run's measured choice
-    earlier.cache.put(earlier.signature(batch, loss), "dfs", SECONDS["dfs"])
+    other = forked_batch(5, prompts=3, group=4, fork_at=0)
+    earlier = make_auto(model, cache_path=path)  # the earlier run's measured choices
+    earlier.cache.put(earlier.signature(batch, loss), "dense", SECONDS["dense"])
+    assert earlier.signature(other, loss) != earlier.signature(batch, loss)
+    earlier.cache.put(earlier.signature(other, loss), "prefix_reuse", SECONDS["prefix_reuse"])
+    # Another loss's choice names dfs: not built for this loss.
+    earlier.cache.put(earlier.signature(batch, ClippedSurrogateLoss()), "dfs", SECONDS["dfs"])
     warm = make_auto(model, cache_path=path)
-    assert warm.value_and_grad(params, batch, loss)[2].stats["choice_basis"] == "cached"
+    stats = warm.value_and_grad(params, batch, loss)[2].stats
+    assert stats["choice_basis"] == "cached" and stats["chosen_engine"] == "dense"
+    assert stats["warmup_compiled"] == ["prefix_reuse"]
+    traces = {k: e.jit.trace_count for k, e in warm.engines.items()}
+    assert traces == {"dense": 1, "prefix_reuse": 1, "dfs": 0}
     later = forked_batch(4, prompts=1, group=3, fork_at=0)
-    assert warm.signature(later, loss) != warm.signature(batch, loss)
+    assert warm.signature(later, loss) not in (
+        warm.signature(batch, loss),
+        warm.signature(other, loss),
+    )
     aux = warm.value_and_grad(params, later, loss)[2]
     assert warm.timer.calls == [] and aux.stats["choice_basis"] == "predicted"
     assert aux.stats["autotune_seconds"] == 0.0
+    # Unsettled, the cost model ranks dfs first on this batch; dfs has no program here.
+    assert make_auto(model).choose(later, loss)[0] == "dfs"
+    assert aux.stats["chosen_engine"] in ("dense", "prefix_reuse")
+    assert {k: e.jit.trace_count for k, e in warm.engines.items()} == traces
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"entries": 3}), "[1, 2]"])
