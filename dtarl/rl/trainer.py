@@ -431,6 +431,22 @@ class Trainer:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        ours = {k: int(v) for k, v in dataclasses.asdict(self.sampler.engine.config).items()}
+        differ = {
+            k: (profile.engine[k], v) for k, v in ours.items() if profile.engine.get(k, v) != v
+        }
+        if profile.engine and differ:
+            warnings.warn(
+                f"rollout.pat.profile={p.profile!r} timed another engine shape than this run's "
+                "("
+                + ", ".join(f"{k}: profiled {a}, here {b}" for k, (a, b) in differ.items())
+                + "): its calls are predicted by interpolating programs the run never "
+                "executes (profile this run's engine with `dtarl bench rollout --profile "
+                "OUT.json` with --slots, --prompts, --group-size, --prompt-len, "
+                "--max-new-tokens and --steps-per-call to match)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         try:
             return pat_lib.PatController(
                 pat_lib.Predictor(profile),

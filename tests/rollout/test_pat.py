@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 
 import jax
 import numpy as np
@@ -502,3 +503,20 @@ def test_profile_engine_times_the_engines_own_programs(tiny, tmp_path):
         pat_profile.profile_engine(
             model, weights, grid, engine=RolloutEngine(model, other, mesh=make_mesh(8, 1))
         )
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_trainer_warns_when_the_profile_timed_another_engine_shape(tmp_path):
+    path = tmp_path / "p.json"
+    _e2e_profile(engine=dict(slots=999)).save(path)
+    raw = _trainer_raw(tmp_path, enabled=True, profile=str(path), tp_candidates=[1, 2])
+    raw["mesh"] = dict(dp=8, tp=1)
+    raw["rollout"]["prompts_per_step"] = 4  # 8 sequences: one per dp rank
+    with pytest.warns(RuntimeWarning, match=r"another engine shape .*slots: profiled 999, here 8"):
+        trainer = Trainer(from_dict(TrainerConfig, raw))
+    # A profile of this run's engine: no warning.
+    ours = dataclasses.asdict(trainer.sampler.engine.config)
+    _e2e_profile(engine=ours).save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert trainer._make_pat() is not None
