@@ -44,9 +44,10 @@ engine ran, why (``choice_basis``: "measured", "reused", "cached" or "predicted"
 0 when none).
 
 In a run (after ``reserve``), the candidates' programs are fixed (one per engine and
-loss), so the first batch of each loss times all of them, whatever the margin, and
-compiles ahead of time the ones it does not time (tuning budget spent; after a
-cached choice only the engines the cache file names for that loss). A later batch
+loss), so the first batch of each loss times all of them within the wider
+``reserve_margin`` (the others are never compiled), and compiles ahead of time the
+ones it does not time (tuning budget spent; after a cached choice only the engines
+the cache file names for that loss). A later batch
 whose signature is new may pick another engine among the compiled programs (the
 cost model's pick, corrected by what was timed), but it never compiles or tunes.
 The signature that ``reuse_choices`` compares is bucketed (depth included),
@@ -275,6 +276,14 @@ class AutoEngine:
         work and fixed costs decide and a FLOP model is least reliable (a fitted
         per-step term of 18-64 ms made dense look 3x slower than prefix_reuse on
         a batch where it was 15% faster), and their programs are cheap to time.
+      reserve_margin: after ``reserve``, the first batch of a loss times every
+        candidate whose estimate is within this many times the best estimate (all of
+        them when the best is under ``tune_all_below``); the others are neither
+        timed nor compiled, and no later batch of the run picks them (later picks
+        are among the compiled programs). Wider than ``tune_margin`` because no
+        later batch tunes; it spares a candidate the cost model puts far behind
+        (e.g. a program padded to the reserve's capacity) its compile and its
+        timing rounds. None: every candidate (compiled, and timed within the budget).
       tune_repeats: timed calls per program after its warm-up (the median counts).
       reuse_choices: in ``value_and_grad``, a batch with the same signature as an
         earlier batch whose pick was measured (same loss; same buckets of sequences,
@@ -353,6 +362,8 @@ class AutoEngine:
         # or compiled ahead of time by ``value_and_grad``'s first batch of a loss).
         self.compiled: set[tuple] = set()
         self._warm_losses: list = []  # losses whose candidates are all compiled (reserved)
+        # loss -> the candidates its first reserved batch left out (``reserve_margin``).
+        self._skipped: dict[Any, list[str]] = {}
         self.tune_seconds_total = 0.0  # all tuning so far (``budget_seconds`` bounds it)
         self.cache = ChoiceCache(self.config.cache_path, self._cache_scope())
 
@@ -523,6 +534,7 @@ class AutoEngine:
         # cached choice, or a bucket outgrew the reserve) gets the cost model's pick,
         # corrected by what was timed, and is not timed mid-run.
         settled = self.reserved and loss in self._warm_losses
+        first = self._first_of(loss)
         t0 = time.perf_counter()
         # A step is host work (prepare, finish) plus the device program. A timed
         # candidate was timed a whole step at a time, so its (bucket-corrected)
@@ -537,13 +549,17 @@ class AutoEngine:
             est = {e: self._estimate(e, keys[e], pred[e]) for e in work}
             total = {e: est[e] + (0.0 if keys[e] in self.timings else host[e]) for e in work}
             best = min(pool, key=lambda e: (total[e], ENGINES.index(e)))
-            # Time every candidate: on a small batch (host work and fixed costs decide),
-            # and on the first batch of a loss after ``reserve`` (its programs are the
-            # run's only ones for that loss: timed now, no later batch tunes).
-            cheap = total[best] <= self.config.tune_all_below or self._first_of(loss)
-            in_margin = [
-                e for e in work if cheap or total[e] <= self.config.tune_margin * total[best]
-            ]
+            # Time every candidate on a small batch (host work and fixed costs decide).
+            # On the first batch of a loss after ``reserve`` (its programs are the run's
+            # only ones for that loss: timed now, no later batch tunes) the margin is
+            # ``reserve_margin``: a candidate predicted further off is neither timed nor
+            # compiled, and no later batch of the run picks it.
+            cheap = total[best] <= self.config.tune_all_below
+            margin = self.config.tune_margin
+            if first:
+                cheap = cheap or self.config.reserve_margin is None
+                margin = self.config.reserve_margin or margin
+            in_margin = [e for e in work if cheap or total[e] <= margin * total[best]]
             todo = [e for e in in_margin if keys[e] not in self.timings]
             if not tune or settled or not todo:
                 break
@@ -564,6 +580,10 @@ class AutoEngine:
                 if e not in timed_now:
                     timed_now.append(e)
         tune_s = time.perf_counter() - t0 if timed_now else 0.0
+        if first and params is not None:  # what ``_compile_rest`` leaves out
+            self._skipped[loss] = sorted(
+                e for e in work if e not in in_margin and keys[e] not in self.timings
+            )
         measured = {e: self.timings[keys[e]].measured for e in work if keys[e] in self.timings}
         basis = "measured" if best in measured else "predicted"
         budget_note = ""
@@ -705,11 +725,14 @@ class AutoEngine:
         a cached choice only the engines the cache names for ``loss`` (what a later
         cached signature may pick; a signature the cache lacks picks among the
         compiled programs): a warm run whose cached choices are all one engine
-        builds nothing else. Returns the stats ``warmup_compiled`` (those engines)
-        and ``warmup_compile_seconds``."""
+        builds nothing else; never the candidates out of ``reserve_margin``. Returns
+        the stats ``warmup_compiled`` (those engines), ``warmup_skipped`` (the ones
+        left out by ``reserve_margin``) and ``warmup_compile_seconds``."""
         t0 = time.perf_counter()
         done = []
+        skipped = self._skipped.get(loss, [])
         wanted = self.cache.kinds(loss) if choice.basis == "cached" else set(self.candidates)
+        wanted -= set(skipped)
         for kind in self.candidates:
             if kind == choice.kind or kind not in wanted:
                 continue  # the pick is compiled when it runs
@@ -723,7 +746,11 @@ class AutoEngine:
             self.compiled.add(key)
             done.append(kind)
         self._warm_losses.append(loss)
-        return dict(warmup_compiled=done, warmup_compile_seconds=time.perf_counter() - t0)
+        return dict(
+            warmup_compiled=done,
+            warmup_skipped=list(skipped),
+            warmup_compile_seconds=time.perf_counter() - t0,
+        )
 
     # ------------------------------------------------------------ calibration
 

@@ -130,6 +130,9 @@ class AutoConfig:
     autotune: bool = True  # time the close candidates once per shape bucket
     tune_margin: float = 2.0  # time candidates whose estimate is within this factor
     tune_all_below: float = 0.05  # seconds: below this best estimate, time them all
+    # After reserve, the first batch of a loss times (and compiles) the candidates
+    # within this factor of the best estimate; None: all of them.
+    reserve_margin: float | None = 4.0
     tune_repeats: int = 5  # timed calls per program (the median counts)
     reuse_choices: bool = True  # a batch of a measured signature goes to its pick
     recheck_every: int = 64  # re-run the full choice every N batches of a signature
@@ -147,6 +150,8 @@ class AutoConfig:
         _at_least(self, 1.0, "tune_margin")
         _at_least(self, 0.0, "tune_all_below")
         _at_least(self, 1, "tune_repeats")
+        if self.reserve_margin is not None:
+            _at_least(self, 1.0, "reserve_margin")
         _at_least(self, 0, "recheck_every")
         if self.budget_seconds is not None:
             _at_least(self, 0.0, "budget_seconds")

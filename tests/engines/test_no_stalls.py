@@ -232,6 +232,7 @@ def test_reserved_auto_compiles_and_tunes_only_on_the_first_batch_of_each_loss(m
         host_seconds=host,
         tune_all_below=0.0,
         tune_margin=1.0,
+        reserve_margin=None,  # the first batch times every candidate
         budget_seconds=1e-12,  # spent by the first round
     ).reserve(capacity())
     counts, tuned, picks, firsts = [], [], [], []
@@ -251,3 +252,46 @@ def test_reserved_auto_compiles_and_tunes_only_on_the_first_batch_of_each_loss(m
     assert rl["autotuned"] == [] and rl["choice_basis"] == "predicted (autotune budget spent)"
     assert rl["chosen_engine"] == "prefix_reuse" and rl["warmup_compiled"] == ["dense"]
     assert set(picks[n + 1 :]) == {"dense"}, picks  # compiled ahead, run without compiling
+
+
+def test_reserve_margin_leaves_a_far_candidate_uncompiled_for_the_run(model_params):
+    """The same phases with the default ``reserve_margin`` (4): on each loss's first
+    batch dense is predicted far behind (10 s of host work), so it is neither timed
+    nor compiled; later batches, where prefix_reuse carries the 10 s and dense
+    would be predicted best, still run prefix_reuse, the only compiled program."""
+    model, params = model_params
+    batches = trainer_like_batches()
+
+    def host(kind, batch):
+        slow = "dense" if batch is batches[0] else "prefix_reuse"
+        return 10.0 if kind == slow else 0.0
+
+    auto = make_engine(
+        EngineKind.AUTO,
+        model,
+        ENGINES,
+        candidates=("dense", "prefix_reuse"),
+        timer=run_once_timer,
+        host_seconds=host,
+        tune_all_below=0.0,
+    ).reserve(capacity())
+    assert auto.config.reserve_margin == 4.0
+    counts, picks, firsts = [], [], []
+    for loss in (MaskedNLLLoss(), MaskedNLLLoss(norm=LossNorm.SEQUENCE)):
+        for i, batch in enumerate(batches):
+            aux = auto.value_and_grad(params, batch, loss)[2]
+            counts.append(auto.engines["dense"].jit.trace_count)
+            picks.append(aux.stats["chosen_engine"])
+            if i == 0:
+                firsts.append(aux.stats)
+    assert counts == [0] * (2 * len(batches)), counts
+    assert set(picks) == {"prefix_reuse"}, picks
+    for first in firsts:
+        assert first["autotuned"] == ["prefix_reuse"] and first["warmup_skipped"] == ["dense"]
+        assert first["warmup_compiled"] == []
+    # Unsettled, the cost model would have picked dense on a later batch.
+    assert auto.engines["prefix_reuse"].jit.trace_count == 2
+    fresh = make_engine(
+        EngineKind.AUTO, model, ENGINES, candidates=("dense", "prefix_reuse"), host_seconds=host
+    )
+    assert fresh.choose(batches[1], MaskedNLLLoss())[0] == "dense"
