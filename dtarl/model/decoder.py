@@ -11,9 +11,17 @@ chunk (post-RoPE keys); only its first ``prefix_len[b]`` rows are valid. A
 prefix, e.g. sibling leaves of a prefix tree) without being copied. The
 chunk's mask is bottom-right aligned: chunk query i sees every valid prefix key
 and chunk keys 0..i. ``kv_new`` holds the chunk's own K/V only ([L, B, T, ...]),
-in the wider of the compute dtype and ``kv_prefix``'s (the values are the compute
-dtype's; an fp32 prefix makes their cotangents fp32, which the tree engines carry);
-callers place it into whatever buffer they keep (stack, paged cache, ...).
+in the wider of the activation dtype and ``kv_prefix``'s (an fp32 prefix makes
+their cotangents fp32, which the tree engines carry); callers place it into
+whatever buffer they keep (stack, paged cache, ...). K/V enter only the
+attention's products, whose operands are cast to the compute dtype, so a buffer
+in the compute dtype holds them exactly as they are used.
+
+Precision policies (``ModelConfig``): ``compute_dtype`` alone runs the whole
+forward in that dtype (activations, and so their cotangents, too);
+``activation_dtype="float32"`` with bf16 compute keeps activations and
+cotangents in fp32 and casts only the operands of each weight or attention
+product to bf16 (``cast_matmul``, ``attend_xla``'s ``compute_dtype``).
 
 Letters: B batch, T chunk (query) tokens, P prefix tokens, S = P + T keys,
 E hidden, H query heads, K kv heads, G = H / K, D head dim, F mlp, V vocab, L layers.
@@ -44,7 +52,10 @@ _NEG = -1e30
 # fp32 gradient for every operand held in fp32: the gradient product accumulates
 # in fp32 and is never rounded to the compute dtype. An operand already in the
 # compute dtype gets plain autodiff's cotangent. In fp32 compute they are the
-# plain ops. The attention uses the same for its Q/K/V (fp32-typed, compute-dtype
+# plain ops. With fp32 activations (``activation_dtype``) the operand x itself is
+# fp32: the product takes both operands as bf16, accumulates and returns fp32, and
+# x's cotangent is formed in fp32 (the fp32 cotangent times the bf16-valued
+# weight), so no activation cotangent is ever rounded. The attention uses the same for its Q/K/V (fp32-typed, compute-dtype
 # values): a key's cotangent is summed over the prefix and chunk parts, and over
 # the chunks of a tree engine's carry, in fp32 and rounded once.
 

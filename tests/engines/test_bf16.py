@@ -336,8 +336,14 @@ def test_adamw_trajectories_track_dense_bf16():
     the start and measured along the way, since the trajectories drift apart and
     kappa_T changes). Observed: drift <= 0.098 of the travel, <= 0.46 of the bound
     (dense_remat, the same engine: 0.043, 0.15)."""
+    _adamw_tracking(_engine, _batch())
+
+
+def _adamw_tracking(engine, batch):
+    """10 AdamW steps of ``engine(kind)`` for dense, dfs and prefix_reuse from the
+    rounded parameters on ``batch``; checks each tree engine's drift from dense
+    against 2 max_k rho_k and returns {kind: (drift, rho)} (per-tensor trees)."""
     _, _, params0 = _models()
-    batch = _batch()
     opt = make_optimizer(
         lr=1e-3, warmup=0, total=10, schedule=Schedule.CONSTANT, cfg=OptimSection()
     )
@@ -345,7 +351,7 @@ def test_adamw_trajectories_track_dense_bf16():
     def run(kind):
         params, state, grads = params0, opt.init(params0), []
         for _ in range(10):
-            _, g, _ = _engine(kind).value_and_grad(params, batch, LOSS)
+            _, g, _ = engine(kind).value_and_grad(params, batch, LOSS)
             grads.append(g)
             params, state = opt.apply(params, g, state)
         leaves = jax.tree.leaves(params)
@@ -355,6 +361,7 @@ def test_adamw_trajectories_track_dense_bf16():
         return params, grads
 
     want, want_grads = run("dense")
+    out = {}
     for kind in ("dfs", "prefix_reuse"):
         got, grads = run(kind)
         rho = functools.reduce(
@@ -375,24 +382,24 @@ def test_adamw_trajectories_track_dense_bf16():
             if d > 2 * r
         }
         assert not over, f"{kind}: parameter drift over 2 max_k rho_k: {over}"
+        out[kind] = drift, rho
+    return out
 
 
 # ------------------------------------------------------------- fp32 activations
 # ``activation_dtype="float32"`` with bf16 compute: bf16 matmul operands, fp32
-# everything else (activations and their cotangents). See
-# ``test_engines_match_dense_f32act_on_rounded_params`` for the bound.
+# everything else (activations and their cotangents). ``f32act_bounds`` derives
+# the bound.
 
 FP32_ULP = 2.0**-24  # fp32 unit roundoff
 F32ACT_CASTS = 8 * LAYERS + 1  # bf16 operand casts on a token's path (C below)
+F32ACT_LAMBDA = 10.0  # Chebyshev: the flip error exceeds lambda RMS w.p. <= 1 / lambda^2
 
 
 @functools.cache
 def _f32act_engine(kind: str):
     m16, _, _ = _models()
     model = init_model(m16.cfg.replace(activation_dtype="float32"), seed=1)
-    if kind == "auto":  # shares the other engines' programs
-        engines = {k: _f32act_engine(k) for k in ("dense", "dfs", "prefix_reuse")}
-        return AutoEngine(model, engines=engines)
     return make_engine(kind, model, **ENGINES.get(kind, {}))
 
 
@@ -493,9 +500,9 @@ def _reduction_lengths(cfg, s_max: int, n_tok: int) -> tuple[int, int]:
 @functools.cache
 def f32act_spread() -> float:
     """eta: the largest relative fp32 spread ||h_t' - h_t|| / ||h_t|| of a token's
-    final hidden state between the whole forward and chunked forwards (chunks of 3
-    and 8 over an fp32 K/V carry, as the tree engines split a sequence), fp32
-    activations, every sequence of the batch."""
+    final hidden state between the whole forward and a chunked one (chunks of 4
+    over an fp32 K/V carry, split where the tree engines split this batch: at 8
+    for DFS, at 12 for the GRPO prompts), fp32 activations, every sequence."""
     m16, _, params = _models()
     cfg = m16.cfg.replace(activation_dtype="float32")
     graphdef = nnx.split(init_model(cfg, seed=1), nnx.Param)[0]
@@ -519,7 +526,7 @@ def f32act_spread() -> float:
         return jnp.max(jnp.where(valid, diff / jnp.linalg.norm(whole, axis=-1), 0.0))
 
     assert max(batch.lengths) <= 24
-    return max(float(spread(params, c)) for c in (3, 8))
+    return float(spread(params, 4))
 
 
 @functools.cache
@@ -553,29 +560,39 @@ def f32act_bounds():
     (kappa_T as above: the per-sequence gradient terms' cancellation).
     (b) operand-rounding flips. An operand x whose fp32 value differs by delta
     between two engines rounds to the same bf16 value unless a rounding boundary
-    lies between the two: probability |delta| / ulp(x), and then the two casts
-    differ by one ulp(x) <= 2u |x|. The flips of one cast then form an error whose
-    expected squared norm is sum_j |delta_j| ulp(x_j) <= 2u ||delta|| ||x||: a
-    relative error sqrt(2u eta), eta = ||delta|| / ||x|| the operand's relative
-    fp32 spread. The C casts of a path flip independently (their errors add in
-    squares), and propagate like (a): sqrt(2u C eta) kappa_T. eta is measured
-    (``f32act_spread``: the final hidden states of chunked against whole
-    forwards, the most downstream operand, taken for every cast), not derived.
-    Bound per tensor: kappa_T (2 (S_f + S_b) 2^-24 + sqrt(2u C eta)); per logprob
-    (logit minus LSE, as ``logprob_bound``): 2 (2 S_f 2^-24 + sqrt(2u C eta)) A.
-    Like the default policy's, a first-order model, not a proof (flips are
-    counted in expectation). Here: S_f = 1540, S_b = 2770, eta ~ 1.3e-7,
-    C = 17, so the gradient bound is 1.1e-3 to 2.4e-3 (kappa_T 2.3 to 4.8), 20x
-    to 45x below the old 5e-2 and 30x below the default policy's 3.6e-2 to
-    7.5e-2. Observed: 1.1e-6 at most (a norm weight; fp32 level, no flip showed
-    above it), dense_remat identical to dense; logprobs 4.8e-7 apart.
+    lies between the two: probability |delta| / ulp(x) (x uniform in its rounding
+    cell), and then the two casts differ by one ulp(x) <= 2u |x|. The flips of one
+    cast form an error of mean squared norm sum_j |delta_j| ulp(x_j) <= 2u ||delta||
+    ||x||, a relative RMS error sqrt(2u eta), eta = ||delta|| / ||x|| the operand's
+    relative fp32 spread; the C casts on a path flip independently (their squares
+    add): RMS sqrt(2u C eta). Flips are rare and unequal (one flip in a large
+    element moves its token by up to 2u, and the tokens attending to it), so the
+    error is heavy-tailed: by Chebyshev it exceeds lambda times its RMS with
+    probability <= 1 / lambda^2; we take lambda = 10 (1%). It propagates like (a).
+    eta is measured, not derived (``f32act_spread``: the final hidden states of
+    chunked against whole forwards, the most downstream operand, taken for every
+    cast).
+    Bound per tensor: B_T = kappa_T (2 (S_f + S_b) 2^-24 + lambda sqrt(2u C eta));
+    per logprob (logit minus LSE, as ``logprob_bound``):
+    2 (2 S_f 2^-24 + lambda sqrt(2u C eta)) A.
+    Like the default policy's, a first-order model, not a proof. Here S_f = 1452,
+    S_b = 3356, C = 17, eta = 1.6e-7: (a) 5.7e-4 and (b) 1.5e-3 before kappa_T
+    (2.3 to 4.8), so B_T = 4.7e-3 to 9.9e-3: 5x to 10x below the old 5e-2 and
+    7.6x below the default policy's 4 u kappa_T; logprobs 3.9e-3. The flip term
+    dominates; without flips the spread would be 1.3e-3 to 2.8e-3.
+    Observed at this point: 1.1e-6 (a q_norm weight), dense_remat identical to
+    dense, logprobs 4.8e-7 apart: no flip with a visible effect. Elsewhere flips do
+    show: two steps of AdamW (lr 1e-4, on-policy old logprobs) later, dfs and dense
+    differ by 3.0e-3 on identical parameters (fp32 engines there: 1.6e-6), their
+    logprobs by 1.1e-3 on one GRPO group (a flip in its shared prompt), within that
+    step's bounds.
     """
     m16, _, _ = _models()
     batch = _batch()
     s_f, s_b = _reduction_lengths(m16.cfg, max(batch.lengths), int(sum(batch.lengths)))
     eta = f32act_spread()
     assert 0 < eta < 1e-5  # an fp32 spread (a bf16 rounding would be ~4e-3)
-    flips = np.sqrt(2 * U * F32ACT_CASTS * eta)
+    flips = F32ACT_LAMBDA * np.sqrt(2 * U * F32ACT_CASTS * eta)
     kappa = jax.tree.map(lambda b: b / (GRAD_ROUNDINGS * U), grad_bounds())
     g_bounds = jax.tree.map(lambda k: k * (2 * (s_f + s_b) * FP32_ULP + flips), kappa)
     return 2 * (2 * s_f * FP32_ULP + flips) * _logit_scale(), g_bounds
@@ -594,7 +611,7 @@ def _check_f32act(kinds):
     want_loss, want_g, want_aux = _f32act_dense()
     assert {x.dtype for x in jax.tree.leaves(want_g)} == {jnp.dtype(jnp.float32)}
     lp_bound, g_bounds = f32act_bounds()
-    assert lp_bound < 1e-3 and max(jax.tree.leaves(g_bounds)) < 5e-3  # 10x below 5e-2
+    assert lp_bound < 5e-3 and max(jax.tree.leaves(g_bounds)) < 1.2e-2  # 4x below 5e-2
     for kind in kinds:
         loss, g, aux = _f32act_engine(kind).value_and_grad(params, batch, LOSS)
         assert {x.dtype for x in jax.tree.leaves(g)} == {jnp.dtype(jnp.float32)}, kind
@@ -630,3 +647,20 @@ def test_prefix_reuse_matches_dense_f32act():
     """prefix_reuse (its deep group in its DFS program) against dense, fp32
     activations: within ``f32act_bounds``."""
     _check_f32act(("prefix_reuse",))
+
+
+def test_adamw_trajectories_track_dense_f32act():
+    """The AdamW trajectory test above (same batch, optimiser, 10 steps) with fp32
+    activations: dfs and prefix_reuse track dense within 2 max_k rho_k, the
+    argument there (the first step's rho_0, on identical parameters, is the
+    engine tests' comparison, within ``f32act_bounds``). Later rho_k are not
+    within those bounds: with the batch's random old logprobs many ratios sit
+    near the clip range, and a token that the engines' small logprob spread puts
+    on opposite sides of a clip boundary has its term on in one gradient and off
+    in the other (a jump of about 1/n_tok of the gradient: the loss's
+    discontinuity, not rounding), after which the trajectories and their
+    gradients differ. Observed: rho_k up to 8.1e-2 (dfs) and 1.1e-1
+    (prefix_reuse), as in the default policy (1.4e-1), but drift 1.9e-3 and
+    8.5e-3 of the distance travelled, against 9.4e-2 and 9.2e-2 in the default
+    policy: 11x to 50x closer."""
+    _adamw_tracking(_f32act_engine, _batch())
