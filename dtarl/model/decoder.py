@@ -55,9 +55,10 @@ _NEG = -1e30
 # plain ops. With fp32 activations (``activation_dtype``) the operand x itself is
 # fp32: the product takes both operands as bf16, accumulates and returns fp32, and
 # x's cotangent is formed in fp32 (the fp32 cotangent times the bf16-valued
-# weight), so no activation cotangent is ever rounded. The attention uses the same for its Q/K/V (fp32-typed, compute-dtype
-# values): a key's cotangent is summed over the prefix and chunk parts, and over
-# the chunks of a tree engine's carry, in fp32 and rounded once.
+# weight), so no activation cotangent is ever rounded. The attention uses the
+# same for its Q/K/V (fp32-typed, compute-dtype values): a key's cotangent is
+# summed over the prefix and chunk parts, and over the chunks of a tree engine's
+# carry, in fp32 and rounded once (with fp32 activations: never).
 
 
 def _einsum_transposes(spec: str) -> tuple[str, str]:
