@@ -72,8 +72,10 @@ class ModelConfig:
     # operands to bf16 and accumulates in fp32 (its product is never rounded),
     # while everything between the matmuls, forward and backward, stays fp32.
     # The only bf16 roundings are then the operand casts, which every engine
-    # applies to the same values; the backward's products multiply the fp32
-    # cotangent by the bf16-valued operand in fp32 (README, "Precision").
+    # applies to the same values up to fp32 reassociation; the backward's products multiply the fp32
+    # cotangent by the bf16-valued operand in fp32 (README, "Precision"). With
+    # the Pallas attention backend the kernel takes bf16 q/K/V and returns bf16
+    # (its cotangents are rounded there).
     activation_dtype: str | None = None
     attention_backend: AttentionBackend = AttentionBackend.XLA
     # Logits/logprobs are computed over the vocabulary in chunks of this many

@@ -17,8 +17,9 @@ whatever buffer they keep (stack, paged cache, ...). K/V enter only the
 attention's products, whose operands are cast to the compute dtype, so a buffer
 in the compute dtype holds them exactly as they are used.
 
-Precision policies (``ModelConfig``): ``compute_dtype`` alone runs the whole
-forward in that dtype (activations, and so their cotangents, too);
+Precision policies (``ModelConfig``): ``compute_dtype`` alone keeps the
+activations between ops in that dtype (and so their cotangents; norms, RoPE and
+softmax compute in fp32 inside);
 ``activation_dtype="float32"`` with bf16 compute keeps activations and
 cotangents in fp32 and casts only the operands of each weight or attention
 product to bf16 (``cast_matmul``, ``attend_xla``'s ``compute_dtype``).

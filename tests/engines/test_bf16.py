@@ -77,6 +77,11 @@ gradients (equal with excess precision off, where they differ from dense by
 1.8e-2 / 8.8e-3: (iv) alone). Before: 2.9 u kappa_T (4.2e-2 on a norm weight).
 
 AdamW trajectory (``test_adamw_trajectories_track_dense_bf16``): see there.
+
+fp32 activations (``activation_dtype="float32"``): the same comparisons with
+activations and cotangents in fp32 and only the matmul operands in bf16; the
+bound, 4.7e-3 to 9.9e-3 per tensor, is derived in ``f32act_bounds`` (observed
+1.1e-6 here, 3.0e-3 at a point where an operand rounding flips).
 """
 
 import functools
