@@ -431,8 +431,10 @@ def test_f32act_rounds_only_matmul_operands():
     a matmul operand (bf16 x bf16 -> fp32 products) or a parameter read as bf16
     (cast back to fp32); no arithmetic, reduction or cotangent is bf16. The helpers:
     fp32 in, fp32 out, the product of the bf16-rounded operands, an unrounded fp32
-    input cotangent; the decoder: fp32 hidden states and K/V with bf16 matmuls, for
-    every family (biases, q/k norms, untied head), with and without an fp32 prefix."""
+    input cotangent; the decoder: fp32 hidden states and K/V, for every family
+    (biases, q/k norms, untied head), the program checked being a chunk's forward
+    and backward over an fp32 prefix; the same forward over the prefix's K/V in a
+    bf16 cache (the samplers') is identical."""
     rs = np.random.RandomState(0)
     bf, f32 = jnp.bfloat16, jnp.float32
     x = jnp.asarray(rs.randn(2, 3, 16), f32)
