@@ -97,6 +97,7 @@ class DenseEngine(base.BucketState):
                 chunk=self.cfg.logits_chunk,
                 entropy=with_entropy,
                 temperature=self.temperature,
+                dtype=self.cfg.compute_dtype,
             )
             zero_Bx1 = jnp.zeros((b, 1), jnp.float32)
             logp_BxT = jnp.concatenate([zero_Bx1, lp_pred], axis=1)

@@ -165,6 +165,7 @@ class DFSEngine(base.BucketState):
             chunk=self.cfg.logits_chunk,
             entropy=ent,
             temperature=self.temperature,
+            dtype=self.cfg.compute_dtype,
         )
         return logp.reshape(-1), entropy.reshape(-1), kv_new.k, kv_new.v
 

@@ -451,6 +451,7 @@ class PrefixReuseEngine(base.BucketState):
             chunk=self.cfg.logits_chunk,
             entropy=entropy,
             temperature=self.temperature,
+            dtype=self.cfg.compute_dtype,
         )
         per_tok = (logp[0], ent[0]) if entropy else (logp[0],)
         return per_tok, kv.k, kv.v
@@ -481,6 +482,7 @@ class PrefixReuseEngine(base.BucketState):
             chunk=self.cfg.logits_chunk,
             entropy=with_entropy,
             temperature=self.temperature,
+            dtype=self.cfg.compute_dtype,
         )
         valid_BxC = jnp.arange(c)[None] < n_valid[:, None]
         rows_BxC = (logp_BxC, ent_BxC) if with_entropy else (logp_BxC,)

@@ -65,6 +65,18 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
+    # The dtype of the activations between ops (residual stream, norms, RoPE,
+    # softmax, the SiLU gate) and of their cotangents; None: ``compute_dtype``.
+    # "float32" with ``compute_dtype="bfloat16"`` is the fp32-activation policy:
+    # every parameter is read as a bf16 value and every matmul/einsum casts its
+    # operands to bf16 and accumulates in fp32 (its product is never rounded),
+    # while everything between the matmuls, forward and backward, stays fp32.
+    # The only bf16 roundings are then the operand casts, which every engine
+    # applies to the same values up to fp32 reassociation; the backward's products multiply the fp32
+    # cotangent by the bf16-valued operand in fp32 (README, "Precision"). With
+    # the Pallas attention backend the kernel takes bf16 q/K/V and returns bf16
+    # (its cotangents are rounded there).
+    activation_dtype: str | None = None
     attention_backend: AttentionBackend = AttentionBackend.XLA
     # Logits/logprobs are computed over the vocabulary in chunks of this many
     # tokens (0 = all at once) so [T, vocab] is never materialised in full.
@@ -96,6 +108,15 @@ class ModelConfig:
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ConfigError(f"{name}={getattr(self, name)!r}; accepted: {_DTYPES}")
+        accepted = (None, self.compute_dtype)
+        if self.compute_dtype == "bfloat16":
+            accepted += ("float32",)
+        if self.activation_dtype not in accepted:
+            raise ConfigError(
+                f"activation_dtype={self.activation_dtype!r} with "
+                f"compute_dtype={self.compute_dtype!r}; accepted: {accepted} "
+                "('float32' only with compute_dtype='bfloat16')"
+            )
         if self.logits_chunk < 0:
             raise ConfigError(f"logits_chunk={self.logits_chunk} must be >= 0")
         if not isinstance(self.family, ModelFamily):
@@ -104,6 +125,11 @@ class ModelConfig:
             raise ConfigError(
                 f"attention_backend={self.attention_backend!r} must be an AttentionBackend"
             )
+
+    @property
+    def act_dtype(self) -> str:
+        """The activations' dtype: ``activation_dtype``, else ``compute_dtype``."""
+        return self.activation_dtype or self.compute_dtype
 
     @property
     def qk_norm(self) -> bool:

@@ -11,9 +11,18 @@ chunk (post-RoPE keys); only its first ``prefix_len[b]`` rows are valid. A
 prefix, e.g. sibling leaves of a prefix tree) without being copied. The
 chunk's mask is bottom-right aligned: chunk query i sees every valid prefix key
 and chunk keys 0..i. ``kv_new`` holds the chunk's own K/V only ([L, B, T, ...]),
-in the wider of the compute dtype and ``kv_prefix``'s (the values are the compute
-dtype's; an fp32 prefix makes their cotangents fp32, which the tree engines carry);
-callers place it into whatever buffer they keep (stack, paged cache, ...).
+in the wider of the activation dtype and ``kv_prefix``'s (an fp32 prefix makes
+their cotangents fp32, which the tree engines carry); callers place it into
+whatever buffer they keep (stack, paged cache, ...). K/V enter only the
+attention's products, whose operands are cast to the compute dtype, so a buffer
+in the compute dtype holds them exactly as they are used.
+
+Precision policies (``ModelConfig``): ``compute_dtype`` alone keeps the
+activations between ops in that dtype (and so their cotangents; norms, RoPE and
+softmax compute in fp32 inside);
+``activation_dtype="float32"`` with bf16 compute keeps activations and
+cotangents in fp32 and casts only the operands of each weight or attention
+product to bf16 (``cast_matmul``, ``attend_xla``'s ``compute_dtype``).
 
 Letters: B batch, T chunk (query) tokens, P prefix tokens, S = P + T keys,
 E hidden, H query heads, K kv heads, G = H / K, D head dim, F mlp, V vocab, L layers.
@@ -44,9 +53,13 @@ _NEG = -1e30
 # fp32 gradient for every operand held in fp32: the gradient product accumulates
 # in fp32 and is never rounded to the compute dtype. An operand already in the
 # compute dtype gets plain autodiff's cotangent. In fp32 compute they are the
-# plain ops. The attention uses the same for its Q/K/V (fp32-typed, compute-dtype
-# values): a key's cotangent is summed over the prefix and chunk parts, and over
-# the chunks of a tree engine's carry, in fp32 and rounded once.
+# plain ops. With fp32 activations (``activation_dtype``) the operand x itself is
+# fp32: the product takes both operands as bf16, accumulates and returns fp32, and
+# x's cotangent is formed in fp32 (the fp32 cotangent times the bf16-valued
+# weight), so no activation cotangent is ever rounded. The attention uses the
+# same for its Q/K/V (fp32-typed, compute-dtype values): a key's cotangent is
+# summed over the prefix and chunk parts, and over the chunks of a tree engine's
+# carry, in fp32 and rounded once (with fp32 activations: never).
 
 
 def _einsum_transposes(spec: str) -> tuple[str, str]:
@@ -95,17 +108,17 @@ def cast_einsum(spec: str, x, w, *, wide: bool = False, dtype=None):
     return _cast_einsum(spec, wide, cd, name(x.dtype), name(w.dtype), x, w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _cast_broadcast(op, w_dtype, x, w):
-    wc = w.astype(x.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _cast_broadcast(op, w_dtype, cd, x, w):
+    wc = w.astype(cd).astype(x.dtype)
     return x * wc if op == "mul" else x + wc
 
 
-def _cast_broadcast_fwd(op, w_dtype, x, w):
-    return _cast_broadcast(op, w_dtype, x, w), (x, w.astype(x.dtype))
+def _cast_broadcast_fwd(op, w_dtype, cd, x, w):
+    return _cast_broadcast(op, w_dtype, cd, x, w), (x, w.astype(cd).astype(x.dtype))
 
 
-def _cast_broadcast_bwd(op, w_dtype, res, g):
+def _cast_broadcast_bwd(op, w_dtype, cd, res, g):
     x, wc = res
     lead = tuple(range(g.ndim - wc.ndim))
     if op == "mul":
@@ -120,26 +133,30 @@ def _cast_broadcast_bwd(op, w_dtype, res, g):
 _cast_broadcast.defvjp(_cast_broadcast_fwd, _cast_broadcast_bwd)
 
 
-def cast_scale(x, w):
-    """``x * w.astype(x.dtype)`` (w over x's trailing axes), w's gradient summed in fp32."""
-    return _cast_broadcast("mul", jnp.dtype(w.dtype).name, x, w)
+def cast_scale(x, w, dtype=None):
+    """``x * w.astype(dtype).astype(x.dtype)`` (w over x's trailing axes; ``dtype``:
+    x's by default, so w takes that dtype's values), w's gradient summed in fp32."""
+    cd = jnp.dtype(dtype or x.dtype).name
+    return _cast_broadcast("mul", jnp.dtype(w.dtype).name, cd, x, w)
 
 
-def cast_bias(x, w):
-    """``x + w.astype(x.dtype)`` (w over x's trailing axes), w's gradient summed in fp32."""
-    return _cast_broadcast("add", jnp.dtype(w.dtype).name, x, w)
+def cast_bias(x, w, dtype=None):
+    """``x + w.astype(dtype).astype(x.dtype)`` (as ``cast_scale``), w's gradient
+    summed in fp32."""
+    cd = jnp.dtype(dtype or x.dtype).name
+    return _cast_broadcast("add", jnp.dtype(w.dtype).name, cd, x, w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _cast_embed(cd, w_dtype, shape, table, tokens):
-    return table.astype(cd)[tokens]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _cast_embed(cd, ad, w_dtype, shape, table, tokens):
+    return table.astype(cd)[tokens].astype(ad)
 
 
-def _cast_embed_fwd(cd, w_dtype, shape, table, tokens):
-    return table.astype(cd)[tokens], tokens
+def _cast_embed_fwd(cd, ad, w_dtype, shape, table, tokens):
+    return _cast_embed(cd, ad, w_dtype, shape, table, tokens), tokens
 
 
-def _cast_embed_bwd(cd, w_dtype, shape, tokens, g):
+def _cast_embed_bwd(cd, ad, w_dtype, shape, tokens, g):
     dtable = jnp.zeros(shape, jnp.float32).at[tokens].add(g.astype(jnp.float32))
     return dtable.astype(w_dtype), None
 
@@ -147,10 +164,21 @@ def _cast_embed_bwd(cd, w_dtype, shape, tokens, g):
 _cast_embed.defvjp(_cast_embed_fwd, _cast_embed_bwd)
 
 
-def cast_embed(table, tokens, cd):
-    """``table.astype(cd)[tokens]``, the table's gradient scatter-added in fp32."""
-    name = jnp.dtype(table.dtype).name
-    return _cast_embed(jnp.dtype(cd).name, name, tuple(table.shape), table, tokens)
+def cast_embed(table, tokens, cd, ad=None):
+    """``table.astype(cd)[tokens].astype(ad)`` (``ad``: ``cd`` by default), the
+    table's gradient scatter-added in fp32."""
+    names = [jnp.dtype(x).name for x in (cd, ad or cd, table.dtype)]
+    return _cast_embed(*names, tuple(table.shape), table, tokens)
+
+
+def cast_matmul(cfg: ModelConfig, spec: str, x, w):
+    """A weight product under the config's precision policy: ``cast_einsum`` in
+    the compute dtype; with wider activations (``cfg.activation_dtype``) its
+    operands are cast to the compute dtype and the product, accumulated in fp32,
+    is returned in fp32 unrounded (its input cotangent, too, stays fp32)."""
+    if cfg.act_dtype == cfg.compute_dtype:
+        return cast_einsum(spec, x, w)
+    return cast_einsum(spec, x, w, wide=True, dtype=cfg.compute_dtype)
 
 
 class KVCache(NamedTuple):
@@ -178,15 +206,17 @@ def _param(rngs: nnx.Rngs, shape, names, dtype, scale: float | None = None) -> n
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype, names=(axes.EMBED,)):
+    def __init__(self, dim: int, eps: float, dtype, names=(axes.EMBED,), compute_dtype=None):
         self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=names)
         self.eps = eps
+        # The weight is read as this dtype's values (None: the input's).
+        self.compute_dtype = compute_dtype
 
     def __call__(self, x):
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         # HF order: normalise in fp32, cast to the input dtype, then scale.
-        return cast_scale(xf.astype(x.dtype), self.weight[...])
+        return cast_scale(xf.astype(x.dtype), self.weight[...], self.compute_dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -216,7 +246,16 @@ def apply_rope(x_BxTxHxD, positions_BxT, inv_freq):
     return out.astype(x_BxTxHxD.dtype)
 
 
-def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segment_ids_BxT=None):
+def attend_xla(
+    q_BxTxHxD,
+    k_prefix,
+    v_prefix,
+    prefix_len_B,
+    k_new,
+    v_new,
+    segment_ids_BxT=None,
+    compute_dtype=None,
+):
     """Reference attention of a chunk over [valid prefix, causal chunk].
 
     k_prefix/v_prefix: [B, P, K, D] or [1, P, K, D] (P may be 0); k_new/v_new:
@@ -226,17 +265,23 @@ def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segmen
     cotangent sums over the rows. With ``segment_ids`` a row packs several
     independent continuations of the same prefix: chunk key c is visible to
     query i only if both share a segment. Scores and softmax in fp32.
+
+    ``compute_dtype`` (default: q's dtype, the activations'): the dtype of the
+    products' operands. Narrower than q (fp32 activations): q, K, V and the
+    probabilities are cast to it inside each product, the products accumulate in
+    fp32 and are not rounded, the probabilities and output stay in q's dtype.
     """
     b, t, h, d = q_BxTxHxD.shape
     kh = k_new.shape[2]
     g = h // kh
     p = k_prefix.shape[1]
     scale = 1.0 / np.sqrt(d)
-    cd = q_BxTxHxD.dtype
-    # K/V (chunk and prefix) may come fp32-typed with compute-dtype values: the
-    # products cast them to ``cd``, their cotangents stay fp32. q is made so here,
-    # so its cotangent (prefix plus chunk parts) is summed in fp32 and rounded
-    # once, by the cast's transpose.
+    ad = q_BxTxHxD.dtype
+    cd = jnp.dtype(compute_dtype or ad)
+    # K/V (chunk and prefix) may come fp32-typed: the products cast them to
+    # ``cd``, their cotangents stay fp32. q is made so here, so its cotangent
+    # (prefix plus chunk parts) is summed in fp32 and rounded once, by the cast's
+    # transpose (with fp32 activations: never rounded).
     q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kh, g, d).astype(jnp.float32)
     ein = functools.partial(cast_einsum, wide=True, dtype=cd)
     shared = k_prefix.shape[0] == 1 and b > 1
@@ -257,14 +302,14 @@ def attend_xla(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segmen
         chunk_ok_BxTxS = chunk_ok_BxTxS & (segment_ids_BxT[:, :, None] == seg_keys_BxS[:, None, :])
     mask_BxTxS = prefix_ok_BxS[:, None, :] | chunk_ok_BxTxS
     att_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], att_BxKxGxTxS, _NEG)
-    probs = jax.nn.softmax(att_BxKxGxTxS, axis=-1).astype(cd)
+    probs = jax.nn.softmax(att_BxKxGxTxS, axis=-1).astype(ad)
     p_pre, p_new = probs[..., :p], probs[..., p:]
     if shared:
         out_pre = ein("bkgtp,pkd->btkgd", p_pre, v_prefix[0])
     else:
         out_pre = ein("bkgtp,bpkd->btkgd", p_pre, v_prefix)
     out_BxTxKxGxD = out_pre + ein("bkgts,bskd->btkgd", p_new, v_new)
-    return out_BxTxKxGxD.reshape(b, t, h, d).astype(cd)
+    return out_BxTxKxGxD.reshape(b, t, h, d).astype(ad)
 
 
 def attend_pallas(q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segment_ids_BxT=None):
@@ -314,19 +359,20 @@ class Attention(nnx.Module):
             self.k_bias = nnx.Param(jnp.zeros((k, d), pd), axes=(axes.KV_HEADS, axes.HEAD_DIM))
             self.v_bias = nnx.Param(jnp.zeros((k, d), pd), axes=(axes.KV_HEADS, axes.HEAD_DIM))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, pd, names=(axes.HEAD_DIM,))
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pd, names=(axes.HEAD_DIM,))
+            cd, names = cfg.compute_dtype, (axes.HEAD_DIM,)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, pd, names=names, compute_dtype=cd)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, pd, names=names, compute_dtype=cd)
 
     def qkv(self, x_BxTxE, positions_BxT, inv_freq):
         """Projections with bias, q/k norm and RoPE: q [B,T,H,D], k and v [B,T,K,D]."""
         cfg = self.cfg
-        q = cast_einsum("bte,ehd->bthd", x_BxTxE, self.q_proj[...])
-        k = cast_einsum("bte,ekd->btkd", x_BxTxE, self.k_proj[...])
-        v = cast_einsum("bte,ekd->btkd", x_BxTxE, self.v_proj[...])
+        q = cast_matmul(cfg, "bte,ehd->bthd", x_BxTxE, self.q_proj[...])
+        k = cast_matmul(cfg, "bte,ekd->btkd", x_BxTxE, self.k_proj[...])
+        v = cast_matmul(cfg, "bte,ekd->btkd", x_BxTxE, self.v_proj[...])
         if cfg.attention_bias:
-            q = cast_bias(q, self.q_bias[...])
-            k = cast_bias(k, self.k_bias[...])
-            v = cast_bias(v, self.v_bias[...])
+            q = cast_bias(q, self.q_bias[...], cfg.compute_dtype)
+            k = cast_bias(k, self.k_bias[...], cfg.compute_dtype)
+            v = cast_bias(v, self.v_bias[...], cfg.compute_dtype)
         if cfg.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -336,41 +382,51 @@ class Attention(nnx.Module):
 
     def out(self, out_BxTxHxD):
         """The output projection of the attention result."""
-        return cast_einsum("bthd,hde->bte", out_BxTxHxD, self.o_proj[...])
+        return cast_matmul(self.cfg, "bthd,hde->bte", out_BxTxHxD, self.o_proj[...])
 
     def __call__(self, x_BxTxE, positions_BxT, k_prefix, v_prefix, prefix_len_B, inv_freq, seg):
         q, k, v = self.qkv(x_BxTxE, positions_BxT, inv_freq)
-        # The chunk's K/V leave in the wider of the compute and prefix dtypes (same
-        # values): given an fp32 prefix (a tree engine's carry), a key's cotangent
-        # from this chunk and from its descendants meets in fp32 and is rounded to
-        # the compute dtype once, by this cast's transpose.
+        # The chunk's K/V leave in the wider of the activation and prefix dtypes
+        # (same values): given an fp32 prefix (a tree engine's carry), a key's
+        # cotangent from this chunk and from its descendants meets in fp32 and is
+        # rounded to the compute dtype once, by this cast's transpose (with fp32
+        # activations: never).
         kv_dtype = jnp.promote_types(k.dtype, k_prefix.dtype)
         k, v = k.astype(kv_dtype), v.astype(kv_dtype)
-        pallas = self.cfg.attention_backend is AttentionBackend.PALLAS
-        attend = attend_pallas if pallas else attend_xla
-        return self.out(attend(q, k_prefix, v_prefix, prefix_len_B, k, v, seg)), k, v
+        if self.cfg.attention_backend is AttentionBackend.PALLAS:
+            # The kernel takes the compute dtype (fp32 activations: q is cast to it).
+            cd = jnp.dtype(self.cfg.compute_dtype)
+            o = attend_pallas(q.astype(cd), k_prefix, v_prefix, prefix_len_B, k, v, seg)
+        else:
+            cd = self.cfg.compute_dtype
+            o = attend_xla(q, k_prefix, v_prefix, prefix_len_B, k, v, seg, compute_dtype=cd)
+        return self.out(o), k, v
 
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         e, f = cfg.hidden_size, cfg.intermediate_size
         pd = jnp.dtype(cfg.param_dtype)
+        self.cfg = cfg
         self.gate_proj = _param(rngs, (e, f), (axes.EMBED, axes.MLP), pd)
         self.up_proj = _param(rngs, (e, f), (axes.EMBED, axes.MLP), pd)
         self.down_proj = _param(rngs, (f, e), (axes.MLP, axes.EMBED), pd)
 
     def __call__(self, x):
-        gate = cast_einsum("...e,ef->...f", x, self.gate_proj[...])
-        up = cast_einsum("...e,ef->...f", x, self.up_proj[...])
-        return cast_einsum("...f,fe->...e", jax.nn.silu(gate) * up, self.down_proj[...])
+        cfg = self.cfg
+        gate = cast_matmul(cfg, "...e,ef->...f", x, self.gate_proj[...])
+        up = cast_matmul(cfg, "...e,ef->...f", x, self.up_proj[...])
+        return cast_matmul(cfg, "...f,fe->...e", jax.nn.silu(gate) * up, self.down_proj[...])
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        pd = jnp.dtype(cfg.param_dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        pd, cd = jnp.dtype(cfg.param_dtype), cfg.compute_dtype
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, compute_dtype=cd)
         self.self_attn = Attention(cfg, rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, pd, compute_dtype=cd
+        )
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, positions, k_prefix, v_prefix, prefix_len, seg, inv_freq):
@@ -393,7 +449,7 @@ class Decoder(nnx.Module):
             rngs, (cfg.vocab_size, cfg.hidden_size), (axes.VOCAB, axes.EMBED), pd, 0.02
         )
         self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, compute_dtype=cfg.compute_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(
                 rngs, (cfg.hidden_size, cfg.vocab_size), (axes.EMBED, axes.VOCAB), pd
@@ -440,7 +496,7 @@ class Decoder(nnx.Module):
             prefix_len_B = jnp.full((b,), p, jnp.int32)
         prefix_len_B = jnp.broadcast_to(jnp.asarray(prefix_len_B, jnp.int32), (b,))
         inv_freq = rope_inv_freq(cfg)
-        x = cast_embed(self.embed_tokens[...], tokens_BxT, cd)
+        x = cast_embed(self.embed_tokens[...], tokens_BxT, cd, cfg.act_dtype)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             args = (x, positions_BxT, kv_prefix.k[i], kv_prefix.v[i], prefix_len_B, segment_ids_BxT)
@@ -460,7 +516,7 @@ class Decoder(nnx.Module):
         kv_new = KVCache(jnp.stack(ks), jnp.stack(vs))
         if return_hidden:
             return x, kv_new
-        logits = cast_einsum("bte,ev->btv", x, self.lm_head_weight(), wide=True)
+        logits = cast_einsum("bte,ev->btv", x, self.lm_head_weight(), wide=True, dtype=cd)
         return logits, kv_new
 
 
@@ -472,6 +528,7 @@ def token_logprobs(
     chunk: int = 0,
     entropy: bool = False,
     temperature: float = 1.0,
+    dtype=None,
 ):
     """log p(target) (and optionally the entropy) per position, in fp32, under
     p = softmax(logits / temperature): the sampling temperature's distribution
@@ -480,11 +537,13 @@ def token_logprobs(
 
     With ``chunk > 0`` the [T, V] logits are built ``chunk`` positions at a time
     under ``jax.checkpoint``, so neither the forward nor the backward holds the
-    full [B, T, V] logits.
+    full [B, T, V] logits. ``dtype`` (default: the hidden state's) is the head
+    product's operand dtype: the model's ``compute_dtype``, which differs from the
+    hidden state's with fp32 activations.
     """
 
     def one(h_BxCxE, tgt_BxC):
-        logits = cast_einsum("bce,ev->bcv", h_BxCxE, lm_head_ExV, wide=True)
+        logits = cast_einsum("bce,ev->bcv", h_BxCxE, lm_head_ExV, wide=True, dtype=dtype)
         if temperature != 1.0:
             logits = logits / temperature
         logz = jax.nn.logsumexp(logits, axis=-1)

@@ -616,6 +616,7 @@ class Scorer:
             tokens_NxT[:, 1:],
             chunk=self.cfg.logits_chunk,
             temperature=self.temperature,
+            dtype=self.cfg.compute_dtype,
         )
         return jnp.concatenate([jnp.zeros((n, 1), jnp.float32), lp], axis=1)
 

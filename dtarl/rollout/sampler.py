@@ -293,8 +293,10 @@ def decode_step(model: Decoder, state: DecodeState, params: SamplingParams) -> D
     # Finished rows write nothing: their cache rows are kept bit for bit.
     k_old = state.cache.k[:, rows, at]
     v_old = state.cache.v[:, rows, at]
-    k_put = jnp.where(running[None, :, None, None], kv_new.k[:, :, 0], k_old)
-    v_put = jnp.where(running[None, :, None, None], kv_new.v[:, :, 0], v_old)
+    # The cache keeps the compute dtype (with fp32 activations the new K/V are fp32
+    # values that the attention only ever uses rounded to it).
+    k_put = jnp.where(running[None, :, None, None], kv_new.k[:, :, 0].astype(k_old.dtype), k_old)
+    v_put = jnp.where(running[None, :, None, None], kv_new.v[:, :, 0].astype(v_old.dtype), v_old)
     cache = KVCache(
         state.cache.k.at[:, rows, at].set(k_put), state.cache.v.at[:, rows, at].set(v_put)
     )

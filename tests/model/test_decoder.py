@@ -140,6 +140,9 @@ def test_presets_have_published_sizes():
         (dict(head_dim=15), "even"),
         (dict(param_dtype="float8"), "param_dtype"),
         (dict(vocab_size=0), "vocab_size"),
+        (dict(activation_dtype="bfloat16"), "activation_dtype='bfloat16' with compute_dtype"),
+        (dict(compute_dtype="bfloat16", activation_dtype="float16"), "activation_dtype"),
+        (dict(compute_dtype="float16", activation_dtype="float32"), "only with compute_dtype"),
     ],
 )
 def test_config_errors_name_the_field(overrides, match):
