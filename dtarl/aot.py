@@ -128,9 +128,7 @@ class ProgramStore:
         self._warned: set[str] = set()
 
     def key_text(self, name: str, static: Any, signature: str) -> str:
-        return "\n".join(
-            (self.fingerprint, self.environment, name, repr(static), signature)
-        )
+        return "\n".join((self.fingerprint, self.environment, name, repr(static), signature))
 
     def file_for(self, name: str, key_text: str) -> str:
         digest = hashlib.sha256(key_text.encode()).hexdigest()[:40]
@@ -298,23 +296,66 @@ class StoredJit:
             self._plain = jax.jit(self._fun, **self._kw)
         return self._plain
 
-    def _program(self, args: tuple):
+    def _program(self, args: tuple, *, run: bool = True) -> tuple[Any, tuple]:
+        """The program for ``args``, and the arguments to call (``run``) or lower it with."""
         leaves, treedef = jax.tree.flatten(args)
         try:
             sig = (treedef, tuple(_leaf_signature(x) for x in leaves))
         except _Unsupported as e:
             self._store.warn(self._name, str(e))
-            return self._plain_jit()
+            return self._plain_jit(), args
         prog = self._programs.get(sig)
         if prog is None:
             prog = self._programs[sig] = self._build(treedef, sig[1])
-        return prog
+        if prog is self._plain:
+            return prog, args
+        return prog, treedef.unflatten(self._committed(leaves, treedef, run=run))
+
+    def _committed(self, leaves: list, treedef, *, run: bool) -> list:
+        """``leaves`` with every uncommitted array committed (to the device the
+        committed ones are on, else its own).
+
+        A stored program's outputs are always committed (jax commits the results of
+        an ``Exported`` call), where a plain jit's stay uncommitted when its inputs
+        are. Its next call (and whatever else consumes them) would then see inputs
+        change from uncommitted to committed after the first step and compile once
+        more; committing every call's inputs keeps a stored program on one
+        executable. Donated arrays are moved with ``donate`` (``run``: a call, not a
+        ``lower``). A call that mixes in arrays over several devices is left as it is
+        (jit places the loose arrays)."""
+        arrays = [x for x in leaves if isinstance(x, jax.Array)]
+        if all(x.committed for x in arrays):
+            return leaves
+        placed = {x.sharding for x in arrays if x.committed}
+        if len(placed) > 1 or any(len(sh.device_set) > 1 for sh in placed):
+            return leaves
+        target = next(iter(placed), None)
+        donated = set()
+        if run:
+            start = 0
+            for i, child in enumerate(treedef.children()):
+                if i in self._kw["donate_argnums"]:
+                    donated.update(range(start, start + child.num_leaves))
+                start += child.num_leaves
+        out = list(leaves)
+        for i, x in enumerate(leaves):
+            if isinstance(x, jax.Array) and not x.committed:
+                sh = target or x.sharding
+                if i in donated:
+                    out[i] = jax.device_put(x, sh, donate=True)
+                else:
+                    out[i] = jax.device_put(x, sh, may_alias=True)
+        return out
 
     def _build(self, treedef, leaf_sigs):
         store, name = self._store, self._name
-        signature = repr(treedef) + "\n" + "\n".join(
-            f"{shape}:{dtype}:{int(weak)}:{_sharding_text(sh)}"
-            for shape, dtype, weak, sh in leaf_sigs
+        signature = (
+            repr(treedef)
+            + "\n"
+            + "\n".join(
+                f"{shape}:{dtype}:{int(weak)}:{_sharding_text(sh)}"
+                for shape, dtype, weak, sh in leaf_sigs
+            )
         )
         key_text = store.key_text(name, self._static, signature)
         file = store.file_for(name, key_text)
@@ -348,10 +389,12 @@ class StoredJit:
         return jax.jit(_caller(exported, name), **self._kw)
 
     def __call__(self, *args):
-        return self._program(args)(*args)
+        prog, args = self._program(args)
+        return prog(*args)
 
     def lower(self, *args):
-        return self._program(args).lower(*args)
+        prog, args = self._program(args, run=False)
+        return prog.lower(*args)
 
 
 def _caller(exported: jax.export.Exported, name: str):

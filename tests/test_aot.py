@@ -157,7 +157,10 @@ def tiny_batch() -> RolloutBatch:
     rs = np.random.RandomState(0)
     toks = [[1] + list(rs.randint(3, 200, n)) for n in (5, 9, 7, 3)]
     return RolloutBatch.create(
-        tokens=toks, prompt_lens=[2, 2, 3, 3], advantages=rs.randn(4), group_ids=np.asarray([0, 0, 1, 1])
+        tokens=toks,
+        prompt_lens=[2, 2, 3, 3],
+        advantages=rs.randn(4),
+        group_ids=np.asarray([0, 0, 1, 1]),
     )
 
 
@@ -189,9 +192,7 @@ def test_engine_from_warm_store_traces_nothing_and_matches(store):
     for a, b in zip(got[2].logprobs, want[2].logprobs, strict=True):
         np.testing.assert_array_equal(a, b)
     # Another temperature is another program (the engine's settings are in the key).
-    assert base.engine_identity(DenseEngine(model, temperature=0.5)) != base.engine_identity(
-        second
-    )
+    assert base.engine_identity(DenseEngine(model, temperature=0.5)) != base.engine_identity(second)
     # The stored program is the plain jit's: same numbers bit for bit.
     aot._store = None
     plain = DenseEngine(model).value_and_grad(params, batch, loss)

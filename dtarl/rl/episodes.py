@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dtarl import aot
 from dtarl import advantages as adv_fns
+from dtarl import aot
 from dtarl.batch import RolloutBatch
 from dtarl.engines.base import logprob_temperature
 from dtarl.model.decoder import token_logprobs
