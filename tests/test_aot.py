@@ -226,3 +226,25 @@ def test_rollout_engine_from_warm_store_same_tokens(store):
     for (t, lp), (t_ref, lp_ref) in zip(got, want, strict=True):
         assert t.tolist() == t_ref.tolist()
         np.testing.assert_array_equal(lp, lp_ref)
+
+
+def test_outputs_fed_back_run_one_executable(store):
+    """A stored program's outputs are committed arrays; fed back (a training loop's
+    params, the rollout's pool), they must not make its next call compile again."""
+    compiles = []
+
+    def on_duration(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            if "feedback" in str(kwargs.get("fun_name", "")):
+                compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        f = aot.jit(lambda s, x: (s + x, x * 2.0), name="feedback", donate_argnums=(0,))
+        s, x = jnp.zeros(3), jnp.ones(3)  # uncommitted, as a fresh model's params
+        for _ in range(3):
+            s, x = f(s, x)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+    assert len(compiles) == 1
+    np.testing.assert_array_equal(np.asarray(s), np.full(3, 7.0, np.float32))
