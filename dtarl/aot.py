@@ -38,6 +38,13 @@ file cannot be read, runs on the normal ``jax.jit`` path, with one warning namin
 the program. Donation (``donate_argnums``) and ``out_shardings`` are kept: the
 wrapper ``jax.jit(exported.call, ...)`` takes them like the plain one.
 
+Committed arrays: jax commits the results of an ``Exported`` call to their devices
+(a plain jit leaves them uncommitted when its inputs are), and jit keys its programs
+on that. A stored program therefore commits its uncommitted inputs before each call
+(``StoredJit._committed``), so feeding it its own outputs (params, the rollout's pool)
+runs one executable; a plain jit downstream (the optimiser's update) sees its inputs
+become committed once and compiles once more.
+
 Trace counts: programs count their own traces (``trace_count`` attributes); a
 program loaded from the store counts as built (``on_load``, called once per loaded
 signature), so "no new traces after the first step" keeps its meaning. A program
