@@ -29,7 +29,10 @@ def store(tmp_path):
     """A store enabled for the test only (the process-wide one is restored after)."""
     before = aot.program_store()
     yield aot.enable_program_store(tmp_path / "programs")
-    aot._store = before
+    if before is None:
+        aot.disable_program_store()
+    else:
+        aot.enable_program_store(before.path)
 
 
 def counted(fn):
@@ -84,17 +87,18 @@ def test_other_shapes_static_or_source_miss(store, monkeypatch):
     assert store.stats.loaded == 0 and store.stats.exported == 5
 
 
-def test_fingerprint_follows_the_source(tmp_path, monkeypatch):
-    monkeypatch.setattr(aot, "_fingerprints", {})
-    pkg = tmp_path / "pkg"
-    (pkg / "sub").mkdir(parents=True)
-    (pkg / "a.py").write_text("x = 1\n")
-    (pkg / "sub" / "b.py").write_text("y = 2\n")
-    first = aot.source_fingerprint(pkg)
-    assert aot.source_fingerprint(pkg) == first  # computed once per process
-    monkeypatch.setattr(aot, "_fingerprints", {})
-    (pkg / "sub" / "b.py").write_text("y = 3\n")
-    assert aot.source_fingerprint(pkg) != first
+def test_fingerprint_follows_the_source(tmp_path):
+    def package(name: str, b: str):
+        pkg = tmp_path / name
+        (pkg / "sub").mkdir(parents=True)
+        (pkg / "a.py").write_text("x = 1\n")
+        (pkg / "sub" / "b.py").write_text(b)
+        (pkg / "notes.txt").write_text(name)  # not source
+        return pkg
+
+    first = aot.source_fingerprint(package("one", "y = 2\n"))
+    assert aot.source_fingerprint(package("two", "y = 2\n")) == first  # content, not place
+    assert aot.source_fingerprint(package("three", "y = 3\n")) != first
     assert len(aot.source_fingerprint()) == 64  # the dtarl package's own
 
 
@@ -194,7 +198,7 @@ def test_engine_from_warm_store_traces_nothing_and_matches(store):
     # Another temperature is another program (the engine's settings are in the key).
     assert base.engine_identity(DenseEngine(model, temperature=0.5)) != base.engine_identity(second)
     # The stored program is the plain jit's: same numbers bit for bit.
-    aot._store = None
+    aot.disable_program_store()
     plain = DenseEngine(model).value_and_grad(params, batch, loss)
     np.testing.assert_array_equal(np.asarray(plain[0]), np.asarray(want[0]))
     for a, b in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(want[1]), strict=True):
