@@ -244,12 +244,17 @@ class _Unsupported(Exception):
 
 def _leaf_signature(x) -> tuple:
     """(shape, dtype, weak_type, sharding or None) of an argument leaf; the sharding
-    only when it spans several devices (a one-device program runs on any one)."""
+    only when it spans several devices or another memory than the device's (a
+    one-device program runs on any one)."""
     if isinstance(x, np.ndarray | np.generic):
         return (x.shape, x.dtype, False, None)
     if isinstance(x, jax.Array | jax.ShapeDtypeStruct):
         sharding = getattr(x, "sharding", None)
-        if sharding is not None and len(sharding.device_set) == 1:
+        if (
+            sharding is not None
+            and len(sharding.device_set) == 1
+            and sharding.memory_kind in (None, "device")
+        ):
             sharding = None
         return (tuple(x.shape), np.dtype(x.dtype), bool(x.weak_type), sharding)
     if isinstance(x, bool | int | float | complex):
