@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dtarl import aot
 from dtarl.batch import BatchError, RolloutBatch
 from dtarl.losses import SequenceData, TokenData
 from dtarl.model.decoder import Decoder
@@ -214,12 +215,19 @@ class Engine(Protocol):
 
 
 class JitCache:
-    """``jax.jit`` of an engine's device function per (loss, static), with a trace count."""
+    """``jax.jit`` of an engine's device function per (loss, static), with a trace count.
+
+    With the program store enabled (``dtarl.aot``; the trainer's ``compile_cache_dir``),
+    programs come from it: one read from the store counts as a trace (``trace_count``)
+    though the device function never runs. Its key holds ``engine_identity``."""
 
     def __init__(self, engine):
         self._engine = engine
         self._fns: dict[tuple, Any] = {}
         self.trace_count = 0
+
+    def _count(self) -> None:
+        self.trace_count += 1
 
     def get(self, loss, static):
         key = (loss, static)
@@ -227,13 +235,18 @@ class JitCache:
             inner = self._engine.device_fn(loss, static)
 
             def counted(params, *args):
-                self.trace_count += 1
+                self._count()
                 return inner(params, *args)
 
             # Named after the engine: compile events (jax.monitoring) then say whose.
-            name = getattr(self._engine, "name", type(self._engine).__name__)
-            counted.__name__ = counted.__qualname__ = f"{name}_engine"
-            self._fns[key] = jax.jit(counted)
+            name = f"{getattr(self._engine, 'name', type(self._engine).__name__)}_engine"
+            counted.__name__ = counted.__qualname__ = name
+            self._fns[key] = aot.jit(
+                counted,
+                name=name,
+                static=(engine_identity(self._engine), repr(loss), repr(static)),
+                on_load=self._count,
+            )
         return self._fns[key]
 
     def __call__(self, loss, static, params, args):
@@ -241,6 +254,21 @@ class JitCache:
 
     def lower(self, loss, static, params, args):
         return self.get(loss, static).lower(params, *args)
+
+
+def engine_identity(engine) -> tuple:
+    """What an engine's device functions depend on besides the loss, the static shapes
+    and dtarl's source: its class, settings, temperature, the model's config (and
+    those of an inner engine: prefix_reuse's deep-group DFS), for the program store's key."""
+    inner = getattr(engine, "dfs", None)
+    return (
+        type(engine).__qualname__,
+        getattr(engine, "name", None),
+        repr(getattr(engine, "config", None)),
+        repr(getattr(engine, "temperature", None)),
+        repr(getattr(engine, "cfg", None)),
+        None if inner is None else engine_identity(inner),
+    )
 
 
 def run_value_and_grad(engine, params, batch, loss, weights):

@@ -620,6 +620,11 @@ class TrainerConfig:
     # JAX's persistent compilation cache for this process (None: off, or whatever
     # the process set up itself); a second run of the same config reads its programs
     # from there instead of compiling them. See ``Trainer`` / ``enable_compile_cache``.
+    # It also turns on dtarl's program store in ``<dir>/dtarl-programs`` (``dtarl.aot``):
+    # the engines', rollout engine's and scorer's programs are kept there as
+    # ``jax.export`` programs, keyed by dtarl's source, the jax version, the devices,
+    # the program's settings and its input shapes, so that a second run neither traces
+    # nor lowers the model (the one store for the rest of the process).
     compile_cache_dir: str | None = None
 
     def __post_init__(self):

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from dtarl import advantages as adv_fns
+from dtarl import aot
 from dtarl.batch import RolloutBatch
 from dtarl.engines.base import logprob_temperature
 from dtarl.model.decoder import token_logprobs
@@ -600,7 +601,7 @@ class Scorer:
         self.graphdef, _ = nnx.split(model, nnx.Param)
         self.cfg = model.cfg
         self.temperature = logprob_temperature(temperature)
-        self._fn = jax.jit(self._score)
+        self._fn = aot.jit(self._score, name="_score", static=(repr(self.cfg), self.temperature))
         self._min = dict(n=1, t=8)
         self._compiled: dict[tuple[int, int], Any] = {}  # (rows, length) -> executable
         self._reserved: tuple[int, int] | None = None  # (rows, longest length) to warm

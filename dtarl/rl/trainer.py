@@ -67,6 +67,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.experimental.compilation_cache import compilation_cache
 
+from dtarl import aot
 from dtarl.batch import RolloutBatch
 from dtarl.engines import Capacity, EngineConfig, make_engine, training_temperature
 from dtarl.losses import MaskedNLLLoss
@@ -268,7 +269,8 @@ class Trainer:
         self.cfg = cfg
         # compile_cache_dir: before anything compiles (the model's initialisation does)
         if cfg.compile_cache_dir is not None:
-            enable_compile_cache(cfg.compile_cache_dir)
+            cache_dir = enable_compile_cache(cfg.compile_cache_dir)
+            aot.enable_program_store(os.path.join(cache_dir, aot.STORE_SUBDIR))
         self.mesh = train_mesh(cfg.mesh)  # before the model: a bad mesh fails at once
         self.model, self.tokenizer = build_model(cfg)
         self.graphdef, self.params = nnx.split(self.model, nnx.Param)

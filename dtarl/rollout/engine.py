@@ -116,7 +116,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dtarl import axes
+from dtarl import aot, axes
 from dtarl.batch import token_ids
 from dtarl.model.decoder import Decoder
 from dtarl.parallel.mesh import (
@@ -535,14 +535,14 @@ class RolloutEngine:
                         window=window,
                     )
 
-                self._fns[key] = self._jit(fn, "decode", mesh, n)
+                self._fns[key] = self._jit(fn, "decode", mesh, n, key)
             elif kind == "prefill":
 
                 def fn(weights, pool, qslot, tokens, lens):
                     self.trace_count += 1
                     return K.prefill(self._model(weights), pool, qslot, tokens, lens)
 
-                self._fns[key] = self._jit(fn, "pool", mesh, n)
+                self._fns[key] = self._jit(fn, "pool", mesh, n, key)
             elif kind == "gather":  # rows ``idx`` of a response layer, out: ``rows`` slots
                 (rows,) = statics
 
@@ -567,17 +567,37 @@ class RolloutEngine:
                     self.trace_count += 1
                     return K.extend(self._model(weights), pool, slot, group, length, tokens, count)
 
-                self._fns[key] = self._jit(fn, "pool", mesh, n)
+                self._fns[key] = self._jit(fn, "pool", mesh, n, key)
         return self._fns[key]
 
-    def _jit(self, fn, out: str, mesh, n: int):
+    def _jit(self, fn, out: str, mesh, n: int, key: tuple):
         """jit with the pool donated; on a mesh, outputs keep the inputs' shardings (so a
-        call never sees a new input sharding and compiles again)."""
-        if mesh is None:
-            return jax.jit(fn, donate_argnums=(1,))
-        sh = self._sharding_for(mesh, n)
-        outs = sh["pool"] if out == "pool" else (sh["pool"], sh["slots"], sh["replicated"])
-        return jax.jit(fn, donate_argnums=(1,), out_shardings=outs)
+        call never sees a new input sharding and compiles again). Through the program
+        store when one is enabled (``dtarl.aot``): a program read from it counts as a
+        trace (``trace_count``) though ``fn`` never runs."""
+        outs = None
+        if mesh is not None:
+            sh = self._sharding_for(mesh, n)
+            outs = sh["pool"] if out == "pool" else (sh["pool"], sh["slots"], sh["replicated"])
+        _, _, kind, *statics = key
+        return aot.jit(
+            fn,
+            name=f"rollout_{kind}",
+            static=(
+                repr(self.config),
+                repr(self.cfg),
+                repr(self.rules),
+                n,
+                tuple(statics),
+                aot.shardings_text(outs),
+            ),
+            donate_argnums=(1,),
+            out_shardings=outs,
+            on_load=self._count_trace,
+        )
+
+    def _count_trace(self) -> None:
+        self.trace_count += 1
 
     def _windows(self) -> list[int]:
         return decode_windows(self.config.response_len)

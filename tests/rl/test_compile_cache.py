@@ -18,6 +18,7 @@ from dtarl.rl.config import ConfigError, load_config
 _SCRIPT = r"""
 import json, sys
 import jax
+from dtarl import aot
 from dtarl.rl.config import load_config
 from dtarl.rl.trainer import Trainer
 
@@ -44,6 +45,7 @@ for run in range(2):
         misses=counts.get("/jax/compilation_cache/cache_misses", 0),
         requests=counts.get("/jax/compilation_cache/compile_requests_use_cache", 0),
         cache_dir=jax.config.jax_compilation_cache_dir,
+        programs=dict(vars(aot.program_store().stats)),  # cumulative over both runs
     ))
 print("REPORT " + json.dumps(report))
 """
@@ -70,6 +72,14 @@ def test_second_run_reads_every_program_from_the_cache(tmp_path):
     assert warm["requests"] == cold["requests"], (cold, warm)
     assert warm["misses"] == 0 and warm["hits"] == warm["requests"], warm
     assert len(os.listdir(cache)) >= cold["misses"]
+    # The program store (dtarl.aot, in the same directory): the first run exports the
+    # engine's, rollout's and scorer's programs (a program built twice is read back the
+    # second time), the second run reads every one it builds back and exports none.
+    built = cold["programs"]["exported"] + cold["programs"]["loaded"]
+    assert cold["programs"]["exported"] >= 3 and cold["programs"]["failed"] == 0, cold
+    assert warm["programs"]["exported"] == cold["programs"]["exported"], (cold, warm)
+    assert warm["programs"]["loaded"] - cold["programs"]["loaded"] == built, (cold, warm)
+    assert warm["programs"]["failed"] == 0, warm
 
 
 def test_compile_cache_dir_is_checked(tmp_path):
