@@ -144,7 +144,12 @@ class Optimizer:
         """One step: ``(params, opt_state)``. On a mesh the outputs keep the inputs'
         shardings (pinned, not left to the compiler's propagation)."""
         if not _on_mesh(params):
-            return self._fn(params, grads, opt_state)
+            # Committed to the params' device, so that one executable serves every step
+            # whether the caller's arrays are committed or not (a program read back from
+            # the AOT store, ``dtarl.aot``, returns committed gradients; the params of
+            # the first step are not): jit keys its executables on that too.
+            (dev,) = jax.tree.leaves(params)[0].devices()
+            return self._fn(*jax.device_put((params, grads, opt_state), dev))
         shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
         key = jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings))
         fn = self._pinned.get(key)

@@ -11,9 +11,13 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import optax
 import pytest
 
 from dtarl.rl.config import ConfigError, load_config
+from dtarl.rl.optim import Optimizer
 
 _SCRIPT = r"""
 import json, sys
@@ -88,3 +92,18 @@ def test_compile_cache_dir_is_checked(tmp_path):
     assert cfg.compile_cache_dir == str(tmp_path)
     with pytest.raises(ConfigError, match="compile_cache_dir=''"):
         load_config(None, ["compile_cache_dir=''"])
+
+
+def test_optimizer_runs_one_executable_for_committed_and_uncommitted_inputs():
+    """A program read back from the AOT store returns committed gradients while the first
+    step's params are uncommitted; jit keys executables on that, so the update commits
+    its inputs and every step runs the first step's executable."""
+    opt = Optimizer(optax.adamw(1e-2), optax.constant_schedule(1e-2))
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}  # uncommitted
+    state = opt.init(params)
+    dev = jax.devices()[0]
+    grads = jax.device_put({"w": jnp.full((3, 2), 0.5), "b": jnp.ones(2)}, dev)  # committed
+    assert not params["w"].committed and grads["w"].committed
+    for _ in range(3):
+        params, state = opt.apply(params, grads, state)
+    assert opt._fn._cache_size() == 1
