@@ -42,8 +42,9 @@ Committed arrays: jax commits the results of an ``Exported`` call to their devic
 (a plain jit leaves them uncommitted when its inputs are), and jit keys its programs
 on that. A stored program therefore commits its uncommitted inputs before each call
 (``StoredJit._committed``), so feeding it its own outputs (params, the rollout's pool)
-runs one executable; a plain jit downstream (the optimiser's update) sees its inputs
-become committed once and compiles once more.
+runs one executable; a plain jit downstream that mixes its results with arrays of
+its own would see its inputs become committed once and compile once more, so the
+optimiser's update commits its inputs (``dtarl.rl.optim.Optimizer.apply``).
 
 Trace counts: programs count their own traces (``trace_count`` attributes); a
 program loaded from the store counts as built (``on_load``, called once per loaded
