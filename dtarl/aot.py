@@ -13,8 +13,8 @@ wrapper does not run the model, and XLA's compile of it hits the persistent cach
 ``jax.jit``: nothing changes.
 
 The key makes a stale program impossible to load: a hash of
-  * the dtarl package's source (every ``.py`` under ``dtarl/``, hashed once per
-    process: ``source_fingerprint``), so any code change misses;
+  * the dtarl and pallas_kernels packages' source (every ``.py`` under them, hashed
+    once per process: ``source_fingerprint``), so any code change misses;
   * the jax and jaxlib versions, the backend, device kind and count, process count,
     and the jax settings that change a trace (x64, default matmul precision);
   * the program's name and ``static`` (its static configuration: the loss's and
@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import os
 import pickle
 import tempfile
@@ -73,6 +74,9 @@ import numpy as np
 MAGIC = b"dtarl-program-v1\n"
 STORE_SUBDIR = "dtarl-programs"
 
+# The kernels the model may call (``attention_backend: pallas``) live beside dtarl.
+_spec = importlib.util.find_spec("pallas_kernels")
+_PALLAS_DIR = os.path.dirname(_spec.origin) if _spec and _spec.origin else None
 _store: ProgramStore | None = None
 _fingerprints: dict[str, str] = {}
 _lock = threading.Lock()
@@ -84,7 +88,8 @@ class StoreError(Exception):
 
 def source_fingerprint(root: str | os.PathLike | None = None) -> str:
     """sha256 over every ``.py`` file under ``root`` (default: the dtarl package), by
-    relative path and content; computed once per process and root."""
+    relative path and content; computed once per process and root. The store's key
+    holds the dtarl package's and the ``pallas_kernels`` package's."""
     root = os.path.abspath(root if root is not None else Path(__file__).parent)
     with _lock:
         if root not in _fingerprints:
@@ -130,7 +135,8 @@ class ProgramStore:
     def __init__(self, path: str | os.PathLike):
         self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
         os.makedirs(self.path, exist_ok=True)
-        self.fingerprint = source_fingerprint()
+        kernels = source_fingerprint(_PALLAS_DIR) if _PALLAS_DIR else ""
+        self.fingerprint = source_fingerprint() + kernels
         self.environment = environment_key()
         self.stats = StoreStats()
         self._warned: set[str] = set()
