@@ -29,6 +29,7 @@ FLOORS = {
     "dtarl.tree": 1,
     "dtarl.axes": 1,
     "dtarl.timing": 1,
+    "dtarl.aot": 1,
     "dtarl.parallel.partition": 1,
     "dtarl.model": 2,
     "dtarl.parallel.mesh": 2,
