@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,11 @@ def test_save_returns_before_the_commit_and_keeps_n(tmp_path, monkeypatch):
     assert mgr.save(1, {"w": donated}) == mgr.path(1)
     donated.delete()  # as a donating update would: save has copied it off the device
     assert mgr.steps() == [] and mgr.latest_step() is None
+    # The background write creates the temporary directory a moment after ``save``
+    # returns (on a loaded machine, after this line): wait for it, never for the commit.
+    deadline = time.monotonic() + 60
+    while not os.listdir(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert os.listdir(tmp_path) == ["step_00000001.orbax-checkpoint-tmp"]
     gate.set()
     mgr.wait()
