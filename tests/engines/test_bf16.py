@@ -308,23 +308,30 @@ def test_engines_match_dense_bf16_on_rounded_params():
     assert lp_bound < 1e-2  # 10x below the old 5e-2
     assert max(jax.tree.leaves(g_bounds)) < 8e-2  # 4 u kappa_T (6 u kappa_T: 1.1e-1)
     for kind in (*ENGINES, "auto"):
-        loss, g, aux = _engine(kind).value_and_grad(params, batch, LOSS)
-        assert {x.dtype for x in jax.tree.leaves(g)} == {jnp.dtype(jnp.float32)}, kind
-        lp_diff = max(
-            float(np.abs(a - b).max()) for a, b in zip(aux.logprobs, want_aux.logprobs, strict=True)
+        got = _engine(kind).value_and_grad(params, batch, LOSS)
+        _assert_within(kind, got, (want_loss, want_g, want_aux), lp_bound, g_bounds, "C u kappa_T")
+
+
+def _assert_within(kind, got, want, lp_bound, g_bounds, bound_name):
+    """``got`` = (loss, grads, aux) of engine ``kind`` against ``want``: fp32 gradients,
+    logprobs and loss within ``lp_bound``, every gradient tensor within its bound."""
+    (loss, g, aux), (want_loss, want_g, want_aux) = got, want
+    assert {x.dtype for x in jax.tree.leaves(g)} == {jnp.dtype(jnp.float32)}, kind
+    lp_diff = max(
+        float(np.abs(a - b).max()) for a, b in zip(aux.logprobs, want_aux.logprobs, strict=True)
+    )
+    assert lp_diff <= lp_bound, f"{kind}: logprob |diff| {lp_diff:.2e} > {lp_bound:.2e}"
+    assert abs(float(loss) - float(want_loss)) <= lp_bound * abs(float(want_loss)) + 1e-6
+    over = {
+        jax.tree_util.keystr(path): (d, b)
+        for (path, d), b in zip(
+            jax.tree_util.tree_flatten_with_path(rel_diffs(g, want_g))[0],
+            jax.tree.leaves(g_bounds),
+            strict=True,
         )
-        assert lp_diff <= lp_bound, f"{kind}: logprob |diff| {lp_diff:.2e} > {lp_bound:.2e}"
-        assert abs(float(loss) - float(want_loss)) <= lp_bound * abs(float(want_loss)) + 1e-6
-        over = {
-            jax.tree_util.keystr(path): (d, b)
-            for (path, d), b in zip(
-                jax.tree_util.tree_flatten_with_path(rel_diffs(g, want_g))[0],
-                jax.tree.leaves(g_bounds),
-                strict=True,
-            )
-            if d > b
-        }
-        assert not over, f"{kind}: gradient tensors over C u kappa_T: {over}"
+        if d > b
+    }
+    assert not over, f"{kind}: gradient tensors over {bound_name}: {over}"
 
 
 def test_adamw_trajectories_track_dense_bf16():
@@ -620,23 +627,9 @@ def _check_f32act(kinds):
     lp_bound, g_bounds = f32act_bounds()
     assert lp_bound < 5e-3 and max(jax.tree.leaves(g_bounds)) < 1.2e-2  # 4x below 5e-2
     for kind in kinds:
-        loss, g, aux = _f32act_engine(kind).value_and_grad(params, batch, LOSS)
-        assert {x.dtype for x in jax.tree.leaves(g)} == {jnp.dtype(jnp.float32)}, kind
-        lp_diff = max(
-            float(np.abs(a - b).max()) for a, b in zip(aux.logprobs, want_aux.logprobs, strict=True)
-        )
-        assert lp_diff <= lp_bound, f"{kind}: logprob |diff| {lp_diff:.2e} > {lp_bound:.2e}"
-        assert abs(float(loss) - float(want_loss)) <= lp_bound * abs(float(want_loss)) + 1e-6
-        over = {
-            jax.tree_util.keystr(path): (d, b)
-            for (path, d), b in zip(
-                jax.tree_util.tree_flatten_with_path(rel_diffs(g, want_g))[0],
-                jax.tree.leaves(g_bounds),
-                strict=True,
-            )
-            if d > b
-        }
-        assert not over, f"{kind}: gradient tensors over the fp32-activation bound: {over}"
+        got = _f32act_engine(kind).value_and_grad(params, batch, LOSS)
+        want = (want_loss, want_g, want_aux)
+        _assert_within(kind, got, want, lp_bound, g_bounds, "the fp32-activation bound")
 
 
 def test_dense_remat_and_dfs_match_dense_f32act():

@@ -207,6 +207,31 @@ def test_reserved_scorer_compiles_every_length_bucket_at_its_first_call(model_pa
     assert sorted(longer._compiled) == [(4, 32), (4, 64)]
 
 
+def _slow_host(batches):
+    """Host seconds: 10 s for dense on the first batch, for prefix_reuse on the others."""
+
+    def host(kind, batch):
+        slow = "dense" if batch is batches[0] else "prefix_reuse"
+        return 10.0 if kind == slow else 0.0
+
+    return host
+
+
+def _two_candidate_auto(model, host, **settings):
+    """auto over dense and prefix_reuse, timed once per program, ``host`` seconds of host
+    work, every batch tuned by the margin rules (``tune_all_below=0``)."""
+    return make_engine(
+        EngineKind.AUTO,
+        model,
+        ENGINES,
+        candidates=("dense", "prefix_reuse"),
+        timer=run_once_timer,
+        host_seconds=host,
+        tune_all_below=0.0,
+        **settings,
+    )
+
+
 def test_reserved_auto_compiles_and_tunes_only_on_the_first_batch_of_each_loss(model_params):
     """auto (dense or prefix_reuse) with a real margin (1: only the predicted best is
     timed) on an SFT-like phase, then an RL-like one (another loss: other programs).
@@ -219,18 +244,10 @@ def test_reserved_auto_compiles_and_tunes_only_on_the_first_batch_of_each_loss(m
     model, params = model_params
     batches = trainer_like_batches()
 
-    def host(kind, batch):
-        slow = "dense" if batch is batches[0] else "prefix_reuse"
-        return 10.0 if kind == slow else 0.0
-
-    auto = make_engine(
-        EngineKind.AUTO,
+    host = _slow_host(batches)
+    auto = _two_candidate_auto(
         model,
-        ENGINES,
-        candidates=("dense", "prefix_reuse"),
-        timer=run_once_timer,
-        host_seconds=host,
-        tune_all_below=0.0,
+        host,
         tune_margin=1.0,
         reserve_margin=None,  # the first batch times every candidate
         budget_seconds=1e-12,  # spent by the first round
@@ -262,18 +279,10 @@ def test_reserve_margin_leaves_a_far_candidate_uncompiled_for_the_run(model_para
     model, params = model_params
     batches = trainer_like_batches()
 
-    def host(kind, batch):
-        slow = "dense" if batch is batches[0] else "prefix_reuse"
-        return 10.0 if kind == slow else 0.0
-
-    auto = make_engine(
-        EngineKind.AUTO,
+    host = _slow_host(batches)
+    auto = _two_candidate_auto(
         model,
-        ENGINES,
-        candidates=("dense", "prefix_reuse"),
-        timer=run_once_timer,
-        host_seconds=host,
-        tune_all_below=0.0,
+        host,
     ).reserve(capacity())
     assert auto.config.reserve_margin == 4.0
     counts, picks, firsts = [], [], []
