@@ -284,6 +284,12 @@ class AutoEngine:
         later batch tunes; it spares a candidate the cost model puts far behind
         (e.g. a program padded to the reserve's capacity) its compile and its
         timing rounds. None: every candidate (compiled, and timed within the budget).
+      prefer_dense_within: a tree engine whose measured step (timed side by side with
+        dense's) is faster than dense's by at most this fraction is not picked: dense
+        is (``choice_reason`` says so). Such a gain is within the timing noise, and a
+        tree engine's program costs several times dense's to compile and to read
+        back from the compile cache (e.g. 1.55 s for dfs in a warm 200-step run of
+        the stalls config whose steps take 0.12 s). 0: the measured fastest.
       tune_repeats: timed calls per program after its warm-up (the median counts).
       reuse_choices: in ``value_and_grad``, a batch with the same signature as an
         earlier batch whose pick was measured (same loss; same buckets of sequences,
@@ -579,6 +585,7 @@ class AutoEngine:
                 self.compiled.add(keys[e])
                 if e not in timed_now:
                     timed_now.append(e)
+        best, tie_note = self._prefer_dense(best, pool, keys, total)
         tune_s = time.perf_counter() - t0 if timed_now else 0.0
         if first and params is not None:  # what ``_compile_rest`` leaves out
             self._skipped[loss] = sorted(
@@ -602,6 +609,7 @@ class AutoEngine:
             kind=best,
             reason=self._reason(best, work, pred, est, measured, timed_now)
             + budget_note
+            + tie_note
             + "; host prepare "
             + ", ".join(f"{e} {host[e] * 1e3:.2g} ms" for e in work),
             basis=basis,
@@ -611,6 +619,26 @@ class AutoEngine:
             timed_now=tuple(timed_now),
             tune_seconds=tune_s,
             prepared=prepared,
+        )
+
+    def _prefer_dense(self, best, pool, keys, total) -> tuple[str, str]:
+        """(pick, note): dense instead of ``best`` when both were timed and dense's step is
+        within ``prefer_dense_within`` of it. A gain that small is within the timing
+        noise of a step (interleaved medians still move by a few percent), while a tree
+        engine's program is several times dense's to compile and, in a warm run, to
+        read back from the compile cache."""
+        tol = self.config.prefer_dense_within
+        if (
+            best == "dense"
+            or "dense" not in pool
+            or keys[best] not in self.timings
+            or keys["dense"] not in self.timings
+            or total["dense"] > (1.0 + tol) * total[best]
+        ):
+            return best, ""
+        gain = 1.0 - total[best] / total["dense"] if total["dense"] > 0 else 0.0
+        return "dense", (
+            f"; {best} measured {gain:.1%} faster, within prefer_dense_within={tol:g}: dense"
         )
 
     def _time(self, kinds, batch, loss, weights, params) -> dict[str, float]:

@@ -133,6 +133,9 @@ class AutoConfig:
     # After reserve, the first batch of a loss times (and compiles) the candidates
     # within this factor of the best estimate; None: all of them.
     reserve_margin: float | None = 4.0
+    # A tree engine is picked over dense only when its measured step is more than this
+    # fraction faster (dense's program is the smallest to compile and to load).
+    prefer_dense_within: float = 0.03
     tune_repeats: int = 5  # timed calls per program (the median counts)
     reuse_choices: bool = True  # a batch of a measured signature goes to its pick
     recheck_every: int = 64  # re-run the full choice every N batches of a signature
@@ -153,6 +156,7 @@ class AutoConfig:
         if self.reserve_margin is not None:
             _at_least(self, 1.0, "reserve_margin")
         _at_least(self, 0, "recheck_every")
+        _at_least(self, 0.0, "prefer_dense_within")
         if self.budget_seconds is not None:
             _at_least(self, 0.0, "budget_seconds")
         if self.cache_path is not None and not (

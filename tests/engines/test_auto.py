@@ -273,6 +273,44 @@ def test_autotune_overrides_a_wrong_cost_model():
     assert kind == "dfs" and est == pytest.approx(fake)
 
 
+def test_a_tree_engine_within_the_noise_of_dense_is_not_picked():
+    """A tree engine measured at most ``prefer_dense_within`` faster than dense loses to
+    dense (its bigger program is not worth a gain within the timing noise); a larger
+    gain wins; 0 picks the measured fastest. The choice is what later batches of the
+    signature reuse, and prepare() (never timed) agrees."""
+    model, params = _model(ModelFamily.QWEN3)
+    loss = MaskedNLLLoss()
+    batch = _batch()
+    picks = {}
+    for fake, within in (
+        ({"dense": 0.102, "prefix_reuse": 0.3, "dfs": 0.1}, 0.03),  # 1.96% faster
+        ({"dense": 0.110, "prefix_reuse": 0.3, "dfs": 0.1}, 0.03),  # 9.1% faster
+        ({"dense": 0.102, "prefix_reuse": 0.3, "dfs": 0.1}, 0.0),
+    ):
+        auto = AutoEngine(
+            model,
+            engines=_engines(),
+            tune_all_below=1.0,
+            prefer_dense_within=within,
+            timer=FakeTimer(fake),
+            host_seconds=NO_HOST,
+        )
+        _, _, aux = auto.value_and_grad(params, batch, loss)
+        st = aux.stats
+        picks[fake["dense"], within] = st["chosen_engine"]
+        assert st["choice_basis"] == "measured" and st["measured_seconds"] == fake
+        assert auto.prepare(batch, loss).stats["chosen_engine"] == st["chosen_engine"]
+        again = auto.value_and_grad(params, batch, loss)[2].stats
+        assert again["choice_basis"] == "reused"
+        assert again["chosen_engine"] == st["chosen_engine"]
+        if st["chosen_engine"] == "dense":
+            note = "dfs measured 2.0% faster, within prefer_dense_within=0.03: dense"
+            assert note in st["choice_reason"]
+    assert picks == {(0.102, 0.03): "dense", (0.110, 0.03): "dfs", (0.102, 0.0): "dfs"}
+    with pytest.raises(ValueError, match="prefer_dense_within"):
+        AutoEngine(model, prefer_dense_within=-0.1)
+
+
 def aux2_run(auto, params, batch, loss):
     got_loss, got_grads, aux = auto.value_and_grad(params, batch, loss)
     assert aux.stats["choice_basis"] == "reused"
