@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from dtarl.model.decoder import Decoder
 from dtarl.parallel.mesh import make_mesh, shard_params
-from dtarl.rollout.engine import ContinuousConfig, RolloutEngine
+from dtarl.rollout.engine import ContinuousConfig, Group, RolloutEngine, len_bucket
 from dtarl.rollout.pat import TP_DEGREES, PatError, Profile
 from dtarl.timing import compile_seconds
 
@@ -184,6 +184,68 @@ class _Profiler:
                 d["steps"].setdefault(window, []).append(sec / steps)
 
 
+def _buckets(limit: int) -> list[int]:
+    """Every padded length ``len_bucket`` gives below ``limit``: 16, 32, ... and limit."""
+    return sorted({len_bucket(n, limit) for n in range(1, limit + 1)})
+
+
+def _time_kv_calls(engine: RolloutEngine, weights, tp: int, repeats: int) -> list[dict]:
+    """``kv_calls`` rows at ``tp`` (the idle engine on its mesh): one prefill call per
+    prompt bucket, one extend call per response bucket, each filled (prefill_batch
+    prompts, extend_batch requests of bucket-many rows) through the engine's own call
+    paths, the fastest of ``repeats`` after an untimed (compiling) one. The rows written
+    belong to no request and are masked or overwritten before anything reads them."""
+    c, e = engine.config, engine
+    w = e.place(weights)
+    n = e.view().slots
+    rows = []
+    for kind, limit in (("prefill", c.prompt_len), ("extend", c.response_len)):
+        for t in _buckets(limit):
+            if kind == "prefill":
+                batch = [
+                    Group(
+                        id=-1 - j,
+                        prompt=np.ones(t + 1, np.int32),
+                        requests=[],
+                        temperature=0.0,
+                        top_p=1.0,
+                        top_k=0,
+                        stop_ids=(),
+                        stop_sequences=(),
+                        on_tokens=None,
+                        on_finish=None,
+                        until=None,
+                        pslot=j % c.prompt_slots,
+                    )
+                    for j in range(c.prefill_batch)
+                ]
+                call = lambda t=t, batch=batch: e._prefill_groups(w, batch, t)  # noqa: E731
+            else:
+                items = [
+                    (j % n, j % c.prompt_slots, 0, np.ones(t, np.int32))
+                    for j in range(c.extend_batch)
+                ]
+                call = lambda t=t, items=items: e._extend_rows(w, items, t)  # noqa: E731
+            xs = []
+            for i in range(repeats + 1):  # the first compiles
+                t0 = time.perf_counter()
+                call()
+                jax.block_until_ready(e._pool)
+                if i:
+                    xs.append(time.perf_counter() - t0)
+            rows.append(
+                dict(
+                    kind=kind,
+                    tp=tp,
+                    l=t,
+                    seconds=float(min(xs)),
+                    median=float(np.median(xs)),
+                    n=len(xs),
+                )
+            )
+    return rows
+
+
 def _bandwidths(weights, model_cfg, meshes: dict[int, Any]) -> tuple[float, float]:
     """(weight bytes/s, K/V bytes per source rank/s): ``jax.device_put`` of the weights
     and of a K/V-shaped array between the shardings of the smallest and largest TP."""
@@ -272,6 +334,10 @@ def profile_engine(
     for r in range(grid.repeats):  # ... then time them in rounds (the order alternates)
         for tp, s in keys if r % 2 == 0 else keys[::-1]:
             prof.run(d // tp, tp, s, timed=True)
+    kv_calls = []  # the recompute's calls, at the full slot count of each TP
+    for tp in tps:
+        prof._idle_to(d // tp, tp, c.slots)
+        kv_calls += _time_kv_calls(engine, weights, tp, max(3, grid.repeats))
     prof._idle_to(*first_mesh, c.slots)
     engine.reset()
     cells = c.prompt_slots * c.group_size * c.prompt_len
@@ -338,6 +404,7 @@ def profile_engine(
         compile_s=float(np.median(list(compiles.values()))),
         steps_per_call=c.steps_per_call,
         engine={k: int(v) for k, v in dataclasses.asdict(c).items()},
+        kv_calls=tuple(kv_calls),
         notes=f"grid levels={grid.levels} repeats={grid.repeats} tps={list(tps)}",
     )
 
