@@ -14,6 +14,15 @@ smallest and the largest), and the L axis is the response window of the call
 reads per step, (Q M P + slots x window) / dp. A generation that profiles the engine
 it then runs on (``profile_engine(..., engine=E)``) compiles nothing more: the profile
 compiled every program of the grid, on that engine.
+
+*The recompute's calls* (``Profile.kv_calls``): a switch with ``mode="recompute"``
+rebuilds the K/V with the engine's prefill calls (prefill_batch prompts each, padded to
+a prompt bucket) and extend calls (extend_batch requests each, padded to a response
+bucket; ``dtarl.rollout.engine.recompute_calls``). Per TP, on the idle engine at its
+full slot count, the profiler times ONE call of each bucket (prompt buckets 16, 32, ...
+up to P; response buckets up to R) through the engine's own call paths: the fastest of
+max(3, repeats) after a compiling one. The predictor sums them over the calls a switch
+makes (``Predictor.recompute_seconds``).
 """
 
 from __future__ import annotations
@@ -298,7 +307,8 @@ def profile_engine(
     that ran ``steps_per_call`` steps (background load only adds time, so the fastest
     is the program's own cost; ``median`` and ``cv``, their coefficient of variation,
     record the spread); prefill: the median of the first scheduling round's seconds
-    less its decode call's."""
+    less its decode call's; kv_calls: one prefill / extend call per bucket, per TP
+    (module docstring)."""
     grid = grid or ProfileGrid()
     c = grid.engine
     if engine is not None:
@@ -337,7 +347,11 @@ def profile_engine(
     kv_calls = []  # the recompute's calls, at the full slot count of each TP
     for tp in tps:
         prof._idle_to(d // tp, tp, c.slots)
-        kv_calls += _time_kv_calls(engine, weights, tp, max(3, grid.repeats))
+        rows = _time_kv_calls(engine, weights, tp, max(3, grid.repeats))
+        kv_calls += rows
+        if say:
+            per = ", ".join(f"{r['kind']} l{r['l']} {r['seconds'] * 1e3:.2f} ms" for r in rows)
+            say(f"  tp={tp} recompute calls (one each, slots={c.slots}): {per}")
     prof._idle_to(*first_mesh, c.slots)
     engine.reset()
     cells = c.prompt_slots * c.group_size * c.prompt_len

@@ -13,7 +13,8 @@ and *to what*:
   per point one prefill then R forced decode steps on dummy tokens, the fastest
   per-step seconds over the full calls that compiled nothing (background load only
   adds time; their median and coefficient of variation, ``cv``, are kept); the
-  prefill's seconds; the weight-reshard and
+  prefill's seconds; one call of each of the engine's prefill and extend programs per
+  length bucket (``kv_calls``: what a recompute switch runs); the weight-reshard and
   K/V-move bandwidths (``jax.device_put`` between the shardings of two meshes); the
   seconds of one point's compiles. The JSON records the model, the engine config,
   the device kind, the jax version and the mesh axes (``Profile.save`` /
@@ -31,9 +32,15 @@ and *to what*:
   windows of one B; between B levels).
 * **Switch cost** (``switch_cost``): weight bytes / reshard bandwidth +
   min(T_move, T_recomp) + a compile when the target program is not cached.
-  T_move is Eq. 1-2 (valid K/V bytes per source rank / per-rank bandwidth),
-  T_recomp Eq. 3-4 (profiled prefill at the RMS context length). A switch that
-  keeps the TP (compaction into fewer slots) has no weight term.
+  T_move is Eq. 1-2 (valid K/V bytes per source rank / per-rank bandwidth).
+  T_recomp is what the engine's recompute runs (``Predictor.recompute_seconds``):
+  the prefill calls over the resident prompts and the extend calls over every
+  request holding a slot, chunked and padded as the engine does
+  (``dtarl.rollout.engine.recompute_calls``, the one list the engine runs too), each
+  priced at its bucket from the profile's ``kv_calls``. A profile made before those
+  were timed (no ``kv_calls``) falls back to the paper's Eq. 3-4 (one profiled
+  prefill of ceil(n / dp) prompts at the RMS context length). A switch that keeps
+  the TP (compaction into fewer slots) has no weight term.
 * **Controller** (``PatController``; Alg. 1): every ``check_every`` decode calls,
   when no request waits, it compares the predicted remaining time now with the
   remaining time + switch cost of every candidate TP (the live requests merged
