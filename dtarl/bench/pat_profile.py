@@ -22,7 +22,10 @@ bucket; ``dtarl.rollout.engine.recompute_calls``). Per TP, on the idle engine at
 full slot count, the profiler times ONE call of each bucket (prompt buckets 16, 32, ...
 up to P; response buckets up to R) through the engine's own call paths: the fastest of
 max(3, repeats) after a compiling one. The predictor sums them over the calls a switch
-makes (``Predictor.recompute_seconds``).
+makes (``Predictor.recompute_seconds``), plus the recompute's fixed part (``kind``
+"pool": the old pool freed and the empty one created, nothing rebuilt), the fastest
+K/V seconds of the idle recompute reshards onto S slots of that TP that the profiler
+makes between its points anyway.
 """
 
 from __future__ import annotations
@@ -151,13 +154,18 @@ class _Profiler:
         ]
         # (tp, slots) -> {"steps": {window: [s/step]}, "prefill": [s], "calls": [(s, steps)]}
         self.data: dict[tuple[int, int], dict[str, Any]] = {}
+        # tp -> kv_s of the idle recompute reshards onto (tp, config.slots): a recompute's
+        # fixed part (the old pool freed, the empty one created; nothing to rebuild)
+        self.pool: dict[int, list[float]] = {}
 
     def _idle_to(self, dp: int, tp: int, slots: int) -> None:
         """Moves the idle engine to (dp, tp) and ``slots`` slots; nothing is live, so this
         moves the weights and re-creates the empty pool (no compile)."""
         e = self.engine
         if e.mesh.devices.shape != (dp, tp) or e.view().slots != slots:
-            e.reshard((dp, tp), self.weights, slots=slots, mode="recompute")
+            _, info = e.reshard((dp, tp), self.weights, slots=slots, mode="recompute")
+            if slots == e.config.slots:
+                self.pool.setdefault(tp, []).append(info["kv_s"])
 
     def run(self, dp: int, tp: int, slots: int, *, timed: bool) -> None:
         """One generation at the point: ``slots`` requests (spread over the prompt rows,
@@ -346,12 +354,28 @@ def profile_engine(
             prof.run(d // tp, tp, s, timed=True)
     kv_calls = []  # the recompute's calls, at the full slot count of each TP
     for tp in tps:
+        t0 = time.perf_counter()
         prof._idle_to(d // tp, tp, c.slots)
         rows = _time_kv_calls(engine, weights, tp, max(3, grid.repeats))
+        pool = np.asarray(prof.pool.get(tp, []))
+        if pool.size:
+            rows.append(
+                dict(
+                    kind="pool",
+                    tp=tp,
+                    l=c.slots,
+                    seconds=float(pool.min()),
+                    median=float(np.median(pool)),
+                    n=int(pool.size),
+                )
+            )
         kv_calls += rows
         if say:
             per = ", ".join(f"{r['kind']} l{r['l']} {r['seconds'] * 1e3:.2f} ms" for r in rows)
-            say(f"  tp={tp} recompute calls (one each, slots={c.slots}): {per}")
+            say(
+                f"  tp={tp} recompute calls (one each, slots={c.slots}): {per} "
+                f"(profiled in {time.perf_counter() - t0:.1f} s)"
+            )
     prof._idle_to(*first_mesh, c.slots)
     engine.reset()
     cells = c.prompt_slots * c.group_size * c.prompt_len

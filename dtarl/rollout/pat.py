@@ -37,7 +37,8 @@ and *to what*:
   the prefill calls over the resident prompts and the extend calls over every
   request holding a slot, chunked and padded as the engine does
   (``dtarl.rollout.engine.recompute_calls``, the one list the engine runs too), each
-  priced at its bucket from the profile's ``kv_calls``. A profile made before those
+  priced at its bucket from the profile's ``kv_calls``, plus the recompute's fixed
+  part (old pool freed, empty one created). A profile made before those
   were timed (no ``kv_calls``) falls back to the paper's Eq. 3-4 (one profiled
   prefill of ceil(n / dp) prompts at the RMS context length). A switch that keeps
   the TP (compaction into fewer slots) has no weight term.
@@ -81,7 +82,7 @@ from dtarl.rollout.engine import decode_windows, merged_slots, recompute_calls
 
 FORMAT = "dtarl.pat.profile/1"
 TP_DEGREES = (1, 2, 4, 8)
-CALL_KINDS = ("prefill", "extend")
+CALL_KINDS = ("prefill", "extend", "pool")
 # The engine config fields the recompute's call list needs (``kv_calls``).
 _CALL_CONFIG = ("prefill_batch", "extend_batch", "prompt_len", "response_len")
 
@@ -101,8 +102,10 @@ class Profile:
     group reads per step). ``kv_calls`` (optional; empty in profiles made before it):
     rows ``{"kind", "tp", "l", "seconds"}``, the seconds of ONE of the engine's
     prefill or extend calls (``kind``) padded to ``l`` rows on the mesh of that TP, as
-    a recompute switch runs them (``dtarl.rollout.engine.recompute_calls``); it needs
-    ``engine`` to hold prefill_batch, extend_batch, prompt_len and response_len."""
+    a recompute switch runs them (``dtarl.rollout.engine.recompute_calls``), and
+    (optional) ``kind="pool"``: a recompute's fixed part onto ``l`` slots (the old
+    pool freed, the empty one created); it needs ``engine`` to hold prefill_batch,
+    extend_batch, prompt_len and response_len."""
 
     model: dict[str, Any]
     device_kind: str
@@ -265,7 +268,7 @@ class Profile:
                     "calls follow them",
                 )
             for tp in sorted({r["tp"] for r in tables["decode"]}):
-                for kind in CALL_KINDS:
+                for kind in ("prefill", "extend"):
                     if not any(r["tp"] == tp and r["kind"] == kind for r in kv_calls):
                         fail("kv_calls", f"has no {kind!r} row for tp={tp} (a decode TP)")
         known.update(
@@ -381,8 +384,9 @@ class Predictor:
 
     def call_seconds(self, kind: str, tp: int, length) -> np.ndarray:
         """Seconds of one engine ``kind`` call ("prefill" or "extend") padded to
-        ``length`` rows at ``tp``: piecewise linear over the profiled buckets (below the
-        smallest its value; above the largest the last slope when positive, else flat)."""
+        ``length`` rows at ``tp`` (or "pool": a recompute's fixed part onto ``length``
+        slots): piecewise linear over the profiled points (below the smallest its value;
+        above the largest the last slope when positive, else flat)."""
         if (kind, tp) not in self._calls:
             raise PatError(
                 f"call_seconds: no {kind!r} call at tp={tp} in the profile's kv_calls "
@@ -405,17 +409,18 @@ class Predictor:
         prompts of ``prompt_tokens`` tokens (row order) and the response rows
         ``lengths`` of every request holding a slot (slot order, held ones included):
         the sum over the engine's calls (``recompute_calls``) of one call's profiled
-        seconds at its bucket. Needs ``kv_calls`` (``has_kv_calls``)."""
+        seconds at its bucket, plus the fixed part (the "pool" row: the pool freed and
+        re-created; 0 when the profile has none). Needs ``kv_calls``
+        (``has_kv_calls``)."""
         if not self._calls:
             raise PatError(
                 "recompute_seconds: the profile has no kv_calls (made before they were "
                 "profiled: re-profile, or use switch_cost's Eq. 3-4 fallback)"
             )
-        return float(
-            sum(
-                float(self.call_seconds(kind, tp, t))
-                for kind, t, *_ in self.recompute_calls(prompt_tokens, lengths)
-            )
+        calls = self.recompute_calls(prompt_tokens, lengths)
+        fixed = self._calls.get(("pool", tp))
+        return float(fixed[1].min() if fixed else 0.0) + float(
+            sum(float(self.call_seconds(kind, tp, t)) for kind, t, *_ in calls)
         )
 
     def est_rem_time(

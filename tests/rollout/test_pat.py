@@ -161,6 +161,7 @@ def test_switch_cost_by_hand():
 
 
 # An engine config for the recompute's calls, and one call's seconds per (kind, tp, bucket).
+POOL_S = 2e-3  # a recompute's fixed part (pool freed and re-created), x tp
 CALL_ENGINE = dict(prefill_batch=2, extend_batch=3, prompt_len=32, response_len=64)
 
 
@@ -175,6 +176,7 @@ def with_kv_calls(prof):
         for kind, ls in (("prefill", (16, 32)), ("extend", (16, 32, 64)))
         for l in ls
     ]
+    rows += [dict(kind="pool", tp=tp, l=8, seconds=POOL_S * tp) for tp in (1, 4, 8)]
     return dataclasses.replace(prof, engine=dict(CALL_ENGINE), kv_calls=tuple(rows))
 
 
@@ -192,8 +194,10 @@ def test_recompute_seconds_follow_the_engines_calls():
     assert recompute_calls(prompts, lengths, **CALL_ENGINE) == calls
     assert p.recompute_calls(prompts, lengths) == calls
     for tp in (1, 4):
-        want = sum(call_s(kind, tp, t) for kind, t, *_ in calls)
+        want = POOL_S * tp + sum(call_s(kind, tp, t) for kind, t, *_ in calls)
         assert p.recompute_seconds(tp, prompts, lengths) == pytest.approx(want, 1e-12)
+    # Nothing to rebuild: the fixed part only (none profiled at tp 2).
+    assert p.recompute_seconds(4, [], []) == pytest.approx(POOL_S * 4)
     assert p.recompute_seconds(2, [], []) == 0.0
     # Between and above the profiled buckets: linear; below the smallest: its value.
     assert float(p.call_seconds("extend", 2, 48)) == pytest.approx(call_s("extend", 2, 48))
@@ -211,7 +215,8 @@ def test_recompute_seconds_follow_the_engines_calls():
         resident=prompts,
         live_lengths=lengths,
     )
-    assert c.recompute_s == pytest.approx(sum(call_s(k, 8, t) for k, t, *_ in calls), 1e-12)
+    want = POOL_S * 8 + sum(call_s(k, 8, t) for k, t, *_ in calls)
+    assert c.recompute_s == pytest.approx(want, 1e-12)
     assert c.move_s == pytest.approx(pat.kv_rank_bytes(MODEL, contexts, 1) / 1e6)
     # Without the engine's layout: Eq. 3-4.
     eq34 = pat.switch_cost(p, tp_src=1, tp_dst=8, contexts=contexts, cached=True)
@@ -590,13 +595,17 @@ def test_profile_engine_times_the_engines_own_programs(tiny, tmp_path):
     assert [(r["tp"], r["b"], r["l"]) for r in prof.prefill] == [(1, 1, 8), (2, 1, 8), (2, 2, 8)]
     # One prefill call per prompt bucket (8) and one extend call per response bucket (16),
     # per TP: what a recompute switch runs.
+    # "pool": a recompute's fixed part, from the profiler's idle recompute reshards.
     assert [(r["kind"], r["tp"], r["l"]) for r in prof.kv_calls] == [
         ("prefill", 1, 8),
         ("extend", 1, 16),
+        ("pool", 1, 8),
         ("prefill", 2, 8),
         ("extend", 2, 16),
+        ("pool", 2, 8),
     ]
-    assert all(0 < r["seconds"] <= r["median"] and r["n"] == 3 for r in prof.kv_calls)
+    assert all(0 < r["seconds"] <= r["median"] and r["n"] >= 1 for r in prof.kv_calls)
+    assert all(r["n"] == 3 for r in prof.kv_calls if r["kind"] != "pool")
     assert all(
         0 < r["seconds"] <= r["median"] and r["n"] >= 1 and r["cv"] >= 0 for r in prof.decode
     )

@@ -273,14 +273,16 @@ def test_recompute_runs_the_calls_recompute_calls_lists(eng, weights):
         delta = seen["after"][f"{kind}_calls"] - seen["before"][f"{kind}_calls"]
         assert delta == sum(k == kind for k, *_ in calls)
     assert [k for k, *_ in calls] == ["prefill"] * 2 + ["extend"] * 2  # ceil(3/2), ceil(7/4)
-    # The predictor prices exactly these calls at the target TP.
+    # The predictor prices exactly these calls at the target TP, plus the fixed part
+    # (the pool freed and re-created: one per recompute).
     table = {
         (k, tp, 16): 1e-3 * (k == "prefill") + 1e-4 * tp + 1e-5
         for k in ("prefill", "extend")
         for tp in (1, 2)
     }
+    table["pool", 2, 8] = 5e-3
     p = pat.Predictor(_call_profile(table))
-    want = sum(table[k, 2, t] for k, t in ran)
+    want = table["pool", 2, 8] + sum(table[k, 2, t] for k, t in ran)
     assert p.recompute_seconds(2, st.resident, st.live_lengths) == pytest.approx(want, 1e-12)
 
 
