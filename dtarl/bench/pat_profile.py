@@ -21,7 +21,7 @@ a prompt bucket) and extend calls (extend_batch requests each, padded to a respo
 bucket; ``dtarl.rollout.engine.recompute_calls``). Per TP, on the idle engine at its
 full slot count, the profiler times ONE call of each bucket (prompt buckets 16, 32, ...
 up to P; response buckets up to R) through the engine's own call paths: the fastest of
-max(3, repeats) after a compiling one. The predictor sums them over the calls a switch
+max(5, repeats) after a compiling one. The predictor sums them over the calls a switch
 makes (``Predictor.recompute_seconds``), plus the recompute's fixed part (``kind``
 "pool": the old pool freed and the empty one created, nothing rebuilt), the fastest
 K/V seconds of the idle recompute reshards onto S slots of that TP that the profiler
@@ -356,7 +356,7 @@ def profile_engine(
     for tp in tps:
         t0 = time.perf_counter()
         prof._idle_to(d // tp, tp, c.slots)
-        rows = _time_kv_calls(engine, weights, tp, max(3, grid.repeats))
+        rows = _time_kv_calls(engine, weights, tp, max(5, grid.repeats))
         pool = np.asarray(prof.pool.get(tp, []))
         if pool.size:
             rows.append(
