@@ -14,6 +14,18 @@ smallest and the largest), and the L axis is the response window of the call
 reads per step, (Q M P + slots x window) / dp. A generation that profiles the engine
 it then runs on (``profile_engine(..., engine=E)``) compiles nothing more: the profile
 compiled every program of the grid, on that engine.
+
+*The recompute's calls* (``Profile.kv_calls``): a switch with ``mode="recompute"``
+rebuilds the K/V with the engine's prefill calls (prefill_batch prompts each, padded to
+a prompt bucket) and extend calls (extend_batch requests each, padded to a response
+bucket; ``dtarl.rollout.engine.recompute_calls``). Per TP, on the idle engine at its
+full slot count, the profiler times ONE call of each bucket (prompt buckets 16, 32, ...
+up to P; response buckets up to R) through the engine's own call paths: the fastest of
+max(5, repeats) after a compiling one. The predictor sums them over the calls a switch
+makes (``Predictor.recompute_seconds``), plus the recompute's fixed part (``kind``
+"pool": the old pool freed and the empty one created, nothing rebuilt), the fastest
+K/V seconds of the idle recompute reshards onto S slots of that TP that the profiler
+makes between its points anyway.
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from dtarl.model.decoder import Decoder
 from dtarl.parallel.mesh import make_mesh, shard_params
-from dtarl.rollout.engine import ContinuousConfig, RolloutEngine
+from dtarl.rollout.engine import ContinuousConfig, Group, RolloutEngine, len_bucket
 from dtarl.rollout.pat import TP_DEGREES, PatError, Profile
 from dtarl.timing import compile_seconds
 
@@ -142,13 +154,18 @@ class _Profiler:
         ]
         # (tp, slots) -> {"steps": {window: [s/step]}, "prefill": [s], "calls": [(s, steps)]}
         self.data: dict[tuple[int, int], dict[str, Any]] = {}
+        # tp -> kv_s of the idle recompute reshards onto (tp, config.slots): a recompute's
+        # fixed part (the old pool freed, the empty one created; nothing to rebuild)
+        self.pool: dict[int, list[float]] = {}
 
     def _idle_to(self, dp: int, tp: int, slots: int) -> None:
         """Moves the idle engine to (dp, tp) and ``slots`` slots; nothing is live, so this
         moves the weights and re-creates the empty pool (no compile)."""
         e = self.engine
         if e.mesh.devices.shape != (dp, tp) or e.view().slots != slots:
-            e.reshard((dp, tp), self.weights, slots=slots, mode="recompute")
+            _, info = e.reshard((dp, tp), self.weights, slots=slots, mode="recompute")
+            if slots == e.config.slots:
+                self.pool.setdefault(tp, []).append(info["kv_s"])
 
     def run(self, dp: int, tp: int, slots: int, *, timed: bool) -> None:
         """One generation at the point: ``slots`` requests (spread over the prompt rows,
@@ -182,6 +199,68 @@ class _Profiler:
             d["calls"].append((sec, steps, window))
             if steps == c.steps_per_call:
                 d["steps"].setdefault(window, []).append(sec / steps)
+
+
+def _buckets(limit: int) -> list[int]:
+    """Every padded length ``len_bucket`` gives below ``limit``: 16, 32, ... and limit."""
+    return sorted({len_bucket(n, limit) for n in range(1, limit + 1)})
+
+
+def _time_kv_calls(engine: RolloutEngine, weights, tp: int, repeats: int) -> list[dict]:
+    """``kv_calls`` rows at ``tp`` (the idle engine on its mesh): one prefill call per
+    prompt bucket, one extend call per response bucket, each filled (prefill_batch
+    prompts, extend_batch requests of bucket-many rows) through the engine's own call
+    paths, the fastest of ``repeats`` after an untimed (compiling) one. The rows written
+    belong to no request and are masked or overwritten before anything reads them."""
+    c, e = engine.config, engine
+    w = e.place(weights)
+    n = e.view().slots
+    rows = []
+    for kind, limit in (("prefill", c.prompt_len), ("extend", c.response_len)):
+        for t in _buckets(limit):
+            if kind == "prefill":
+                batch = [
+                    Group(
+                        id=-1 - j,
+                        prompt=np.ones(t + 1, np.int32),
+                        requests=[],
+                        temperature=0.0,
+                        top_p=1.0,
+                        top_k=0,
+                        stop_ids=(),
+                        stop_sequences=(),
+                        on_tokens=None,
+                        on_finish=None,
+                        until=None,
+                        pslot=j % c.prompt_slots,
+                    )
+                    for j in range(c.prefill_batch)
+                ]
+                call = lambda t=t, batch=batch: e._prefill_groups(w, batch, t)  # noqa: E731
+            else:
+                items = [
+                    (j % n, j % c.prompt_slots, 0, np.ones(t, np.int32))
+                    for j in range(c.extend_batch)
+                ]
+                call = lambda t=t, items=items: e._extend_rows(w, items, t)  # noqa: E731
+            xs = []
+            for i in range(repeats + 1):  # the first compiles
+                t0 = time.perf_counter()
+                call()
+                jax.block_until_ready(e._pool)
+                if i:
+                    xs.append(time.perf_counter() - t0)
+            rows.append(
+                dict(
+                    kind=kind,
+                    tp=tp,
+                    l=t,
+                    seconds=float(min(xs)),
+                    median=float(np.median(xs)),
+                    n=len(xs),
+                )
+            )
+    return rows
 
 
 def _bandwidths(weights, model_cfg, meshes: dict[int, Any]) -> tuple[float, float]:
@@ -236,7 +315,8 @@ def profile_engine(
     that ran ``steps_per_call`` steps (background load only adds time, so the fastest
     is the program's own cost; ``median`` and ``cv``, their coefficient of variation,
     record the spread); prefill: the median of the first scheduling round's seconds
-    less its decode call's."""
+    less its decode call's; kv_calls: one prefill / extend call per bucket, per TP
+    (module docstring)."""
     grid = grid or ProfileGrid()
     c = grid.engine
     if engine is not None:
@@ -272,6 +352,30 @@ def profile_engine(
     for r in range(grid.repeats):  # ... then time them in rounds (the order alternates)
         for tp, s in keys if r % 2 == 0 else keys[::-1]:
             prof.run(d // tp, tp, s, timed=True)
+    kv_calls = []  # the recompute's calls, at the full slot count of each TP
+    for tp in tps:
+        t0 = time.perf_counter()
+        prof._idle_to(d // tp, tp, c.slots)
+        rows = _time_kv_calls(engine, weights, tp, max(5, grid.repeats))
+        pool = np.asarray(prof.pool.get(tp, []))
+        if pool.size:
+            rows.append(
+                dict(
+                    kind="pool",
+                    tp=tp,
+                    l=c.slots,
+                    seconds=float(pool.min()),
+                    median=float(np.median(pool)),
+                    n=int(pool.size),
+                )
+            )
+        kv_calls += rows
+        if say:
+            per = ", ".join(f"{r['kind']} l{r['l']} {r['seconds'] * 1e3:.2f} ms" for r in rows)
+            say(
+                f"  tp={tp} recompute calls (one each, slots={c.slots}): {per} "
+                f"(profiled in {time.perf_counter() - t0:.1f} s)"
+            )
     prof._idle_to(*first_mesh, c.slots)
     engine.reset()
     cells = c.prompt_slots * c.group_size * c.prompt_len
@@ -338,6 +442,7 @@ def profile_engine(
         compile_s=float(np.median(list(compiles.values()))),
         steps_per_call=c.steps_per_call,
         engine={k: int(v) for k, v in dataclasses.asdict(c).items()},
+        kv_calls=tuple(kv_calls),
         notes=f"grid levels={grid.levels} repeats={grid.repeats} tps={list(tps)}",
     )
 

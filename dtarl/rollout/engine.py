@@ -211,6 +211,43 @@ def merged_slots(live: int, dp: int, cap: int) -> int:
     return min(n, cap)
 
 
+def len_bucket(n: int, limit: int) -> int:
+    """The padded length of a prefill or extend call over ``n`` tokens: the smallest
+    power of two >= max(n, 16), capped at ``limit`` (prompt_len or response_len)."""
+    return min(bucket(n, 16), int(limit))
+
+
+def recompute_calls(
+    prompt_tokens: Sequence[int],
+    lengths: Sequence[int],
+    *,
+    prefill_batch: int,
+    extend_batch: int,
+    prompt_len: int,
+    response_len: int,
+) -> list[tuple[str, int, int, int]]:
+    """The calls ``reshard(..., mode="recompute")`` makes to rebuild the K/V, in order:
+    (kind, bucket, start, stop) each. ``prompt_tokens``: the prompt length of each
+    resident prompt row (in row order; a prompt of n tokens pre-fills n - 1 rows);
+    ``lengths``: the response rows of each request holding a slot (in slot order,
+    held ones included). Prefill calls take the resident prompts ``[start:stop]``, in
+    chunks of ``prefill_batch``, padded to the bucket of the chunk's longest; extend
+    calls the requests with rows (``[start:stop]`` of those), in chunks of
+    ``extend_batch``, padded to the bucket of the chunk's most rows. The engine runs
+    exactly these (``_recompute``) and compiles their programs first; PAT's predictor
+    prices them (``dtarl.rollout.pat.Predictor.recompute_seconds``)."""
+    pre = [int(x) - 1 for x in prompt_tokens]
+    ext = [int(x) for x in lengths if int(x) > 0]
+    out = []
+    for i in range(0, len(pre), prefill_batch):
+        chunk = pre[i : i + prefill_batch]
+        out.append(("prefill", len_bucket(max(chunk), prompt_len), i, i + len(chunk)))
+    for i in range(0, len(ext), extend_batch):
+        chunk = ext[i : i + extend_batch]
+        out.append(("extend", len_bucket(max(chunk), response_len), i, i + len(chunk)))
+    return out
+
+
 def complete(m: int) -> Callable[[Group], bool]:
     """Group predicate: ``m`` members finished with a stop (not truncated, not cancelled)."""
 
@@ -300,6 +337,15 @@ class EngineView:
     # (seconds, steps, sum of active slots over the steps, response window read) per
     # decode call that compiled nothing, since the last ``stats(reset=True)``
     decode_calls: tuple[tuple[float, int, int, int], ...]
+    # What a recompute switch rebuilds (``recompute_calls``): the prompt length of each
+    # resident, prefilled prompt row (row order), and the response rows of every request
+    # holding a slot (running and held, slot order).
+    resident_prompt_tokens: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros(0, np.int64)
+    )
+    live_response_tokens: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros(0, np.int64)
+    )
 
     @property
     def context_tokens(self) -> int:
@@ -610,7 +656,7 @@ class RolloutEngine:
         return sizes + [limit]
 
     def _len_bucket(self, n: int, limit: int) -> int:
-        return min(bucket(n, 16), limit)
+        return len_bucket(n, limit)
 
     def warmup(
         self,
@@ -763,6 +809,10 @@ class RolloutEngine:
             remaining=np.asarray([self._s["budget"][r.slot] for r in running], np.int64),
             forced=np.asarray([r.forced for r in running], bool),
             decode_calls=tuple(self._stats["calls"]),
+            resident_prompt_tokens=np.asarray([g.prompt.size for g in self._resident()], np.int64),
+            live_response_tokens=np.asarray(
+                [r.length for r in self._slot_req if r is not None], np.int64
+            ),
         )
 
     def reshard(
@@ -935,8 +985,8 @@ class RolloutEngine:
         if mode != "recompute":
             return
         c = self.config
-        resident = [g for g in self._pslot_group if g is not None and g not in self._to_prefill]
-        for t in sorted({self._len_bucket(g.prompt.size - 1, c.prompt_len) for g in resident}):
+        calls = self._recompute_calls(live)
+        for t in sorted({t for kind, t, *_ in calls if kind == "prefill"}):
             self._fn("prefill", t).lower(
                 weights,
                 args[1],
@@ -945,7 +995,7 @@ class RolloutEngine:
                 np.zeros(c.prefill_batch, np.int32),
             ).compile()
         e = c.extend_batch
-        for t in sorted({self._len_bucket(r.length, c.response_len) for r in live if r.length}):
+        for t in sorted({t for kind, t, *_ in calls if kind == "extend"}):
             z = np.zeros(e, np.int32)
             self._fn("extend", t).lower(
                 weights, args[1], z, z, z, np.zeros((e, t), np.int32), z
@@ -1014,19 +1064,34 @@ class RolloutEngine:
         freed = sum(_free(x) for x in jax.tree.leaves(old))
         self._pool = self._zeros_pool(self._n)
         created = sum(_phys_bytes(x) for x in jax.tree.leaves(self._pool))
-        c = self.config
-        resident = [g for g in self._pslot_group if g is not None and g not in self._to_prefill]
-        for i in range(0, len(resident), c.prefill_batch):
-            self._prefill_groups(weights, resident[i : i + c.prefill_batch])
+        resident = self._resident()
         items = []
         for r in live:
             if r.length:
                 rows = np.asarray([r.group.prompt[-1]] + r.context[: r.length - 1], np.int32)
                 items.append((r.slot, r.group.pslot, 0, rows))
-        for i in range(0, len(items), c.extend_batch):
-            self._extend_rows(weights, items[i : i + c.extend_batch])
+        for kind, t, lo, hi in self._recompute_calls(live):
+            if kind == "prefill":
+                self._prefill_groups(weights, resident[lo:hi], t)
+            else:
+                self._extend_rows(weights, items[lo:hi], t)
         jax.block_until_ready(self._pool)
         return 0, max(0, created - freed)
+
+    def _resident(self) -> list[Group]:
+        """The prompt rows a recompute re-fills: resident and already prefilled."""
+        return [g for g in self._pslot_group if g is not None and g not in self._to_prefill]
+
+    def _recompute_calls(self, live: list[Request]) -> list[tuple[str, int, int, int]]:
+        c = self.config
+        return recompute_calls(
+            [g.prompt.size for g in self._resident()],
+            [r.length for r in live],
+            prefill_batch=c.prefill_batch,
+            extend_batch=c.extend_batch,
+            prompt_len=c.prompt_len,
+            response_len=c.response_len,
+        )
 
     def reset(self) -> None:
         """Back to the construction mesh and config.slots slots between generations; the
@@ -1312,10 +1377,12 @@ class RolloutEngine:
             )
             self._prefill_groups(weights, batch)
 
-    def _prefill_groups(self, weights, batch: list[Group]):
-        """One prefill call writing these groups' prompts (at most prefill_batch)."""
+    def _prefill_groups(self, weights, batch: list[Group], t: int | None = None):
+        """One prefill call writing these groups' prompts (at most prefill_batch), padded
+        to ``t`` rows (default: the bucket of the longest)."""
         c = self.config
-        t = self._len_bucket(max(g.prompt.size - 1 for g in batch), c.prompt_len)
+        if t is None:
+            t = self._len_bucket(max(g.prompt.size - 1 for g in batch), c.prompt_len)
         qs = np.full(c.prefill_batch, c.prompt_slots, np.int32)
         toks = np.full((c.prefill_batch, t), self.pad_id, np.int32)
         lens = np.zeros(c.prefill_batch, np.int32)
@@ -1351,10 +1418,12 @@ class RolloutEngine:
                 r.pending = None
                 r.turns += 1
 
-    def _extend_rows(self, weights, items: list[tuple[int, int, int, np.ndarray]]):
-        """One extend call: (slot, prompt slot, first row, tokens) each, at most extend_batch."""
+    def _extend_rows(self, weights, items: list[tuple[int, int, int, np.ndarray]], t=None):
+        """One extend call: (slot, prompt slot, first row, tokens) each, at most
+        extend_batch, padded to ``t`` rows (default: the bucket of the most tokens)."""
         c = self.config
-        t = self._len_bucket(max(f.size for *_, f in items), c.response_len)
+        if t is None:
+            t = self._len_bucket(max(f.size for *_, f in items), c.response_len)
         e = c.extend_batch
         slot = np.full(e, self._n, np.int32)
         grp = np.zeros(e, np.int32)
@@ -1795,5 +1864,7 @@ __all__ = [
     "Status",
     "complete",
     "decode_windows",
+    "len_bucket",
     "merged_slots",
+    "recompute_calls",
 ]

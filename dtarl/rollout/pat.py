@@ -13,7 +13,8 @@ and *to what*:
   per point one prefill then R forced decode steps on dummy tokens, the fastest
   per-step seconds over the full calls that compiled nothing (background load only
   adds time; their median and coefficient of variation, ``cv``, are kept); the
-  prefill's seconds; the weight-reshard and
+  prefill's seconds; one call of each of the engine's prefill and extend programs per
+  length bucket (``kv_calls``: what a recompute switch runs); the weight-reshard and
   K/V-move bandwidths (``jax.device_put`` between the shardings of two meshes); the
   seconds of one point's compiles. The JSON records the model, the engine config,
   the device kind, the jax version and the mesh axes (``Profile.save`` /
@@ -31,9 +32,16 @@ and *to what*:
   windows of one B; between B levels).
 * **Switch cost** (``switch_cost``): weight bytes / reshard bandwidth +
   min(T_move, T_recomp) + a compile when the target program is not cached.
-  T_move is Eq. 1-2 (valid K/V bytes per source rank / per-rank bandwidth),
-  T_recomp Eq. 3-4 (profiled prefill at the RMS context length). A switch that
-  keeps the TP (compaction into fewer slots) has no weight term.
+  T_move is Eq. 1-2 (valid K/V bytes per source rank / per-rank bandwidth).
+  T_recomp is what the engine's recompute runs (``Predictor.recompute_seconds``):
+  the prefill calls over the resident prompts and the extend calls over every
+  request holding a slot, chunked and padded as the engine does
+  (``dtarl.rollout.engine.recompute_calls``, the one list the engine runs too), each
+  priced at its bucket from the profile's ``kv_calls``, plus the recompute's fixed
+  part (old pool freed, empty one created). A profile made before those
+  were timed (no ``kv_calls``) falls back to the paper's Eq. 3-4 (one profiled
+  prefill of ceil(n / dp) prompts at the RMS context length). A switch that keeps
+  the TP (compaction into fewer slots) has no weight term.
 * **Controller** (``PatController``; Alg. 1): every ``check_every`` decode calls,
   when no request waits, it compares the predicted remaining time now with the
   remaining time + switch cost of every candidate TP (the live requests merged
@@ -70,10 +78,13 @@ from typing import Any
 
 import numpy as np
 
-from dtarl.rollout.engine import decode_windows, merged_slots
+from dtarl.rollout.engine import decode_windows, merged_slots, recompute_calls
 
 FORMAT = "dtarl.pat.profile/1"
 TP_DEGREES = (1, 2, 4, 8)
+CALL_KINDS = ("prefill", "extend", "pool")
+# The engine config fields the recompute's call list needs (``kv_calls``).
+_CALL_CONFIG = ("prefill_batch", "extend_batch", "prompt_len", "response_len")
 
 
 class PatError(ValueError):
@@ -87,7 +98,14 @@ class PatError(ValueError):
 class Profile:
     """An offline profile (module docstring). ``decode``/``prefill``: rows
     ``{"tp", "b", "l", "t", "seconds"}`` (decode: seconds per step; prefill: seconds
-    of the call; b per DP group; t = the tokens one DP group reads per step)."""
+    of the first scheduling round's prefill; b per DP group; t = the tokens one DP
+    group reads per step). ``kv_calls`` (optional; empty in profiles made before it):
+    rows ``{"kind", "tp", "l", "seconds"}``, the seconds of ONE of the engine's
+    prefill or extend calls (``kind``) padded to ``l`` rows on the mesh of that TP, as
+    a recompute switch runs them (``dtarl.rollout.engine.recompute_calls``), and
+    (optional) ``kind="pool"``: a recompute's fixed part onto ``l`` slots (the old
+    pool freed, the empty one created); it needs ``engine`` to hold prefill_batch,
+    extend_batch, prompt_len and response_len."""
 
     model: dict[str, Any]
     device_kind: str
@@ -108,6 +126,7 @@ class Profile:
     # not recorded). Decode rows may carry ``median``, ``cv`` (coefficient of variation)
     # and ``n`` (how many) of the timed steps whose fastest is ``seconds``.
     engine: dict[str, int] = dataclasses.field(default_factory=dict)
+    kv_calls: tuple[dict[str, Any], ...] = ()
     notes: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,6 +134,7 @@ class Profile:
         d["mesh_axes"] = list(self.mesh_axes)
         d["decode"] = [dict(r) for r in self.decode]
         d["prefill"] = [dict(r) for r in self.prefill]
+        d["kv_calls"] = [dict(r) for r in self.kv_calls]
         d["engine"] = dict(self.engine)
         return {"format": FORMAT, **d}
 
@@ -211,8 +231,52 @@ class Profile:
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in eng.values()
         ):
             fail("engine", f"must be an object of ints >= 0 (the engine config), got {eng!r}")
+        calls = data.get("kv_calls", [])
+        if not isinstance(calls, list):
+            fail("kv_calls", f"must be a list of points, got {calls!r}")
+        kv_calls = []
+        for i, r in enumerate(calls):
+            if not isinstance(r, dict):
+                fail(f"kv_calls[{i}]", f"must be an object, got {r!r}")
+            if r.get("kind") not in CALL_KINDS:
+                fail(f"kv_calls[{i}].kind", f"must be one of {CALL_KINDS}, got {r.get('kind')!r}")
+            for k in ("tp", "l"):
+                x = r.get(k)
+                if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+                    fail(f"kv_calls[{i}].{k}", f"must be an int >= 1, got {x!r}")
+            if r["tp"] not in TP_DEGREES or data["devices"] % r["tp"]:
+                fail(
+                    f"kv_calls[{i}].tp",
+                    f"must be one of {TP_DEGREES} dividing devices={data['devices']}, "
+                    f"got {r['tp']}",
+                )
+            row = {"kind": r["kind"], "tp": r["tp"], "l": r["l"]}
+            for k in ("seconds", "median", "n"):  # seconds required, the others optional
+                if k != "seconds" and k not in r:
+                    continue
+                x = r.get(k)
+                if not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
+                    fail(f"kv_calls[{i}].{k}", f"must be a finite number >= 0, got {x!r}")
+                row[k] = x
+            kv_calls.append(row)
+        if kv_calls:
+            missing = [k for k in _CALL_CONFIG if k not in eng or eng[k] < 1]
+            if missing:
+                fail(
+                    "engine",
+                    f"must hold {missing} (ints >= 1) when kv_calls is given: the recompute's "
+                    "calls follow them",
+                )
+            for tp in sorted({r["tp"] for r in tables["decode"]}):
+                for kind in ("prefill", "extend"):
+                    if not any(r["tp"] == tp and r["kind"] == kind for r in kv_calls):
+                        fail("kv_calls", f"has no {kind!r} row for tp={tp} (a decode TP)")
         known.update(
-            tables, mesh_axes=tuple(axes), engine=dict(eng), notes=str(data.get("notes", ""))
+            tables,
+            mesh_axes=tuple(axes),
+            engine=dict(eng),
+            kv_calls=tuple(kv_calls),
+            notes=str(data.get("notes", "")),
         )
         return cls(**known)
 
@@ -280,6 +344,19 @@ class Predictor:
         self.profile = profile
         self._decode = _curves(profile.decode, "t")
         self._prefill = _curves(profile.prefill, "l")
+        # {(kind, tp): (l sorted, seconds per call)} of the engine's prefill/extend calls
+        acc: dict[tuple[str, int], dict[float, list[float]]] = {}
+        for r in profile.kv_calls:
+            acc.setdefault((r["kind"], int(r["tp"])), {}).setdefault(float(r["l"]), []).append(
+                float(r["seconds"])
+            )
+        self._calls = {
+            key: (
+                np.asarray(sorted(pts), np.float64),
+                np.asarray([np.mean(pts[x]) for x in sorted(pts)], np.float64),
+            )
+            for key, pts in acc.items()
+        }
 
     @property
     def tps(self) -> tuple[int, ...]:
@@ -299,6 +376,52 @@ class Predictor:
         profiled at one length only: proportional to ``length`` above it)."""
         self._check(self._prefill, tp, "prefill_seconds")
         return _in_b(self._prefill[tp], float(b), length, through_zero=True)
+
+    @property
+    def has_kv_calls(self) -> bool:
+        """The profile times the engine's prefill and extend calls (``kv_calls``)."""
+        return bool(self._calls)
+
+    def call_seconds(self, kind: str, tp: int, length) -> np.ndarray:
+        """Seconds of one engine ``kind`` call ("prefill" or "extend") padded to
+        ``length`` rows at ``tp`` (or "pool": a recompute's fixed part onto ``length``
+        slots): piecewise linear over the profiled points (below the smallest its value;
+        above the largest the last slope when positive, else flat)."""
+        if (kind, tp) not in self._calls:
+            raise PatError(
+                f"call_seconds: no {kind!r} call at tp={tp} in the profile's kv_calls "
+                f"(profiled: {sorted(self._calls)})"
+            )
+        return _pwl(length, *self._calls[kind, tp])
+
+    def recompute_calls(
+        self, prompt_tokens: Sequence[int], lengths: Sequence[int]
+    ) -> list[tuple[str, int, int, int]]:
+        """The calls the engine's recompute makes (``dtarl.rollout.engine.recompute_calls``
+        with the profile's engine config)."""
+        e = self.profile.engine
+        return recompute_calls(prompt_tokens, lengths, **{k: int(e[k]) for k in _CALL_CONFIG})
+
+    def recompute_seconds(
+        self, tp: int, prompt_tokens: Sequence[int], lengths: Sequence[int]
+    ) -> float:
+        """Seconds of ``reshard(..., mode="recompute")`` onto ``tp`` rebuilding resident
+        prompts of ``prompt_tokens`` tokens (row order) and the response rows
+        ``lengths`` of every request holding a slot (slot order, held ones included):
+        the sum over the engine's calls (``recompute_calls``) of one call's profiled
+        seconds at its bucket, plus the fixed part (the "pool" row: the pool freed and
+        re-created; 0 when the profile has none). Needs ``kv_calls``
+        (``has_kv_calls``)."""
+        if not self._calls:
+            raise PatError(
+                "recompute_seconds: the profile has no kv_calls (made before they were "
+                "profiled: re-profile, or use switch_cost's Eq. 3-4 fallback)"
+            )
+        calls = self.recompute_calls(prompt_tokens, lengths)
+        fixed = self._calls.get(("pool", tp))
+        return float(fixed[1].min() if fixed else 0.0) + float(
+            sum(float(self.call_seconds(kind, tp, t)) for kind, t, *_ in calls)
+        )
 
     def est_rem_time(
         self,
@@ -396,10 +519,19 @@ def switch_cost(
     tp_dst: int,
     contexts: Sequence[int],
     cached: bool,
+    resident: Sequence[int] | None = None,
+    live_lengths: Sequence[int] | None = None,
 ) -> SwitchCost:
     """Cost of switching ``tp_src -> tp_dst`` with unfinished requests of full context
     lengths ``contexts`` (prompt + generated): weights + min(T_move, T_recomp) +
-    compile (when the target program is not ``cached``)."""
+    compile (when the target program is not ``cached``).
+
+    T_recomp is what the engine's recompute runs when the profile has ``kv_calls`` and
+    ``live_lengths`` is given (the response rows of every request holding a slot, slot
+    order; ``resident``: the resident prompts' lengths): ``Predictor.recompute_seconds``
+    onto ``tp_dst``. Otherwise (a profile made before ``kv_calls``, or no engine
+    layout) it is the paper's Eq. 3-4: one profiled prefill of ceil(n / dp) prompts at
+    the RMS context length."""
     prof = predictor.profile
     dp_dst = prof.devices // tp_dst
     # The same TP (compaction into fewer slots) keeps the weights where they are.
@@ -408,9 +540,14 @@ def switch_cost(
     if ctx.size == 0:
         return SwitchCost(weights_s, 0.0, 0.0, 0.0 if cached else prof.compile_s)
     move_s = kv_rank_bytes(prof.model, ctx.astype(np.int64), tp_src) / prof.kv_bytes_per_s
-    b = math.ceil(ctx.size / dp_dst)
-    l_rms = float(np.sqrt(np.mean(ctx**2)))
-    recompute_s = float(predictor.prefill_seconds(tp_dst, b, l_rms))
+    if predictor.has_kv_calls and live_lengths is not None:
+        recompute_s = predictor.recompute_seconds(
+            tp_dst, () if resident is None else resident, live_lengths
+        )
+    else:
+        b = math.ceil(ctx.size / dp_dst)
+        l_rms = float(np.sqrt(np.mean(ctx**2)))
+        recompute_s = float(predictor.prefill_seconds(tp_dst, b, l_rms))
     return SwitchCost(weights_s, move_s, recompute_s, 0.0 if cached else prof.compile_s)
 
 
@@ -425,7 +562,10 @@ class EngineState:
     live (running) request; tp, dp, slots: the current program; cells: prompt
     rows x members (Q M); prompt_len, response_len, steps_per_call, max_slots:
     the engine's config; waiting: a request waits in the queue; cached(dp, tp,
-    slots): the target program is compiled."""
+    slots): the target program is compiled. resident / live_lengths (None: unknown,
+    the recompute cost falls back to Eq. 3-4): what a recompute switch rebuilds, the
+    resident prompt rows' prompt lengths and the response rows of every request
+    holding a slot (running and held, slot order)."""
 
     tp: int
     dp: int
@@ -441,6 +581,8 @@ class EngineState:
     max_slots: int
     live: int = -1  # requests holding a slot (running + held); -1: len(lengths)
     cached: Callable[[int, int, int], bool] = lambda dp, tp, slots: True
+    resident: np.ndarray | None = None
+    live_lengths: np.ndarray | None = None
 
     @property
     def devices(self) -> int:
@@ -526,6 +668,8 @@ def decide(
             tp_dst=tp,
             contexts=contexts,
             cached=state.cached(dp, tp, slots),
+            resident=state.resident,
+            live_lengths=state.live_lengths,
         )
         if compile_reuse > 1:
             cost = dataclasses.replace(cost, compile_s=cost.compile_s / compile_reuse)
@@ -554,6 +698,8 @@ def engine_state(engine, cached: Callable[[int, int, int], bool]) -> EngineState
         max_slots=c.slots,
         live=int(v.live),
         cached=cached,
+        resident=np.asarray(v.resident_prompt_tokens, np.int64),
+        live_lengths=np.asarray(v.live_response_tokens, np.int64),
     )
 
 
@@ -749,6 +895,7 @@ __all__ = [
     "Decision",
     "EngineState",
     "PatController",
+    "CALL_KINDS",
     "PatError",
     "Predictor",
     "Profile",
@@ -762,6 +909,7 @@ __all__ = [
     "leave_one_out",
     "merged_slots",
     "program_tokens",
+    "recompute_calls",
     "replay",
     "switch_cost",
 ]

@@ -22,7 +22,12 @@ from dtarl.rl.episodes import rollout
 from dtarl.rl.tasks import TaskKind, make_task
 from dtarl.rl.trainer import Trainer
 from dtarl.rollout import pat
-from dtarl.rollout.engine import ContinuousConfig, ContinuousSampler, RolloutEngine
+from dtarl.rollout.engine import (
+    ContinuousConfig,
+    ContinuousSampler,
+    RolloutEngine,
+    recompute_calls,
+)
 
 MODEL = dict(num_layers=2, num_kv_heads=8, head_dim=4, compute_dtype="float32")
 
@@ -153,6 +158,115 @@ def test_switch_cost_by_hand():
     y = 1e-3 * 4 * 8 / 2  # tp 2, B 4, l 8
     assert float(one.prefill_seconds(2, 4, 32)) == pytest.approx(y * 4, 1e-12)
     assert float(one.prefill_seconds(2, 4, 2)) == pytest.approx(y, 1e-12)
+
+
+# An engine config for the recompute's calls, and one call's seconds per (kind, tp, bucket).
+POOL_S = 2e-3  # a recompute's fixed part (pool freed and re-created), x tp
+CALL_ENGINE = dict(prefill_batch=2, extend_batch=3, prompt_len=32, response_len=64)
+
+
+def call_s(kind, tp, l):
+    return (1e-3 if kind == "prefill" else 3e-4) * l / tp + 1e-4 * tp
+
+
+def with_kv_calls(prof):
+    rows = [
+        dict(kind=kind, tp=tp, l=l, seconds=call_s(kind, tp, l))
+        for tp in pat.TP_DEGREES
+        for kind, ls in (("prefill", (16, 32)), ("extend", (16, 32, 64)))
+        for l in ls
+    ]
+    rows += [dict(kind="pool", tp=tp, l=8, seconds=POOL_S * tp) for tp in (1, 4, 8)]
+    return dataclasses.replace(prof, engine=dict(CALL_ENGINE), kv_calls=tuple(rows))
+
+
+def test_recompute_seconds_follow_the_engines_calls():
+    p = pat.Predictor(with_kv_calls(make_profile(linear)))
+    prompts = [5, 20, 32, 9, 17]  # prefill rows 4, 19, 31, 8, 16
+    lengths = [3, 0, 9, 12, 17, 0, 40, 64]  # slot order; two slots hold no rows yet
+    calls = [
+        ("prefill", 32, 0, 2),
+        ("prefill", 32, 2, 4),
+        ("prefill", 16, 4, 5),
+        ("extend", 16, 0, 3),  # rows 3, 9, 12
+        ("extend", 64, 3, 6),  # rows 17, 40, 64
+    ]
+    assert recompute_calls(prompts, lengths, **CALL_ENGINE) == calls
+    assert p.recompute_calls(prompts, lengths) == calls
+    for tp in (1, 4):
+        want = POOL_S * tp + sum(call_s(kind, tp, t) for kind, t, *_ in calls)
+        assert p.recompute_seconds(tp, prompts, lengths) == pytest.approx(want, 1e-12)
+    # Nothing to rebuild: the fixed part only (none profiled at tp 2).
+    assert p.recompute_seconds(4, [], []) == pytest.approx(POOL_S * 4)
+    assert p.recompute_seconds(2, [], []) == 0.0
+    # Between and above the profiled buckets: linear; below the smallest: its value.
+    assert float(p.call_seconds("extend", 2, 48)) == pytest.approx(call_s("extend", 2, 48))
+    assert float(p.call_seconds("extend", 2, 128)) == pytest.approx(call_s("extend", 2, 128))
+    assert float(p.call_seconds("prefill", 2, 8)) == pytest.approx(call_s("prefill", 2, 16))
+    # switch_cost prices the recompute with the engine's calls onto the target TP (the
+    # running requests' contexts still give T_move).
+    contexts = [20 + 12, 32 + 40]
+    c = pat.switch_cost(
+        p,
+        tp_src=1,
+        tp_dst=8,
+        contexts=contexts,
+        cached=True,
+        resident=prompts,
+        live_lengths=lengths,
+    )
+    want = POOL_S * 8 + sum(call_s(k, 8, t) for k, t, *_ in calls)
+    assert c.recompute_s == pytest.approx(want, 1e-12)
+    assert c.move_s == pytest.approx(pat.kv_rank_bytes(MODEL, contexts, 1) / 1e6)
+    # Without the engine's layout: Eq. 3-4.
+    eq34 = pat.switch_cost(p, tp_src=1, tp_dst=8, contexts=contexts, cached=True)
+    l_rms = math.sqrt(np.mean(np.square(contexts)))
+    assert eq34.recompute_s == pytest.approx(1e-3 * 2 * l_rms / 8, 1e-9)
+
+
+def test_profile_without_kv_calls_loads_and_falls_back_to_eq_3_4(tmp_path):
+    new = with_kv_calls(make_profile(linear))
+    path = new.save(tmp_path / "new.json")
+    assert pat.Profile.load(path) == new
+    d = json.loads(path.read_text())
+    del d["kv_calls"]  # a profile written before the recompute's calls were profiled
+    old_path = tmp_path / "old.json"
+    old_path.write_text(json.dumps(d))
+    old = pat.Profile.load(old_path)
+    assert old.kv_calls == ()
+    p = pat.Predictor(old)
+    assert not p.has_kv_calls
+    contexts = [10, 20, 30]
+    c = pat.switch_cost(
+        p, tp_src=2, tp_dst=8, contexts=contexts, cached=True, resident=[8], live_lengths=[3]
+    )
+    l_rms = math.sqrt((100 + 400 + 900) / 3)
+    assert c.recompute_s == pytest.approx(1e-3 * 3 * l_rms / 8, 1e-9)
+    with pytest.raises(pat.PatError, match="no kv_calls"):
+        p.recompute_seconds(8, [8], [3])
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda d: d["kv_calls"][0].update(kind="decode"), r"kv_calls\[0\].kind must be one of"),
+        (lambda d: d["kv_calls"][1].update(l=0), r"kv_calls\[1\].l must be an int >= 1"),
+        (lambda d: d["kv_calls"][2].update(tp=3), r"kv_calls\[2\].tp must be one of"),
+        (lambda d: d["kv_calls"][3].pop("seconds"), r"kv_calls\[3\].seconds must be a finite"),
+        (lambda d: d["kv_calls"][4].update(median=-1.0), r"kv_calls\[4\].median must be"),
+        (lambda d: d.update(kv_calls={}), "kv_calls must be a list"),
+        (lambda d: d["engine"].pop("extend_batch"), r"engine must hold \['extend_batch'\]"),
+        (
+            lambda d: d.update(kv_calls=[r for r in d["kv_calls"] if r["kind"] == "prefill"]),
+            "kv_calls has no 'extend' row for tp=1",
+        ),
+    ],
+)
+def test_bad_kv_calls_name_the_field(tmp_path, edit, match):
+    d = with_kv_calls(make_profile(linear)).to_dict()
+    edit(d)
+    with pytest.raises(pat.PatError, match=match):
+        pat.Profile.from_dict(json.loads(json.dumps(d)), source="p.json")
 
 
 def _state(tp, slots, lengths, remaining, *, waiting=False, cached=True):
@@ -479,6 +593,19 @@ def test_profile_engine_times_the_engines_own_programs(tiny, tmp_path):
         (2, 2, 16, 48),
     ]
     assert [(r["tp"], r["b"], r["l"]) for r in prof.prefill] == [(1, 1, 8), (2, 1, 8), (2, 2, 8)]
+    # One prefill call per prompt bucket (8) and one extend call per response bucket (16),
+    # per TP: what a recompute switch runs.
+    # "pool": a recompute's fixed part, from the profiler's idle recompute reshards.
+    assert [(r["kind"], r["tp"], r["l"]) for r in prof.kv_calls] == [
+        ("prefill", 1, 8),
+        ("extend", 1, 16),
+        ("pool", 1, 8),
+        ("prefill", 2, 8),
+        ("extend", 2, 16),
+        ("pool", 2, 8),
+    ]
+    assert all(0 < r["seconds"] <= r["median"] and r["n"] >= 1 for r in prof.kv_calls)
+    assert all(r["n"] == 5 for r in prof.kv_calls if r["kind"] != "pool")
     assert all(
         0 < r["seconds"] <= r["median"] and r["n"] >= 1 and r["cv"] >= 0 for r in prof.decode
     )

@@ -15,12 +15,14 @@ from flax import nnx
 from dtarl.model.config import ModelConfig
 from dtarl.model.decoder import Decoder
 from dtarl.parallel.mesh import make_mesh, shard_params
+from dtarl.rollout import pat
 from dtarl.rollout.engine import (
     ContinuousConfig,
     ContinuousSampler,
     EngineError,
     RolloutEngine,
     Status,
+    recompute_calls,
 )
 from dtarl.rollout.sampler import FinishReason
 
@@ -193,6 +195,95 @@ def test_sampled_tokens_identical_under_per_request_keys(eng, weights):
     got, infos = _generate(eng, weights, {1: (4, 2, 8)}, "recompute", 1.0)
     assert len(infos) == 1
     _assert_same(got, ref)
+
+
+def _call_profile(seconds):
+    """A synthetic profile whose kv_calls give ``seconds[kind, tp, l]`` (decode and
+    prefill tables: placeholders, unused here)."""
+    tps = sorted({tp for _, tp, _ in seconds})
+    one = lambda tp: dict(tp=tp, b=1, l=16, t=16.0, seconds=1e-3)  # noqa: E731
+    return pat.Profile(
+        model={},
+        device_kind="synthetic",
+        platform="cpu",
+        jax_version="0",
+        devices=8,
+        mesh_axes=("dp", "tp"),
+        token_cap=64,
+        window=16,
+        decode=tuple(one(tp) for tp in tps),
+        prefill=tuple(one(tp) for tp in tps),
+        weight_bytes=1,
+        weights_bytes_per_s=1.0,
+        kv_bytes_per_s=1.0,
+        compile_s=0.0,
+        engine={k: int(v) for k, v in SMALL.__dict__.items()},
+        kv_calls=tuple(dict(kind=k, tp=tp, l=l, seconds=x) for (k, tp, l), x in seconds.items()),
+    )
+
+
+def test_recompute_runs_the_calls_recompute_calls_lists(eng, weights):
+    # 3 resident prompts; 7 live requests at call 2, two of them held after their turn.
+    eng.submit(PROMPTS[0], n=2, max_new_tokens=[2, 3], temperature=0.0, hold=True)
+    eng.submit(PROMPTS[1], n=3, max_new_tokens=[12, 14, 10], temperature=0.0)
+    eng.submit(PROMPTS[2], n=2, max_new_tokens=[15, 9], temperature=0.0)
+    fn, ran, seen = eng._fn, [], {}
+
+    def recording(kind, *statics, **kw):  # the prefill/extend calls the engine runs
+        f = fn(kind, *statics, **kw)
+        if kind not in ("prefill", "extend"):
+            return f
+
+        def call(*args):
+            ran.append((kind, statics[0]))
+            return f(*args)
+
+        call.lower = f.lower
+        return call
+
+    def on_call(e, w):
+        if seen:
+            return None
+        seen.update(view=e.view(), state=pat.engine_state(e, lambda *_: True), before=e.stats())
+        e._fn = recording
+        try:
+            w, seen["info"] = e.reshard((4, 2), w, slots=8, mode="recompute")
+        finally:
+            del e._fn
+        seen["after"] = e.stats()
+        return w
+
+    eng.run(eng.place(weights), on_call=on_call)
+    v, st = seen["view"], seen["state"]
+    assert (v.live, v.active, seen["info"]["live"]) == (7, 5, 7)
+    assert sorted(v.live_response_tokens.tolist())[:2] == [2, 3]  # the held ones, done
+    assert v.resident_prompt_tokens.tolist() == [len(p) for p in PROMPTS]
+    assert st.resident.tolist() == v.resident_prompt_tokens.tolist()
+    assert st.live_lengths.tolist() == v.live_response_tokens.tolist()
+    calls = recompute_calls(
+        v.resident_prompt_tokens,
+        v.live_response_tokens,
+        prefill_batch=SMALL.prefill_batch,
+        extend_batch=SMALL.extend_batch,
+        prompt_len=SMALL.prompt_len,
+        response_len=SMALL.response_len,
+    )
+    assert ran == [(kind, t) for kind, t, *_ in calls]
+    for kind in ("prefill", "extend"):
+        delta = seen["after"][f"{kind}_calls"] - seen["before"][f"{kind}_calls"]
+        assert delta == sum(k == kind for k, *_ in calls)
+    assert [k for k, *_ in calls] == ["prefill"] * 2 + ["extend"] * 2  # ceil(3/2), ceil(7/4)
+    # The predictor prices exactly these calls at the target TP, plus the fixed part
+    # (the pool freed and re-created: one per recompute).
+    table = {
+        (k, tp, 16): 1e-3 * (k == "prefill") + 1e-4 * tp + 1e-5
+        for k in ("prefill", "extend")
+        for tp in (1, 2)
+    }
+    table["pool", 2, 8] = 5e-3
+    p = pat.Predictor(_call_profile(table))
+    want = table["pool", 2, 8] + sum(table[k, 2, t] for k, t in ran)
+    assert p.recompute_seconds(2, st.resident, st.live_lengths) == pytest.approx(want, 1e-12)
 
 
 def test_held_request_extended_after_a_switch(eng, weights):
