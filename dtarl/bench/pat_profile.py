@@ -314,7 +314,8 @@ def profile_engine(
     points). Decode: per response window, the fastest seconds per step of the calls
     that ran ``steps_per_call`` steps (background load only adds time, so the fastest
     is the program's own cost; ``median`` and ``cv``, their coefficient of variation,
-    record the spread); prefill: the median of the first scheduling round's seconds
+    record the spread; ``decode_scale`` is the median of every timed step over its
+    point's fastest); prefill: the median of the first scheduling round's seconds
     less its decode call's; kv_calls: one prefill / extend call per bucket, per TP
     (module docstring)."""
     grid = grid or ProfileGrid()
@@ -380,6 +381,7 @@ def profile_engine(
     engine.reset()
     cells = c.prompt_slots * c.group_size * c.prompt_len
     dec, pre = [], []
+    ratios = []  # every timed step over the fastest of its point (``decode_scale``)
     for tp, s in keys:
         dp, pt = d // tp, prof.data.get((tp, s))
         if not pt or not pt["steps"]:
@@ -389,6 +391,7 @@ def profile_engine(
             )
         for window, xs in sorted(pt["steps"].items()):
             xs = np.asarray(xs)
+            ratios += (xs / xs.min()).tolist()
             dec.append(
                 dict(
                     tp=tp,
@@ -443,6 +446,7 @@ def profile_engine(
         steps_per_call=c.steps_per_call,
         engine={k: int(v) for k, v in dataclasses.asdict(c).items()},
         kv_calls=tuple(kv_calls),
+        decode_scale=float(np.median(ratios)),
         notes=f"grid levels={grid.levels} repeats={grid.repeats} tps={list(tps)}",
     )
 

@@ -12,7 +12,9 @@ and *to what*:
   engine's slot merge reaches, L = the response window of the call (R/4, R/2, R);
   per point one prefill then R forced decode steps on dummy tokens, the fastest
   per-step seconds over the full calls that compiled nothing (background load only
-  adds time; their median and coefficient of variation, ``cv``, are kept); the
+  adds time; their median and coefficient of variation, ``cv``, are kept) and one
+  factor for all points, ``decode_scale``: the median over every timed step of its
+  seconds over its point's fastest (how much slower a typical call runs); the
   prefill's seconds; one call of each of the engine's prefill and extend programs per
   length bucket (``kv_calls``: what a recompute switch runs); the weight-reshard and
   K/V-move bandwidths (``jax.device_put`` between the shardings of two meshes); the
@@ -26,7 +28,11 @@ and *to what*:
   nearest profiled B (below the smallest B: the smallest B's curve; above the
   largest: extended with the two largest B's slope when positive, else flat).
   Latency is taken never to fall with more tokens or a larger batch outside the
-  grid, so a noisy negative slope is not extrapolated. ``est_rem_time`` sums it
+  grid, so a noisy negative slope is not extrapolated. The curves are the fastest
+  steps times ``decode_scale``: per point the fastest is the least noisy statistic
+  (a point's median moved 7-20% between profiles on the 2-core CPU), and the one
+  pooled factor turns it into a typical call's seconds (the fastest alone
+  under-predicted every static run, by 6-19%). ``est_rem_time`` sums it
   over the remaining steps as the context grows (Alg. 1's ``est_rem_time``).
   ``leave_one_out`` reports the error on held-out points inside the grid (between
   windows of one B; between B levels).
@@ -127,6 +133,13 @@ class Profile:
     # and ``n`` (how many) of the timed steps whose fastest is ``seconds``.
     engine: dict[str, int] = dataclasses.field(default_factory=dict)
     kv_calls: tuple[dict[str, Any], ...] = ()
+    # Typical over fastest: the median, over every timed decode step of the profile, of
+    # its seconds over the fastest of its point. A decode row's ``seconds`` is its
+    # fastest step (the least noisy statistic of a point), which a typical call runs
+    # slower than; the predictor multiplies decode seconds by this one factor, pooled
+    # over all points, so it predicts typical calls without each point's median noise.
+    # 1.0: predict the fastest steps (profiles made before it).
+    decode_scale: float = 1.0
     notes: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -271,8 +284,17 @@ class Profile:
                 for kind in ("prefill", "extend"):
                     if not any(r["tp"] == tp and r["kind"] == kind for r in kv_calls):
                         fail("kv_calls", f"has no {kind!r} row for tp={tp} (a decode TP)")
+        scale = data.get("decode_scale", 1.0)
+        if (
+            not isinstance(scale, int | float)
+            or isinstance(scale, bool)
+            or not math.isfinite(scale)
+            or scale <= 0
+        ):
+            fail("decode_scale", f"must be a finite number > 0, got {scale!r}")
         known.update(
             tables,
+            decode_scale=float(scale),
             mesh_axes=tuple(axes),
             engine=dict(eng),
             kv_calls=tuple(kv_calls),
@@ -367,9 +389,10 @@ class Predictor:
             raise PatError(f"{what}: tp={tp} is not in the profile (profiled: {sorted(table)})")
 
     def step_seconds(self, tp: int, b: float, t) -> np.ndarray:
-        """Seconds of one decode step at B = ``b`` per DP group, T = ``t`` tokens per DP group."""
+        """Seconds of one decode step at B = ``b`` per DP group, T = ``t`` tokens per DP
+        group (a typical step: the profile's fastest times its ``decode_scale``)."""
         self._check(self._decode, tp, "step_seconds")
-        return _in_b(self._decode[tp], float(b), t)
+        return _in_b(self._decode[tp], float(b), t) * self.profile.decode_scale
 
     def prefill_seconds(self, tp: int, b: float, length) -> np.ndarray:
         """Seconds of a prefill of ``b`` prompts of ``length`` tokens per DP group (a B
@@ -454,15 +477,17 @@ def leave_one_out(profile: Profile) -> list[dict[str, Any]]:
       TP, predicted from the profile without that whole level (interpolated between
       the two nearest profiled B).
 
-    Rows ``{tp, b, l, t, seconds, predicted, rel_error, kind}``."""
+    Rows ``{tp, b, l, t, seconds, predicted, rel_error, kind}``, both on the rows' scale
+    (the fastest step; ``decode_scale`` cancels)."""
     out = []
     rows = list(profile.decode)
+    scale = profile.decode_scale
     for i, r in enumerate(rows):
         ts = [x["t"] for x in rows if (x["tp"], x["b"]) == (r["tp"], r["b"]) and x is not r]
         if not ts or not min(ts) < r["t"] < max(ts):
             continue
         p = Predictor(dataclasses.replace(profile, decode=tuple(rows[:i] + rows[i + 1 :])))
-        pred = float(p.step_seconds(r["tp"], r["b"], r["t"]))
+        pred = float(p.step_seconds(r["tp"], r["b"], r["t"])) / scale
         rel = abs(pred - r["seconds"]) / max(r["seconds"], 1e-12)
         out.append(dict(r, predicted=pred, rel_error=rel, kind="t"))
     for tp in sorted({x["tp"] for x in rows}):
@@ -473,7 +498,7 @@ def leave_one_out(profile: Profile) -> list[dict[str, Any]]:
             for r in rows:
                 if (r["tp"], r["b"]) != (tp, b):
                     continue
-                pred = float(p.step_seconds(tp, b, r["t"]))
+                pred = float(p.step_seconds(tp, b, r["t"])) / scale
                 rel = abs(pred - r["seconds"]) / max(r["seconds"], 1e-12)
                 out.append(dict(r, predicted=pred, rel_error=rel, kind="b"))
     return out

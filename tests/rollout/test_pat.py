@@ -119,6 +119,36 @@ def test_predictor_linear_profile_is_exact_everywhere_and_loo_zero():
     assert e["t"] == 320 and e["predicted"] == pytest.approx(y1 + (y16 - y1) * 3 / 15, 1e-9)
 
 
+def test_decode_scale_turns_the_fastest_steps_into_typical_ones(tmp_path):
+    """Decode predictions are the profile's (fastest) seconds times ``decode_scale``;
+    the held-out error compares on the rows' own scale, so the factor cancels there; a
+    profile without the field (made before it) predicts the fastest steps; a bad value
+    names the field."""
+    step = lambda tp, b, t: 1e-3 * tp + 1e-4 * b**1.5 + 1e-7 * t**1.3  # noqa: E731
+    plain = pat.Predictor(make_profile(step))
+    scaled = pat.Predictor(make_profile(step, decode_scale=1.25))
+    for tp, b, t in [(1, 1, 24), (2, 7, 1000.0), (8, 40, 20000.0)]:
+        want = 1.25 * float(plain.step_seconds(tp, b, t))
+        assert float(scaled.step_seconds(tp, b, t)) == pytest.approx(want, 1e-12)
+    assert scaled.est_rem_time(4, 3, 60, 10) == pytest.approx(
+        1.25 * plain.est_rem_time(4, 3, 60, 10), 1e-12
+    )
+    loo = [x for e in pat.leave_one_out(scaled.profile) for x in (e["rel_error"], e["predicted"])]
+    want = [x for e in pat.leave_one_out(plain.profile) for x in (e["rel_error"], e["predicted"])]
+    assert len(loo) > 0 and loo == pytest.approx(want, 1e-12)
+    path = scaled.profile.save(tmp_path / "p.json")
+    assert pat.Profile.load(path).decode_scale == 1.25
+    d = json.loads(path.read_text())
+    del d["decode_scale"]
+    path.write_text(json.dumps(d))
+    assert pat.Profile.load(path).decode_scale == 1.0
+    for bad in (0, -1.0, "1.1", True, float("inf")):
+        d["decode_scale"] = bad
+        path.write_text(json.dumps(d))
+        with pytest.raises(pat.PatError, match="decode_scale must be a finite number > 0"):
+            pat.Profile.load(path)
+
+
 def test_est_rem_time_by_hand():
     p = pat.Predictor(make_profile(linear))
     # b = 2, steps l_gen = 60..62, T_k = 2 x 60 + 2k = 120, 122, 124.
@@ -609,6 +639,8 @@ def test_profile_engine_times_the_engines_own_programs(tiny, tmp_path):
     assert all(
         0 < r["seconds"] <= r["median"] and r["n"] >= 1 and r["cv"] >= 0 for r in prof.decode
     )
+    # Every timed step over its point's fastest, pooled: at least 1.
+    assert 1.0 <= prof.decode_scale < 10.0
     assert prof.devices == 8 and prof.mesh_axes == ("dp", "tp") and prof.steps_per_call == 4
     assert prof.engine["slots"] == 8 and prof.engine["group_size"] == 4 and prof.window == 16
     assert prof.weights_bytes_per_s > 0 and prof.kv_bytes_per_s > 0 and prof.compile_s >= 0
