@@ -26,9 +26,14 @@ and *to what*:
   profiled B (below the smallest profiled T its value; above the largest T the last
   segment's slope when positive, else flat), interpolated linearly between the two
   nearest profiled B (below the smallest B: the smallest B's curve; above the
-  largest: extended with the two largest B's slope when positive, else flat).
-  Latency is taken never to fall with more tokens or a larger batch outside the
-  grid, so a noisy negative slope is not extrapolated. The curves are the fastest
+  largest: extended with the two largest B's slope when positive, else flat). Each
+  neighbour's curve is read at the same context *per request* (T B' / B for a
+  neighbour B'), not at the same T: a B' level was profiled over the T range its
+  own requests reach, so at a larger B's T a smaller level would be read far past
+  its last point, on its last segment's noise (an 82% held-out error on one CPU
+  profile; 5.5% against 7.4% mean over seven profiles). Latency is taken never to
+  fall with more tokens or a larger batch outside the grid, so a noisy negative
+  slope is not extrapolated. The curves are the fastest
   steps times ``decode_scale``: per point the fastest is the least noisy statistic
   (a point's median moved 7-20% between profiles on the 2-core CPU), and the one
   pooled factor turns it into a typical call's seconds (the fastest alone
@@ -340,11 +345,18 @@ def _curves(rows, key: str) -> dict[int, dict[int, tuple[np.ndarray, np.ndarray]
 
 
 def _in_b(
-    curves: dict[int, tuple[np.ndarray, np.ndarray]], b: float, x, *, through_zero: bool = False
+    curves: dict[int, tuple[np.ndarray, np.ndarray]],
+    b: float,
+    x,
+    *,
+    through_zero: bool = False,
+    aggregate: bool = False,
 ) -> np.ndarray:
     """Interpolates the per-B curves at batch ``b`` (module docstring: the smallest B's
     curve below it, linear between neighbours, above the largest B the two largest
-    B's slope if positive, else the largest B's curve)."""
+    B's slope if positive, else the largest B's curve). ``aggregate``: ``x`` sums over
+    the batch (decode's T), so a neighbour B' is read at ``x B' / b``, the same
+    amount per request."""
     bs = sorted(curves)
     if len(bs) == 1 or b <= bs[0]:
         return _pwl(x, *curves[bs[0]], through_zero=through_zero)
@@ -352,8 +364,10 @@ def _in_b(
         return _pwl(x, *curves[int(b)], through_zero=through_zero)
     i = int(np.searchsorted(bs, b))
     lo, hi = (bs[-2], bs[-1]) if i >= len(bs) else (bs[i - 1], bs[i])
-    ylo = _pwl(x, *curves[lo], through_zero=through_zero)
-    yhi = _pwl(x, *curves[hi], through_zero=through_zero)
+    x = np.asarray(x, np.float64)
+    xlo, xhi = (x * lo / b, x * hi / b) if aggregate else (x, x)
+    ylo = _pwl(xlo, *curves[lo], through_zero=through_zero)
+    yhi = _pwl(xhi, *curves[hi], through_zero=through_zero)
     if b > hi:
         return yhi + np.maximum(yhi - ylo, 0.0) * (b - hi) / (hi - lo)
     return ylo + (yhi - ylo) * (b - lo) / (hi - lo)
@@ -392,7 +406,7 @@ class Predictor:
         """Seconds of one decode step at B = ``b`` per DP group, T = ``t`` tokens per DP
         group (a typical step: the profile's fastest times its ``decode_scale``)."""
         self._check(self._decode, tp, "step_seconds")
-        return _in_b(self._decode[tp], float(b), t) * self.profile.decode_scale
+        return _in_b(self._decode[tp], float(b), t, aggregate=True) * self.profile.decode_scale
 
     def prefill_seconds(self, tp: int, b: float, length) -> np.ndarray:
         """Seconds of a prefill of ``b`` prompts of ``length`` tokens per DP group (a B

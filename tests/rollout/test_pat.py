@@ -77,12 +77,14 @@ def test_predictor_exact_on_grid_and_linear_between():
     t0, t1 = 4 * (8 + 16), 4 * (64 + 16)
     mid = float(p.step_seconds(2, 4, (t0 + t1) / 2))
     assert mid == pytest.approx((step(2, 4, t0) + step(2, 4, t1)) / 2, 1e-12)
-    # Between B = 4 and 16 at a fixed T: linear in B of the two curves at that T.
+    # Between B = 4 and 16: linear in B of the two curves, each read at the same
+    # context per request (T x B' / B), not at the same T.
     t = 1000.0
-    y4, y16 = float(p.step_seconds(1, 4, t)), float(p.step_seconds(1, 16, t))
+    y4, y16 = float(p.step_seconds(1, 4, t * 4 / 7)), float(p.step_seconds(1, 16, t * 16 / 7))
     assert float(p.step_seconds(1, 7, t)) == pytest.approx(y4 + (y16 - y4) * 3 / 12, 1e-12)
     # Below the smallest B: the smallest B's curve; above the largest: linear extension.
     assert float(p.step_seconds(1, 0.5, t)) == pytest.approx(float(p.step_seconds(1, 1, t)))
+    y4, y16 = float(p.step_seconds(1, 4, t / 8)), float(p.step_seconds(1, 16, t / 2))
     y32 = float(p.step_seconds(1, 32, t))
     assert y32 == pytest.approx(y16 + (y16 - y4) * 16 / 12, 1e-12)
     # A curve that falls past its last point is not extended downwards (nor is a B
@@ -90,7 +92,7 @@ def test_predictor_exact_on_grid_and_linear_between():
     falling = pat.Predictor(make_profile(lambda tp, b, t: 1.0 / (1 + t) + 1.0 / b))
     last = falling.profile.decode[2]  # tp 1, B 1, the largest T
     assert float(falling.step_seconds(1, 1, 10 * last["t"])) == pytest.approx(last["seconds"])
-    y16 = float(falling.step_seconds(1, 16, 5000.0))
+    y16 = float(falling.step_seconds(1, 16, 5000.0 * 16 / 64))
     assert float(falling.step_seconds(1, 64, 5000.0)) == pytest.approx(y16)
     with pytest.raises(pat.PatError, match="tp=3 is not in the profile"):
         p.step_seconds(3, 1, 10)
@@ -105,18 +107,19 @@ def test_predictor_linear_profile_is_exact_everywhere_and_loo_zero():
     errs = pat.leave_one_out(p.profile)
     # Held out: only points inside the grid. Between windows (kind t): the middle T of
     # each (tp, B) curve, on the line through its neighbours. Between B levels (kind b):
-    # every point of the middle level, from B = 1 and 16 at its T (B = 16's curve starts
-    # at T = 16 x 24 = 384: below it, held at that point's value).
+    # every point of the middle level, from B = 1 and 16 at the same context per
+    # request, both inside their curves: exact on a linear profile too.
     assert sorted((e["kind"], e["tp"], e["b"], e["l"]) for e in errs) == sorted(
         [("t", tp, b, 64) for tp in pat.TP_DEGREES for b in (1, 4, 16)]
         + [("b", tp, 4, ln) for tp in pat.TP_DEGREES for ln in (8, 64, 512)]
     )
     for e in errs:
-        if e["kind"] == "t":
-            assert e["predicted"] == pytest.approx(e["seconds"], 1e-9)
+        assert e["predicted"] == pytest.approx(e["seconds"], 1e-9)
+    # At the same T instead, B = 1's curve would be read at 4x its requests' context
+    # and B = 16's at a quarter (below its first point, held at that point's value):
     e = next(x for x in errs if (x["kind"], x["tp"], x["l"]) == ("b", 1, 64))
     y1, y16 = linear(1, 1, 320), linear(1, 16, 384)
-    assert e["t"] == 320 and e["predicted"] == pytest.approx(y1 + (y16 - y1) * 3 / 15, 1e-9)
+    assert e["t"] == 320 and abs(y1 + (y16 - y1) * 3 / 15 - e["seconds"]) > 1e-5
 
 
 def test_decode_scale_turns_the_fastest_steps_into_typical_ones(tmp_path):
