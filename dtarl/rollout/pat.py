@@ -206,39 +206,42 @@ class Profile:
         axes = data.get("mesh_axes")
         if not isinstance(axes, list) or not all(isinstance(a, str) for a in axes):
             fail("mesh_axes", f"must be a list of axis names, got {axes!r}")
+
+        def row(where: str, r, ints, numbers, optional) -> dict[str, Any]:
+            """One table row, checked: ``ints`` ints >= 1 (``tp`` a TP dividing the
+            devices), ``numbers`` finite >= 0, ``optional`` numbers kept when present."""
+            if not isinstance(r, dict):
+                fail(where, f"must be an object, got {r!r}")
+            for k in ints:
+                x = r.get(k)
+                if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+                    fail(f"{where}.{k}", f"must be an int >= 1, got {x!r}")
+            for k in (*numbers, *(k for k in optional if k in r)):
+                x = r.get(k)
+                if (
+                    not isinstance(x, int | float)
+                    or isinstance(x, bool)
+                    or not math.isfinite(x)
+                    or x < 0
+                ):
+                    fail(f"{where}.{k}", f"must be a finite number >= 0, got {x!r}")
+            if r["tp"] not in TP_DEGREES or data["devices"] % r["tp"]:
+                fail(
+                    f"{where}.tp",
+                    f"must be one of {TP_DEGREES} dividing devices={data['devices']}, "
+                    f"got {r['tp']}",
+                )
+            return {k: r[k] for k in (*ints, *numbers, *optional) if k in r}
+
         tables = {}
         for table in ("decode", "prefill"):
             rows = data.get(table)
             if not isinstance(rows, list) or not rows:
                 fail(table, f"must be a non-empty list of points, got {rows!r}")
-            out = []
-            for i, r in enumerate(rows):
-                if not isinstance(r, dict):
-                    fail(f"{table}[{i}]", f"must be an object, got {r!r}")
-                for k in ("tp", "b", "l"):
-                    x = r.get(k)
-                    if not isinstance(x, int) or isinstance(x, bool) or x < 1:
-                        fail(f"{table}[{i}].{k}", f"must be an int >= 1, got {x!r}")
-                for k in ("t", "seconds"):
-                    x = r.get(k)
-                    if not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
-                        fail(f"{table}[{i}].{k}", f"must be a finite number >= 0, got {x!r}")
-                if r["tp"] not in TP_DEGREES or data["devices"] % r["tp"]:
-                    fail(
-                        f"{table}[{i}].tp",
-                        f"must be one of {TP_DEGREES} dividing devices={data['devices']}, "
-                        f"got {r['tp']}",
-                    )
-                row = {k: r[k] for k in ("tp", "b", "l", "t", "seconds")}
-                for k in ("median", "cv", "n"):
-                    if k not in r:
-                        continue
-                    x = r[k]
-                    if not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
-                        fail(f"{table}[{i}].{k}", f"must be a finite number >= 0, got {x!r}")
-                    row[k] = x
-                out.append(row)
-            tables[table] = tuple(out)
+            tables[table] = tuple(
+                row(f"{table}[{i}]", r, ("tp", "b", "l"), ("t", "seconds"), ("median", "cv", "n"))
+                for i, r in enumerate(rows)
+            )
         fields = {f.name for f in dataclasses.fields(cls)}
         known = {k: data[k] for k in fields if k in data}
         spc = data.get("steps_per_call", 0)
@@ -254,29 +257,10 @@ class Profile:
             fail("kv_calls", f"must be a list of points, got {calls!r}")
         kv_calls = []
         for i, r in enumerate(calls):
-            if not isinstance(r, dict):
-                fail(f"kv_calls[{i}]", f"must be an object, got {r!r}")
-            if r.get("kind") not in CALL_KINDS:
+            if isinstance(r, dict) and r.get("kind") not in CALL_KINDS:
                 fail(f"kv_calls[{i}].kind", f"must be one of {CALL_KINDS}, got {r.get('kind')!r}")
-            for k in ("tp", "l"):
-                x = r.get(k)
-                if not isinstance(x, int) or isinstance(x, bool) or x < 1:
-                    fail(f"kv_calls[{i}].{k}", f"must be an int >= 1, got {x!r}")
-            if r["tp"] not in TP_DEGREES or data["devices"] % r["tp"]:
-                fail(
-                    f"kv_calls[{i}].tp",
-                    f"must be one of {TP_DEGREES} dividing devices={data['devices']}, "
-                    f"got {r['tp']}",
-                )
-            row = {"kind": r["kind"], "tp": r["tp"], "l": r["l"]}
-            for k in ("seconds", "median", "n"):  # seconds required, the others optional
-                if k != "seconds" and k not in r:
-                    continue
-                x = r.get(k)
-                if not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
-                    fail(f"kv_calls[{i}].{k}", f"must be a finite number >= 0, got {x!r}")
-                row[k] = x
-            kv_calls.append(row)
+            checked = row(f"kv_calls[{i}]", r, ("tp", "l"), ("seconds",), ("median", "n"))
+            kv_calls.append({"kind": r["kind"], **checked})
         if kv_calls:
             missing = [k for k in _CALL_CONFIG if k not in eng or eng[k] < 1]
             if missing:

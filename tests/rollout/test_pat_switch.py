@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_pat import linear, make_profile
 
 from dtarl.model.config import ModelConfig
 from dtarl.model.decoder import Decoder
@@ -198,25 +199,10 @@ def test_sampled_tokens_identical_under_per_request_keys(eng, weights):
 
 
 def _call_profile(seconds):
-    """A synthetic profile whose kv_calls give ``seconds[kind, tp, l]`` (decode and
-    prefill tables: placeholders, unused here)."""
-    tps = sorted({tp for _, tp, _ in seconds})
-    one = lambda tp: dict(tp=tp, b=1, l=16, t=16.0, seconds=1e-3)  # noqa: E731
-    return pat.Profile(
-        model={},
-        device_kind="synthetic",
-        platform="cpu",
-        jax_version="0",
-        devices=8,
-        mesh_axes=("dp", "tp"),
-        token_cap=64,
-        window=16,
-        decode=tuple(one(tp) for tp in tps),
-        prefill=tuple(one(tp) for tp in tps),
-        weight_bytes=1,
-        weights_bytes_per_s=1.0,
-        kv_bytes_per_s=1.0,
-        compile_s=0.0,
+    """A synthetic profile (``test_pat.make_profile``) whose kv_calls give
+    ``seconds[kind, tp, l]``, for the engine config ``SMALL``."""
+    return make_profile(
+        linear,
         engine={k: int(v) for k, v in SMALL.__dict__.items()},
         kv_calls=tuple(dict(kind=k, tp=tp, l=l, seconds=x) for (k, tp, l), x in seconds.items()),
     )
