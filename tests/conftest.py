@@ -7,11 +7,22 @@ creates, hands to its workers through that variable, and removes at the end.
 ``DTARL_TEST_JAX_CACHE=off`` disables the cache. JAX keys entries by the program,
 its compile options and the JAX/XLA versions, and writes them atomically, so
 concurrent workers can share a directory.
+
+A worker runs hundreds of test files in one process, and every program XLA compiles
+for the CPU keeps its code mapped (several memory maps each) while JAX caches it. A
+worker reached Linux's default limit of 65530 maps (``vm.max_map_count``) late in the
+run, and XLA then crashed in a compile (a segfault in ``test_bench_darts``). So after
+a test file, when the worker holds more than ``_MAPS_LIMIT`` maps, its compiled
+programs are dropped (``jax.clear_caches``); a later test that needs one compiles it
+again, from the persistent cache.
 """
 
+import gc
 import os
 import shutil
 import tempfile
+
+import pytest
 
 # LLVM's optimisation level 0: the suite's programs are tiny and compile-bound (a DFS
 # program compiled in half the time, ran no slower, and gave bit-identical values).
@@ -22,6 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _CACHE_ENV = "DTARL_TEST_JAX_CACHE"
 _owned_cache: str | None = None
+_MAPS_LIMIT = 20000  # of the kernel's default 65530; one test file adds up to ~20000
 
 
 def pytest_configure(config):
@@ -44,3 +56,23 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _owned_cache is not None:
         shutil.rmtree(_owned_cache, ignore_errors=True)
+
+
+def _maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to stay under
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_compiled_programs():
+    """After each test file: drop the compiled programs when the process holds more
+    than ``_MAPS_LIMIT`` memory maps (module docstring)."""
+    yield
+    if _maps() > _MAPS_LIMIT:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
