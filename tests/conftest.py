@@ -33,7 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _CACHE_ENV = "DTARL_TEST_JAX_CACHE"
 _owned_cache: str | None = None
-_MAPS_LIMIT = 20000  # of the kernel's default 65530; one test file adds up to ~20000
+_MAPS_LIMIT = 20000  # of the kernel's default 65530; one test file added up to ~30000
 
 
 def pytest_configure(config):
