@@ -236,6 +236,20 @@ def recompute_calls(
     ``extend_batch``, padded to the bucket of the chunk's most rows. The engine runs
     exactly these (``_recompute``) and compiles their programs first; PAT's predictor
     prices them (``dtarl.rollout.pat.Predictor.recompute_seconds``)."""
+    for name, v in (
+        ("prefill_batch", prefill_batch),
+        ("extend_batch", extend_batch),
+        ("prompt_len", prompt_len),
+        ("response_len", response_len),
+    ):
+        if not isinstance(v, int | np.integer) or v < 1:
+            raise EngineError(f"recompute_calls: {name}={v!r} must be an int >= 1")
+    if any(int(x) < 1 for x in prompt_tokens):
+        raise EngineError(
+            f"recompute_calls: prompt_tokens must be >= 1 each, got {list(prompt_tokens)}"
+        )
+    if any(int(x) < 0 for x in lengths):
+        raise EngineError(f"recompute_calls: lengths must be >= 0 each, got {list(lengths)}")
     pre = [int(x) - 1 for x in prompt_tokens]
     ext = [int(x) for x in lengths if int(x) > 0]
     out = []

@@ -225,6 +225,12 @@ def test_recompute_seconds_follow_the_engines_calls():
         ("extend", 64, 3, 6),  # rows 17, 40, 64
     ]
     assert recompute_calls(prompts, lengths, **CALL_ENGINE) == calls
+    with pytest.raises(ValueError, match="extend_batch=0 must be an int >= 1"):
+        recompute_calls(prompts, lengths, **dict(CALL_ENGINE, extend_batch=0))
+    with pytest.raises(ValueError, match="prompt_tokens must be >= 1"):
+        recompute_calls([0], lengths, **CALL_ENGINE)
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        recompute_calls(prompts, [3, -1], **CALL_ENGINE)
     assert p.recompute_calls(prompts, lengths) == calls
     for tp in (1, 4):
         want = POOL_S * tp + sum(call_s(kind, tp, t) for kind, t, *_ in calls)
