@@ -66,7 +66,8 @@ from dtarl.bench.rollout import synthetic_lengths, trace_lengths
 from dtarl.model import ModelConfig, init_model
 from dtarl.parallel.mesh import make_mesh
 from dtarl.rollout import pat
-from dtarl.rollout.engine import ContinuousConfig, ContinuousSampler
+from dtarl.rollout.continuous import ContinuousSampler
+from dtarl.rollout.engine import ContinuousConfig
 from dtarl.timing import alternating, machine_info
 from dtarl.traces import default_polytrace_root
 

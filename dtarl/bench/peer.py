@@ -187,7 +187,8 @@ def _dtarl_rollout(name: str, w: Workload, m: PeerModel, repeats: int) -> dict:
             assert int(res.lengths.sum()) == g * n, res.lengths
             return res
     else:
-        from dtarl.rollout.engine import ContinuousConfig, ContinuousSampler
+        from dtarl.rollout.continuous import ContinuousSampler
+        from dtarl.rollout.engine import ContinuousConfig
 
         sampler = ContinuousSampler(
             model,
@@ -489,7 +490,8 @@ def _dtarl_iteration(name: str, w: Workload, m: PeerModel, repeats: int) -> dict
     from dtarl.engines import make_engine
     from dtarl.losses import ClippedSurrogateLoss
     from dtarl.rl.optim import update
-    from dtarl.rollout.engine import ContinuousConfig, ContinuousSampler
+    from dtarl.rollout.continuous import ContinuousSampler
+    from dtarl.rollout.engine import ContinuousConfig
 
     model = _dtarl_model(m)
     params = nnx.split(model, nnx.Param)[1]

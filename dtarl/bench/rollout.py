@@ -12,7 +12,7 @@ the schedule differs:
   bucket + response bucket), read from the cache it built. Row b is active at
   decode step t while ``t < len_b - 1`` (prefill draws token 0); the batch is
   the full row bucket at every step, so its slot utilisation is mean active / B.
-* ``engine`` (``dtarl.rollout.engine.ContinuousSampler``): ``slots`` decode
+* ``engine`` (``dtarl.rollout.continuous.ContinuousSampler``): ``slots`` decode
   slots over a prompt-shared K/V pool; a finished request frees its slot and a
   waiting one is admitted. Peak K/V bytes are the rows the engine holds (each
   resident prompt once + every slot's response so far) at their largest, read
@@ -58,9 +58,9 @@ import numpy as np
 from flax import nnx
 
 from dtarl.model import ModelConfig, init_model
+from dtarl.rollout.continuous import ContinuousSampler
 from dtarl.rollout.engine import (
     ContinuousConfig,
-    ContinuousSampler,
     Request,
     RolloutEngine,
     Status,

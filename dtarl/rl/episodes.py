@@ -32,7 +32,8 @@ from dtarl.rl.metrics import length_stats
 from dtarl.rl.rewards import RewardFn, compute_rewards
 from dtarl.rl.tasks import Problem, Role, Task
 from dtarl.rl.value import ValueModel
-from dtarl.rollout.engine import ContinuousSampler, Status
+from dtarl.rollout.continuous import ContinuousSampler
+from dtarl.rollout.engine import Status
 from dtarl.rollout.engine import complete as complete_responses
 from dtarl.rollout.sampler import FinishReason, Sampler
 from dtarl.rollout.stream import ScoreKind, Stream

@@ -8,7 +8,8 @@ import jax
 
 from dtarl.model.decoder import Decoder
 from dtarl.rl.config import ConfigError, RolloutEngineKind, TrainerConfig
-from dtarl.rollout.engine import ContinuousConfig, ContinuousSampler
+from dtarl.rollout.continuous import ContinuousSampler
+from dtarl.rollout.engine import ContinuousConfig
 from dtarl.rollout.sampler import Sampler, SamplingParams
 from dtarl.tree.plan import bucket
 

@@ -121,7 +121,7 @@ from dtarl.rl.samplers import make_samplers
 from dtarl.rl.tasks import Problem, Task, make_task
 from dtarl.rl.value import ValueModel
 from dtarl.rollout import pat as pat_lib
-from dtarl.rollout.engine import ContinuousSampler
+from dtarl.rollout.continuous import ContinuousSampler
 from dtarl.rollout.sampler import Sampler
 from dtarl.rollout.stream import ScoreKind, Stream, StreamingScorers
 from dtarl.timing import compile_seconds

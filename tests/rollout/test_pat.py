@@ -22,9 +22,9 @@ from dtarl.rl.episodes import rollout
 from dtarl.rl.tasks import TaskKind, make_task
 from dtarl.rl.trainer import Trainer
 from dtarl.rollout import pat
+from dtarl.rollout.continuous import ContinuousSampler
 from dtarl.rollout.engine import (
     ContinuousConfig,
-    ContinuousSampler,
     RolloutEngine,
     recompute_calls,
 )

@@ -17,9 +17,9 @@ from dtarl.model.config import ModelConfig
 from dtarl.model.decoder import Decoder
 from dtarl.parallel.mesh import make_mesh, shard_params
 from dtarl.rollout import pat
+from dtarl.rollout.continuous import ContinuousSampler
 from dtarl.rollout.engine import (
     ContinuousConfig,
-    ContinuousSampler,
     EngineError,
     RolloutEngine,
     Status,

@@ -12,9 +12,9 @@ from flax import nnx
 
 from dtarl.model.config import ModelConfig
 from dtarl.model.decoder import Decoder
+from dtarl.rollout.continuous import ContinuousSampler
 from dtarl.rollout.engine import (
     ContinuousConfig,
-    ContinuousSampler,
     EngineError,
     RolloutEngine,
     Status,
