@@ -30,6 +30,7 @@ FLOORS = {
     "dtarl.axes": 1,
     "dtarl.timing": 1,
     "dtarl.aot": 1,
+    "dtarl.errors": 1,
     "dtarl.parallel.partition": 1,
     "dtarl.model": 2,
     "dtarl.parallel.mesh": 2,

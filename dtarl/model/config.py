@@ -8,9 +8,7 @@ import json
 import os
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """An invalid model configuration; the message names the field."""
+from dtarl.errors import ConfigError
 
 
 class ModelFamily(enum.Enum):

@@ -46,6 +46,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from dtarl.errors import CheckpointError
 from dtarl.model.config import ConfigError, ModelConfig
 from dtarl.model.decoder import Decoder
 
@@ -71,10 +72,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-
-
-class CheckpointError(ValueError):
-    """A HF checkpoint that cannot be loaded; the message names the file/tensor/field."""
 
 
 # ------------------------------------------------------------------- mapping

@@ -42,17 +42,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from dtarl.errors import CheckpointError
+
 LAYOUT = "dtarl-orbax-1"
 _STATE, _META = "state", "meta"
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 _TRASH = ".deleted"  # Orbax renames dropped steps here (atomic); dtarl empties it
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be written or restored; the message names the path.
-
-    A ValueError, like dtarl's other input errors, so the ``dtarl`` CLI prints it
-    (e.g. an old-layout or mismatched checkpoint in out_dir) instead of a traceback."""
 
 
 # ------------------------------------------------------------------ leaf names

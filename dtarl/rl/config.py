@@ -28,13 +28,10 @@ import yaml
 
 from dtarl.batch import LossNorm
 from dtarl.engines.config import EngineConfig, EngineKind
+from dtarl.errors import ConfigError
 from dtarl.model.config import ModelConfig
 from dtarl.rl.rewards import RewardErrorPolicy
 from dtarl.rl.tasks import TaskKind
-
-
-class ConfigError(ValueError):
-    """An invalid trainer configuration; the message names the key and the accepted values."""
 
 
 class Algorithm(enum.Enum):
