@@ -33,7 +33,6 @@ S = P + R cache rows, V vocab, L layers, K kv heads, D head dim.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -45,21 +44,8 @@ from flax import nnx
 
 from dtarl.batch import token_ids
 from dtarl.model.decoder import Decoder, KVCache
+from dtarl.rollout.reasons import FinishReason, SamplerError
 from dtarl.tree.plan import bucket
-
-
-class SamplerError(ValueError):
-    """Bad sampler input; the message names the argument and the accepted range."""
-
-
-class FinishReason(enum.IntEnum):
-    """Why a sample stopped (``RUNNING`` while it has not)."""
-
-    RUNNING = 0
-    STOP = 1  # sampled a stop token (included in the output)
-    LENGTH = 2  # reached its max_new (or forced) length
-    CANCELLED = 3  # cancelled by a controller (DARTS early stop, a group predicate)
-    ABORTED = 3  # the same value (an alias kept for existing code)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

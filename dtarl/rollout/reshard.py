@@ -1,0 +1,267 @@
+"""PAT's resharder (papers/003): the moves behind ``RolloutEngine.reshard``.
+
+*Targets.* An engine built on a ('dp', 'tp') mesh may switch to any (dp, tp) with
+dp * tp = its device count and tp dividing num_kv_heads (``switch_targets``); the
+mesh of a shape is built over the construction mesh's devices in their order, so
+equal shapes give equal meshes and one program cache (``mesh_for``).
+
+*Weights* move one layer (one ``layers/i`` subtree, or one top-level parameter) at a
+time by ``device_put`` onto the rule table's NamedSharding for the new mesh; an old
+layer is freed as soon as its copy exists when the engine owns it (weights a previous
+``reshard`` returned, and copies the caller marked with ``adopt``; the caller's
+weights are never deleted unless ``donate=True``), so the extra memory is one layer
+(plus any growth of the total, e.g. towards a smaller tp).
+
+*K/V.* "migrate" gathers the live response rows on the old mesh (into a row count its
+dp divides, so nothing is replicated there), moves them and cuts them to the new slot
+count on the new mesh, layer by layer, each old buffer freed as soon as its copy
+exists; the prompt pool moves as is. "recompute" frees the old pool, creates the empty
+one and rebuilds every resident prompt by prefill and every live request's rows by
+extend from its tokens (``recompute_calls``; the engine runs the calls).
+
+Bytes are host bookkeeping of jax buffers (``dtarl.rollout.pool``): a "peak extra" is
+the largest sum, during the switch, of the buffers it created minus the old buffers it
+already freed, taken after each transfer completes.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from dtarl.parallel.mesh import MESH_AXES, Rules, make_mesh, param_shardings
+from dtarl.rollout import kernels as K
+from dtarl.rollout.config import EngineError, merged_slots
+from dtarl.rollout.pool import KVPool, buffer_ids, device_bytes, free_array, new_bytes
+from dtarl.rollout.programs import ProgramCache, ProgramKey, ProgramKind
+
+# The keys of ``reshard``'s info dict.
+INFO_KEYS = (
+    "mode",
+    "dp",
+    "tp",
+    "slots",
+    "live",
+    "weights_s",
+    "kv_s",
+    "compile_s",
+    "seconds",
+    "compiled",
+    "moved_weight_bytes",
+    "moved_kv_bytes",
+    "live_kv_bytes",
+    "weights_peak_extra_bytes",
+    "kv_peak_extra_bytes",
+    "peak_extra_bytes",
+)
+
+
+def switch_targets(base: Mesh | None, kv_heads: int) -> list[tuple[int, int]]:
+    """The (dp, tp) shapes a switch from ``base`` (the construction mesh) accepts:
+    dp * tp = its device count and tp dividing ``kv_heads`` (plus ``base``'s shape)."""
+    if base is None:
+        return []
+    d = base.devices.size
+    out = [(d // t, t) for t in range(1, d + 1) if d % t == 0 and kv_heads % t == 0]
+    first = tuple(int(x) for x in base.devices.shape)
+    return sorted(set(out) | {first}, key=lambda s: s[1])
+
+
+def switch_slots(slots: int | None, *, live: int, waiting: int, dp: int, cap: int) -> int:
+    """The slot count of a switch: ``slots``, checked to be in [max(1, live), cap]; by
+    default the smallest dp * 2^k holding the ``live`` requests (``merged_slots``), or
+    ``cap`` (config.slots) while requests wait. Fewer than ``cap`` only with an empty
+    queue."""
+    if slots is None:
+        n = cap if waiting else merged_slots(live, dp, cap)
+    elif not isinstance(slots, int | np.integer) or not max(1, live) <= slots <= cap:
+        raise EngineError(
+            f"slots={slots!r} must be an int in [{max(1, live)}, {cap}] (the "
+            f"{live} live requests .. ContinuousConfig.slots)"
+        )
+    else:
+        n = int(slots)
+    if n < cap and waiting:
+        raise EngineError(
+            f"slots={n} < ContinuousConfig.slots={cap} while {waiting} requests wait for "
+            "a slot: shrink only in the tail (empty queue), or keep slots=config.slots"
+        )
+    return n
+
+
+def need_mesh(base: Mesh | None) -> Mesh:
+    if base is None:
+        raise EngineError(
+            "mesh: the engine was built without a mesh; pass RolloutEngine(..., "
+            "mesh=make_mesh(dp, tp)) to switch meshes"
+        )
+    return base
+
+
+def mesh_for(base: Mesh | None, dp: int, tp: int) -> Mesh:
+    """The ('dp', 'tp') mesh of shape (dp, tp) over ``base``'s devices, in their order."""
+    base = need_mesh(base)
+    if (dp, tp) == tuple(base.devices.shape):
+        return base
+    return make_mesh(dp, tp, devices=list(base.devices.flat))
+
+
+def target_mesh(base: Mesh | None, mesh, kv_heads: int, field: str = "mesh") -> Mesh:
+    """``mesh`` (a Mesh over ``base``'s devices or a (dp, tp) pair) checked against
+    ``switch_targets``; errors name ``field``."""
+    base = need_mesh(base)
+    ok = switch_targets(base, kv_heads)
+    mine = sorted(d.id for d in base.devices.flat)
+    if isinstance(mesh, Mesh):
+        if tuple(mesh.axis_names) != MESH_AXES:
+            raise EngineError(
+                f"{field}: axis names {tuple(mesh.axis_names)}, need {MESH_AXES} "
+                "(dtarl.parallel.mesh.make_mesh)"
+            )
+        ids = sorted(d.id for d in mesh.devices.flat)
+        if ids != mine:
+            raise EngineError(
+                f"{field}: devices {ids} are not the engine's {mine} (a switch keeps the "
+                "device set; build the mesh with engine.mesh_for(dp, tp))"
+            )
+        shape = tuple(int(x) for x in mesh.devices.shape)
+    else:
+        try:
+            shape = tuple(int(x) for x in mesh)
+        except TypeError:
+            shape = ()
+        if len(shape) != 2:
+            raise EngineError(f"{field}: need a jax Mesh or a (dp, tp) pair, got {mesh!r}")
+    if shape not in ok:
+        raise EngineError(
+            f"{field}: (dp, tp) = {shape} is not a switch target; accepted (dp, tp): {ok} "
+            f"(dp * tp = {base.devices.size} devices, tp dividing num_kv_heads={kv_heads})"
+        )
+    return mesh if isinstance(mesh, Mesh) else mesh_for(base, *shape)
+
+
+class Resharder:
+    """Moves weights and K/V between meshes (module docstring) and remembers which
+    weight leaves the engine owns (weak references: freed leaves drop out)."""
+
+    def __init__(self, pool: KVPool, programs: ProgramCache, rules: Rules):
+        self.pool, self.programs, self.rules = pool, programs, rules
+        self.owned: list[weakref.ref] = []
+
+    def own(self, weights) -> None:
+        """Every leaf of ``weights`` is the engine's (a ``reshard`` made them)."""
+        self.owned = [weakref.ref(x) for x in jax.tree.leaves(weights)]
+
+    def adopt(self, placed, original) -> None:
+        """The leaves of ``placed`` that share no buffer with ``original`` are the
+        engine's (copies made for it, e.g. by ``place``)."""
+        self.owned = [
+            weakref.ref(p)
+            for p, o in zip(jax.tree.leaves(placed), jax.tree.leaves(original), strict=True)
+            if p is not o and not (buffer_ids(p) & buffer_ids(o) if isinstance(o, jax.Array) else 0)
+        ]
+
+    def move_weights(self, weights, mesh: Mesh, donate: bool) -> tuple[Any, int, int]:
+        """(weights on ``mesh``, bytes moved, peak extra bytes), one layer at a time."""
+        target = jax.tree.leaves(param_shardings(weights, mesh, self.rules))
+        flat, treedef = jax.tree_util.tree_flatten_with_path(weights)
+        if len(target) != len(flat):
+            raise EngineError("reshard: weights do not match the model's parameters")
+        owned = {id(x) for ref in self.owned if (x := ref()) is not None}
+        groups: dict[tuple, list[int]] = {}
+        for i, (path, _) in enumerate(flat):
+            names = [getattr(k, "key", getattr(k, "name", k)) for k in path]
+            cut = names.index("layers") + 2 if "layers" in names[:-1] else 1
+            groups.setdefault(tuple(names[:cut]), []).append(i)
+        out: list[Any] = [None] * len(flat)
+        extra = peak = moved = 0
+        for idx in groups.values():
+            for i in idx:
+                x = flat[i][1]
+                out[i] = y = jax.device_put(x, target[i])
+                fresh = new_bytes(y, x)
+                extra += fresh
+                moved += fresh
+            jax.block_until_ready([out[i] for i in idx])
+            peak = max(peak, extra)
+            for i in idx:
+                x = flat[i][1]
+                if donate or id(x) in owned:
+                    extra -= free_array(x, out[i])
+        return jax.tree_util.tree_unflatten(treedef, out), moved, peak
+
+    def migrate(
+        self, old: K.Pool, old_at: tuple[Mesh, int], new_at: tuple[Mesh, int], src: np.ndarray
+    ) -> tuple[K.Pool, int, int, float]:
+        """The pool on ``new_at`` = (mesh, slots), new slot j holding old row ``src[j]``;
+        (pool, bytes moved, peak extra bytes, compile seconds of the row programs)."""
+        old_mesh, _ = old_at
+        mesh, n = new_at
+        sh = self.pool.placement(mesh, n).pool
+        dp0 = old_mesh.shape["dp"]
+        pad = -(-n // dp0) * dp0
+        programs = self.programs
+        gather = programs.get(
+            ProgramKey(kind=ProgramKind.GATHER, mesh=old_mesh, slots=old_at[1], rows=pad)
+        )
+        idx = np.zeros(pad, np.int32)  # uncommitted: follows x onto its mesh
+        idx[:n] = src
+        t0 = time.perf_counter()  # compile (or find cached) the row programs first
+        gather.lower(old.resp_k[0], idx).compile()
+        mid = cut = None
+        if pad != n:
+            mid = self.pool.placement(mesh, pad).pool.resp_k[0]
+            cut = programs.get(ProgramKey(kind=ProgramKind.CUT, mesh=mesh, slots=pad, rows=n))
+            a = old.resp_k[0]
+            cut.lower(jax.ShapeDtypeStruct((pad,) + a.shape[1:], a.dtype, sharding=mid)).compile()
+        compile_s = time.perf_counter() - t0
+        extra = peak = moved = 0
+
+        def move(x, target, rows):
+            nonlocal extra, peak, moved
+            chain = [x]
+            if rows:
+                chain.append(gather(x, idx))
+            chain.append(jax.device_put(chain[-1], mid if rows and pad != n else target))
+            moved += new_bytes(chain[-1], chain[-2])
+            if rows and pad != n:
+                chain.append(cut(chain[-1]))
+            z = chain[-1]
+            z.block_until_ready()
+            extra += sum(new_bytes(b, a) for a, b in zip(chain, chain[1:], strict=False))
+            peak = max(peak, extra)
+            for i, a in enumerate(chain[:-1]):  # oldest first: x, then the intermediates
+                extra -= free_array(a, *chain[i + 1 :])
+            return z
+
+        resp_k = tuple(move(x, s, True) for x, s in zip(old.resp_k, sh.resp_k, strict=True))
+        resp_v = tuple(move(x, s, True) for x, s in zip(old.resp_v, sh.resp_v, strict=True))
+        prompt_k = tuple(move(x, s, False) for x, s in zip(old.prompt_k, sh.prompt_k, strict=True))
+        prompt_v = tuple(move(x, s, False) for x, s in zip(old.prompt_v, sh.prompt_v, strict=True))
+        plen = move(old.prompt_len, sh.prompt_len, False)
+        return K.Pool(prompt_k, prompt_v, plen, resp_k, resp_v), moved, peak, compile_s
+
+    def fresh_pool(self, new_at: tuple[Mesh, int]) -> int:
+        """Frees the pool's arrays and creates the empty pool of ``new_at``; the extra
+        bytes (created minus freed, at least 0) before anything is rebuilt into it."""
+        freed = self.pool.free()
+        mesh, n = new_at
+        self.pool.arrays = self.pool.zeros(n, self.pool.placement(mesh, n))
+        created = sum(device_bytes(x) for x in jax.tree.leaves(self.pool.arrays))
+        return max(0, created - freed)
+
+
+__all__ = [
+    "INFO_KEYS",
+    "Resharder",
+    "mesh_for",
+    "need_mesh",
+    "switch_slots",
+    "switch_targets",
+    "target_mesh",
+]
