@@ -318,7 +318,7 @@ def run(
         tl = controller.timeline if name == "pat" else []
         switch_s = sum(e["info"].get("weights_s", 0.0) for e in tl)
         kv_s = sum(e["info"].get("kv_s", 0.0) for e in tl)
-        decode_s = float(sum(c[0] for c in st["calls"]))
+        decode_s = float(sum(c[0] for c in st.calls))
         latency = float(res.stats["seconds"])
         tokens[name] = res.tokens
         return dict(
@@ -328,7 +328,7 @@ def run(
             kv_s=kv_s,
             other_s=latency - decode_s - switch_s - kv_s,
             switches=len(tl),
-            decode_calls=int(st["decode_calls"]),
+            decode_calls=int(st.decode_calls),
             compiled=sampler.trace_count - traces,
             timeline=[dict(e) for e in tl],
             calls=list(recorders[name].rows),
@@ -445,8 +445,8 @@ def run(
         st = engine.stats()
         rep = pat.replay(
             other,
-            st["active_per_step"],
-            st["context_per_step"],
+            st.active_per_step,
+            st.context_per_step,
             check_every_steps=cfg.check_every * cfg.steps_per_call,
         )
         rep["profile"] = str(replay_profile)

@@ -42,7 +42,8 @@ from jax.sharding import PartitionSpec as P
 
 from dtarl.model.decoder import Decoder
 from dtarl.parallel.mesh import make_mesh, shard_params
-from dtarl.rollout.engine import ContinuousConfig, Group, RolloutEngine, len_bucket
+from dtarl.rollout.config import ContinuousConfig, length_buckets
+from dtarl.rollout.engine import RolloutEngine
 from dtarl.rollout.pat import TP_DEGREES, PatError, Profile
 from dtarl.timing import compile_seconds
 
@@ -158,14 +159,13 @@ class _Profiler:
         # fixed part (the old pool freed, the empty one created; nothing to rebuild)
         self.pool: dict[int, list[float]] = {}
 
-    def _idle_to(self, dp: int, tp: int, slots: int) -> None:
-        """Moves the idle engine to (dp, tp) and ``slots`` slots; nothing is live, so this
-        moves the weights and re-creates the empty pool (no compile)."""
-        e = self.engine
-        if e.mesh.devices.shape != (dp, tp) or e.view().slots != slots:
-            _, info = e.reshard((dp, tp), self.weights, slots=slots, mode="recompute")
-            if slots == e.config.slots:
-                self.pool.setdefault(tp, []).append(info["kv_s"])
+    def move_to(self, dp: int, tp: int, slots: int) -> None:
+        """Moves the idle engine to (dp, tp) and ``slots`` slots (``move_idle``: the
+        weights move and the empty pool is re-created, nothing compiles); a move at the
+        full slot count records its K/V seconds (the recompute's fixed part)."""
+        info = self.engine.move_idle((dp, tp), self.weights, slots=slots)
+        if info is not None and slots == self.engine.config.slots:
+            self.pool.setdefault(tp, []).append(info["kv_s"])
 
     def run(self, dp: int, tp: int, slots: int, *, timed: bool) -> None:
         """One generation at the point: ``slots`` requests (spread over the prompt rows,
@@ -173,7 +173,7 @@ class _Profiler:
         slot count, then (when ``slots`` is smaller) merged into ``slots`` slots, then
         decoded to the end."""
         e, c = self.engine, self.engine.config
-        self._idle_to(dp, tp, c.slots)
+        self.move_to(dp, tp, c.slots)
         w = e.place(self.weights)
         q = min(c.prompt_slots, slots)
         counts = [slots // q + (i < slots % q) for i in range(q)]
@@ -183,7 +183,7 @@ class _Profiler:
         t0 = time.perf_counter()
         e.step(w)  # admission, the prefill, the first decode call (at full slots)
         first = time.perf_counter() - t0
-        calls0 = list(e.stats()["calls"])
+        calls0 = list(e.stats().calls)
         skip = len(calls0)
         if slots < c.slots:
             w, _ = e.reshard((dp, tp), w, slots=slots, mode="migrate")
@@ -195,15 +195,10 @@ class _Profiler:
         d = self.data.setdefault((tp, slots), dict(steps={}, prefill=[], calls=[]))
         if calls0:  # the first call compiled nothing: the rest of the round is the prefill
             d["prefill"].append(first - calls0[0][0])
-        for sec, steps, _, window in e.stats()["calls"][skip:]:
+        for sec, steps, _, window in e.stats().calls[skip:]:
             d["calls"].append((sec, steps, window))
             if steps == c.steps_per_call:
                 d["steps"].setdefault(window, []).append(sec / steps)
-
-
-def _buckets(limit: int) -> list[int]:
-    """Every padded length ``len_bucket`` gives below ``limit``: 16, 32, ... and limit."""
-    return sorted({len_bucket(n, limit) for n in range(1, limit + 1)})
 
 
 def _time_kv_calls(engine: RolloutEngine, weights, tp: int, repeats: int) -> list[dict]:
@@ -211,45 +206,15 @@ def _time_kv_calls(engine: RolloutEngine, weights, tp: int, repeats: int) -> lis
     prompt bucket, one extend call per response bucket, each filled (prefill_batch
     prompts, extend_batch requests of bucket-many rows) through the engine's own call
     paths, the fastest of ``repeats`` after an untimed (compiling) one. The rows written
-    belong to no request and are masked or overwritten before anything reads them."""
-    c, e = engine.config, engine
-    w = e.place(weights)
-    n = e.view().slots
+    belong to no request and are masked or overwritten before anything reads them
+    (``RolloutEngine.time_bucket_call``)."""
+    c = engine.config
+    w = engine.place(weights)
     rows = []
     for kind, limit in (("prefill", c.prompt_len), ("extend", c.response_len)):
-        for t in _buckets(limit):
-            if kind == "prefill":
-                batch = [
-                    Group(
-                        id=-1 - j,
-                        prompt=np.ones(t + 1, np.int32),
-                        requests=[],
-                        temperature=0.0,
-                        top_p=1.0,
-                        top_k=0,
-                        stop_ids=(),
-                        stop_sequences=(),
-                        on_tokens=None,
-                        on_finish=None,
-                        until=None,
-                        pslot=j % c.prompt_slots,
-                    )
-                    for j in range(c.prefill_batch)
-                ]
-                call = lambda t=t, batch=batch: e._prefill_groups(w, batch, t)  # noqa: E731
-            else:
-                items = [
-                    (j % n, j % c.prompt_slots, 0, np.ones(t, np.int32))
-                    for j in range(c.extend_batch)
-                ]
-                call = lambda t=t, items=items: e._extend_rows(w, items, t)  # noqa: E731
-            xs = []
-            for i in range(repeats + 1):  # the first compiles
-                t0 = time.perf_counter()
-                call()
-                jax.block_until_ready(e._pool)
-                if i:
-                    xs.append(time.perf_counter() - t0)
+        for t in length_buckets(limit):
+            # The first call compiles; the engine's own call path, rows of no request.
+            xs = [engine.time_bucket_call(kind, t, w) for _ in range(repeats + 1)][1:]
             rows.append(
                 dict(
                     kind=kind,
@@ -356,7 +321,7 @@ def profile_engine(
     kv_calls = []  # the recompute's calls, at the full slot count of each TP
     for tp in tps:
         t0 = time.perf_counter()
-        prof._idle_to(d // tp, tp, c.slots)
+        prof.move_to(d // tp, tp, c.slots)
         rows = _time_kv_calls(engine, weights, tp, max(5, grid.repeats))
         pool = np.asarray(prof.pool.get(tp, []))
         if pool.size:
@@ -377,7 +342,7 @@ def profile_engine(
                 f"  tp={tp} recompute calls (one each, slots={c.slots}): {per} "
                 f"(profiled in {time.perf_counter() - t0:.1f} s)"
             )
-    prof._idle_to(*first_mesh, c.slots)
+    prof.move_to(*first_mesh, c.slots)
     engine.reset()
     cells = c.prompt_slots * c.group_size * c.prompt_len
     dec, pre = [], []

@@ -325,7 +325,7 @@ def measure_workload(
     if made != {"static": total, "engine": total}:
         raise RuntimeError(f"{w.name}: generated tokens {made} != forced total {total}")
     s_active = static_active(lengths)
-    e_active = np.asarray(st["active_per_step"], np.int64)
+    e_active = np.asarray(st.active_per_step, np.int64)
     out = []
     for name, active, batch, peak, alloc, steps in (
         (
@@ -341,8 +341,8 @@ def measure_workload(
             e_active,
             cfg.slots,
             probe["peak_kv_bytes"],
-            int(st["allocated_kv_bytes"]),
-            int(st["decode_steps"]),
+            int(st.allocated_kv_bytes),
+            int(st.decode_steps),
         ),
     ):
         t = timed[name]
@@ -387,7 +387,7 @@ def engine_peak_kv(
     prompts' ``len - 1`` rows once (the last prompt token is a response row) +
     ``length`` response rows per request (a request that generated n tokens has
     written n rows: its prompt's last token and its first n - 1 tokens).
-    ``engine_reported_peak_kv_bytes``: ``stats()["peak_kv_bytes"]``, for
+    ``engine_reported_peak_kv_bytes``: ``stats().peak_kv_bytes``, for
     comparison: the engine samples ``kv_bytes()`` after retiring a call's
     finished requests, so it misses the call in which requests reach their end
     (0 when every request finishes within one call), and ``kv_bytes()`` counts
@@ -421,7 +421,7 @@ def engine_peak_kv(
         rows = sum(r.length for r in held) + sum(prompts_held.values())
         peak = max(peak, rows * token_bytes)
     engine.run(weights)  # hands back the finished requests (nothing is left to step)
-    reported = int(engine.stats(reset=True)["peak_kv_bytes"])
+    reported = int(engine.stats(reset=True).peak_kv_bytes)
     return dict(peak_kv_bytes=peak, engine_reported_peak_kv_bytes=reported)
 
 

@@ -413,13 +413,13 @@ def _rollout_continuous(
         for i, t in enumerate(trajs)
     ]
     stats = dict(
-        rollout_seconds=st["seconds"],
-        rollout_tokens=st["generated_tokens"],
-        rollout_tokens_per_s=st["tokens_per_second"],
-        rollout_slot_utilisation=st["slot_utilisation"],
-        rollout_peak_kv_bytes=float(st["peak_kv_bytes"]),
-        decode_calls=st["calls"],
-        decode_seconds_per_step=sum(c[0] for c in st["calls"]) / max(st["decode_steps"], 1),
+        rollout_seconds=st.seconds,
+        rollout_tokens=st.generated_tokens,
+        rollout_tokens_per_s=st.tokens_per_second,
+        rollout_slot_utilisation=st.slot_utilisation,
+        rollout_peak_kv_bytes=float(st.peak_kv_bytes),
+        decode_calls=list(st.calls),
+        decode_seconds_per_step=sum(c[0] for c in st.calls) / max(st.decode_steps, 1),
         decode_slots=eng.config.slots,  # the DARTS cost model's schedule
     )
     if scs:

@@ -191,14 +191,14 @@ class ContinuousSampler:
         st = self.engine.stats()
         stats = dict(
             seconds=time.perf_counter() - t0,  # wall clock, submits included
-            generated_tokens=st["generated_tokens"],
-            tokens_per_second=st["tokens_per_second"],
-            decode_steps=st["decode_steps"],
+            generated_tokens=st.generated_tokens,
+            tokens_per_second=st.tokens_per_second,
+            decode_steps=st.decode_steps,
             rows=self.engine.config.slots,
             trace_count=self.trace_count,
-            slot_utilisation=st["slot_utilisation"],
-            peak_kv_bytes=st["peak_kv_bytes"],
-            switches=list(st["switches"]),
+            slot_utilisation=st.slot_utilisation,
+            peak_kv_bytes=st.peak_kv_bytes,
+            switches=list(st.switches),
         )
         return SampleResult(
             tokens=tuple(t for t, _ in res),

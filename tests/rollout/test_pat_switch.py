@@ -25,6 +25,7 @@ from dtarl.rollout.engine import (
     Status,
     recompute_calls,
 )
+from dtarl.rollout.programs import ProgramKind
 from dtarl.rollout.sampler import FinishReason
 
 # kv heads = 8, so every tp in {1, 2, 4, 8} splits them.
@@ -65,10 +66,10 @@ def shared(model):
 def eng(shared):
     shared.stats(reset=True)
     yield shared
-    for r in [r for r in shared._slot_req if r is not None]:
+    for r in shared.live_requests():
         shared.release(r)
     shared.reset()
-    assert shared.view().slots == SMALL.slots and shared.mesh is shared._mesh0
+    assert shared.view().slots == SMALL.slots and shared.mesh is shared.base_mesh
 
 
 def _phys(x):
@@ -164,7 +165,7 @@ def test_several_switches_keep_tokens_and_logprobs(eng, weights, reference, mode
     assert [(i["dp"], i["tp"], i["live"], i["slots"]) for i in infos] == expect
     assert set(infos[0]) == set(INFO_KEYS)
     assert all(i["kv_s"] > 0 and i["weights_s"] > 0 and i["moved_weight_bytes"] > 0 for i in infos)
-    assert eng.stats()["switches"] == infos
+    assert list(eng.stats().switches) == infos
 
 
 @pytest.mark.parametrize(
@@ -213,15 +214,15 @@ def test_recompute_runs_the_calls_recompute_calls_lists(eng, weights):
     eng.submit(PROMPTS[0], n=2, max_new_tokens=[2, 3], temperature=0.0, hold=True)
     eng.submit(PROMPTS[1], n=3, max_new_tokens=[12, 14, 10], temperature=0.0)
     eng.submit(PROMPTS[2], n=2, max_new_tokens=[15, 9], temperature=0.0)
-    fn, ran, seen = eng._fn, [], {}
+    get, ran, seen = eng.programs.get, [], {}
 
-    def recording(kind, *statics, **kw):  # the prefill/extend calls the engine runs
-        f = fn(kind, *statics, **kw)
-        if kind not in ("prefill", "extend"):
+    def recording(key):  # the prefill/extend calls the engine runs
+        f = get(key)
+        if key.kind not in (ProgramKind.PREFILL, ProgramKind.EXTEND):
             return f
 
         def call(*args):
-            ran.append((kind, statics[0]))
+            ran.append((key.kind.value, key.length))
             return f(*args)
 
         call.lower = f.lower
@@ -231,11 +232,11 @@ def test_recompute_runs_the_calls_recompute_calls_lists(eng, weights):
         if seen:
             return None
         seen.update(view=e.view(), state=pat.engine_state(e, lambda *_: True), before=e.stats())
-        e._fn = recording
+        e.programs.get = recording
         try:
             w, seen["info"] = e.reshard((4, 2), w, slots=8, mode="recompute")
         finally:
-            del e._fn
+            del e.programs.get
         seen["after"] = e.stats()
         return w
 
@@ -256,7 +257,7 @@ def test_recompute_runs_the_calls_recompute_calls_lists(eng, weights):
     )
     assert ran == [(kind, t) for kind, t, *_ in calls]
     for kind in ("prefill", "extend"):
-        delta = seen["after"][f"{kind}_calls"] - seen["before"][f"{kind}_calls"]
+        delta = getattr(seen["after"], f"{kind}_calls") - getattr(seen["before"], f"{kind}_calls")
         assert delta == sum(k == kind for k, *_ in calls)
     assert [k for k, *_ in calls] == ["prefill"] * 2 + ["extend"] * 2  # ceil(3/2), ceil(7/4)
     # The predictor prices exactly these calls at the target TP, plus the fixed part
@@ -329,12 +330,12 @@ def test_layout_and_memory_bookkeeping(eng, weights):
     w = eng.place(weights)
     eng.step(w)
     eng.step(w)
-    live = [r for r in eng._slot_req if r is not None]
+    live = eng.live_requests()
     with pytest.raises(EngineError, match=rf"slots=2 must be an int in \[{len(live)}, 8\]"):
         eng.reshard((4, 2), w, slots=2)
     w, first = eng.reshard((4, 2), w, slots=8)
     old = jax.tree.leaves(w)
-    old_layer = _phys(eng._pool.resp_k[0])
+    old_layer = _phys(eng.pool.arrays.resp_k[0])
     w, second = eng.reshard((2, 4), w, slots=4)
     # The caller's weights stay (the first switch holds a whole copy); the engine's own
     # copy is freed layer by layer (leaves split over tp all moved and were deleted).
@@ -346,7 +347,7 @@ def test_layout_and_memory_bookkeeping(eng, weights):
     layer = max(sum(_phys(x) for x in jax.tree.leaves(g)) for g in groups)
     assert 0 < second["weights_peak_extra_bytes"] <= layer < second["moved_weight_bytes"]
     # K/V: one layer in flight (an old layer's rows and their copy on the new mesh).
-    rows = eng._pool.resp_k[0]
+    rows = eng.pool.arrays.resp_k[0]
     assert 0 < second["kv_peak_extra_bytes"] <= old_layer + _phys(rows)
     assert rows.sharding.spec[0] == "dp" and rows.sharding.spec[2] == "tp"
     # The 3 live requests spread evenly over the 2 dp shards (2 slots per shard).
@@ -390,7 +391,7 @@ def test_bad_meshes_and_shrinking_with_a_waiting_queue(eng, weights, model):
 
 
 def test_sampler_generate_with_a_controller_returns_to_its_mesh(eng, model, weights, reference):
-    cs = ContinuousSampler(model, SMALL, temperature=0.0, mesh=eng._mesh0)
+    cs = ContinuousSampler(model, SMALL, temperature=0.0, mesh=eng.base_mesh)
     cs.engine = eng  # share the compiled programs
     infos = []
     trainer = shard_params(weights, make_mesh(4, 2))  # the caller's layout: tp-split leaves
@@ -407,7 +408,7 @@ def test_sampler_generate_with_a_controller_returns_to_its_mesh(eng, model, weig
     # on; the caller's weights are untouched.
     assert infos[0]["weights_peak_extra_bytes"] < infos[0]["moved_weight_bytes"]
     assert not any(x.is_deleted() for x in jax.tree.leaves(trainer))
-    assert eng.mesh is eng._mesh0 and eng.view().slots == SMALL.slots
+    assert eng.mesh is eng.base_mesh and eng.view().slots == SMALL.slots
 
 
 def test_donated_weights_are_freed_layer_by_layer(eng, weights):
