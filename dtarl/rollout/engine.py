@@ -323,9 +323,10 @@ class RolloutEngine:
         self._stats.seconds += time.perf_counter() - t0
         return decoded
 
-    def _program(self, kind: ProgramKind, at=None, **statics):
-        mesh, n = at or (self.mesh, self.slots)
-        return self.programs.get(ProgramKey(kind=kind, mesh=mesh, slots=n, **statics))
+    def _program(self, kind: ProgramKind, **statics):
+        """The program of ``kind`` on the current (mesh, slots)."""
+        key = ProgramKey(kind=kind, mesh=self.mesh, slots=self.slots, **statics)
+        return self.programs.get(key)
 
     def _prefill(self, weights, batch: list[Group], t: int | None = None) -> None:
         """One prefill call writing these groups' prompts (at most prefill_batch), padded
