@@ -51,6 +51,12 @@ class ProgramKey:
     length: int = 0
     rows: int = 0
 
+    def __post_init__(self):
+        if not isinstance(self.kind, ProgramKind):
+            raise TypeError(f"ProgramKey.kind={self.kind!r} must be a ProgramKind")
+        if not isinstance(self.slots, int | np.integer) or self.slots < 1:
+            raise ValueError(f"ProgramKey.slots={self.slots!r} must be an int >= 1")
+
     @property
     def mesh_shape(self) -> tuple[int, int]:
         """(dp, tp); (1, 1) without a mesh."""
