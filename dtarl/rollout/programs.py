@@ -88,6 +88,10 @@ class ProgramCache:
     def __contains__(self, key: ProgramKey) -> bool:
         return key in self._fns
 
+    def keys(self) -> list[ProgramKey]:
+        """The keys of the programs built so far, in the order they were built."""
+        return list(self._fns)
+
     def get(self, key: ProgramKey) -> Callable:
         """The jitted program of ``key`` (built on first use; ``.lower`` compiles it)."""
         if key not in self._fns:

@@ -12,6 +12,7 @@ from flax import nnx
 
 from dtarl.model.config import ModelConfig
 from dtarl.model.decoder import Decoder
+from dtarl.rollout.config import decode_windows, length_buckets
 from dtarl.rollout.continuous import ContinuousSampler
 from dtarl.rollout.engine import (
     ContinuousConfig,
@@ -20,6 +21,7 @@ from dtarl.rollout.engine import (
     Status,
     complete,
 )
+from dtarl.rollout.programs import ProgramKey, ProgramKind
 from dtarl.rollout.sampler import FinishReason, Sampler, SamplingParams
 
 CFG = ModelConfig.tiny()
@@ -164,6 +166,25 @@ def test_no_compiles_after_warmup_with_varied_lengths_and_arrivals(weights, engi
     engine.run(weights)
     assert all(g.done for g in live)
     assert engine.trace_count == before
+
+
+def test_program_cache_is_keyed_by_kind_and_statics(engine):
+    keys = engine.programs.keys()
+    assert all(isinstance(k, ProgramKey) and k.mesh_shape == (1, 1) for k in keys)
+    by_kind = {kind: [k for k in keys if k.kind is kind] for kind in ProgramKind}
+    windows = sorted({k.window for k in by_kind[ProgramKind.DECODE]})
+    assert windows == decode_windows(SMALL.response_len)  # warmup: one per window ...
+    assert {k.filtered for k in by_kind[ProgramKind.DECODE]} == {False, True}  # ... and mode
+    lengths = sorted({k.length for k in by_kind[ProgramKind.PREFILL]})
+    assert lengths == length_buckets(SMALL.prompt_len)
+    lengths = sorted({k.length for k in by_kind[ProgramKind.EXTEND]})
+    assert lengths == length_buckets(SMALL.response_len)
+    same = ProgramKey(**{f: getattr(keys[0], f) for f in keys[0].__dataclass_fields__})
+    before = engine.trace_count
+    assert engine.programs.get(same) is engine.programs.get(keys[0])
+    assert engine.trace_count == before and len(engine.programs) == len(keys)
+    with pytest.raises(TypeError, match="ProgramKey.kind='decode' must be a ProgramKind"):
+        ProgramKey(kind="decode", mesh=None, slots=4)
 
 
 def test_continuous_batching_refills_slots(model, weights):
