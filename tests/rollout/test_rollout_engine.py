@@ -187,6 +187,24 @@ def test_program_cache_is_keyed_by_kind_and_statics(engine):
         ProgramKey(kind="decode", mesh=None, slots=4)
 
 
+def test_time_bucket_call_on_an_idle_engine(model, weights):
+    eng = RolloutEngine(model, SMALL)
+    with pytest.raises(EngineError, match=r"kind='decode' must be 'prefill' or 'extend'"):
+        eng.time_bucket_call("decode", 16, weights)
+    with pytest.raises(EngineError, match=r"length=20 must be one of \[16, 32\]"):
+        eng.time_bucket_call("prefill", 20, weights)
+    assert eng.time_bucket_call("prefill", 16, weights) > 0
+    assert eng.stats().prefill_calls == 0  # a timing call counts in no stats
+    g = eng.submit([1, 2, 3], n=1, max_new_tokens=2, hold=True)
+    eng.run(weights)
+    with pytest.raises(EngineError, match="holds requests"):
+        eng.time_bucket_call("extend", 16, weights)
+    eng.release(g.requests[0])
+    assert eng.time_bucket_call("extend", 16, weights) > 0
+    with pytest.raises(EngineError, match="built without a mesh"):
+        eng.move_idle((1, 1), weights)
+
+
 def test_continuous_batching_refills_slots(model, weights):
     """Short requests free their slots for waiting ones: fewer steps than static batches."""
     eng = RolloutEngine(model, SMALL)
