@@ -88,6 +88,20 @@ def test_readme_commands_are_the_ones_ci_runs():
             )
 
 
+def _anchors(md: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation other than
+    ``-`` and ``_`` dropped, spaces as ``-``; a repeated heading gets ``-1``, ``-2``, ..."""
+    text = re.sub(r"^```.*?^```", "", md.read_text(), flags=re.S | re.M)
+    seen: dict[str, int] = {}
+    out = set()
+    for title in re.findall(r"^#{1,6}\s+(.+?)\s*$", text, flags=re.M):
+        slug = "".join(c for c in title.lower() if c.isalnum() or c in "-_ ").replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
 @pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(path):
     text = path.read_text()
@@ -96,12 +110,17 @@ def test_relative_links_resolve(path):
     text = re.sub(r"`[^`\n]*`", "", text)
     broken = []
     for target in LINK.findall(text):
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-            continue  # http(s)://, mailto:, in-page anchors
-        file = target.split("#", 1)[0]
-        if not (path.parent / file).exists():
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+            continue  # http(s)://, mailto:
+        if target.startswith("#"):
+            target = path.name + target  # an in-page anchor
+        file, _, anchor = target.partition("#")
+        dest = path.parent / file
+        if not dest.exists():
             broken.append(target)
-    assert not broken, f"{path.relative_to(ROOT)} links to missing files: {broken}"
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(target)
+    assert not broken, f"{path.relative_to(ROOT)} links to missing files or headings: {broken}"
 
 
 def test_readme_python_example_runs(capsys):
