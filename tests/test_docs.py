@@ -67,7 +67,9 @@ def test_configuration_md_names_every_config_key():
 
     text = (ROOT / "docs" / "configuration.md").read_text()
     missing = [k for k in keys(to_dict(TrainerConfig())) if f"| `{k}` |" not in text]
-    assert not missing, f"docs/configuration.md lacks {missing}; run python tools/gen_config_docs.py"
+    assert not missing, (
+        f"docs/configuration.md lacks {missing}; run python tools/gen_config_docs.py"
+    )
 
 
 def test_readme_is_a_first_page():

@@ -115,8 +115,12 @@ PAPERS = {
 }
 
 
+# Pointers into the old README that the docs pages replaced.
+MOVED = {'README, "Precision"': "docs/precision.md", "README's DARTS section": "docs/darts.md"}
+
+
 def _cite(text: str) -> str:
-    for old, new in PAPERS.items():
+    for old, new in {**PAPERS, **MOVED}.items():
         text = text.replace(old, new)
     return text
 
