@@ -5,9 +5,13 @@ example runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import keyword
 import re
 import sys
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -55,18 +59,25 @@ def test_configuration_md_is_generated_from_the_config_classes():
     )
 
 
-def test_configuration_md_names_every_config_key():
-    from dtarl.rl.config import TrainerConfig, to_dict
+def _config_keys(cls, prefix=""):
+    """Every leaf key of a config dataclass, dotted as ``--set`` takes it."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = f.name[:-1] if f.name.endswith("_") and keyword.iskeyword(f.name[:-1]) else f.name
+        tp = hints[f.name]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        inner = args[0] if typing.get_origin(tp) in (typing.Union, types.UnionType) else tp
+        if dataclasses.is_dataclass(inner):
+            yield from _config_keys(inner, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}"
 
-    def keys(d, prefix=""):
-        for k, v in d.items():
-            if isinstance(v, dict) and v:
-                yield from keys(v, f"{prefix}{k}.")
-            else:
-                yield f"{prefix}{k}"
+
+def test_configuration_md_names_every_config_key():
+    from dtarl.rl.config import TrainerConfig
 
     text = (ROOT / "docs" / "configuration.md").read_text()
-    missing = [k for k in keys(to_dict(TrainerConfig())) if f"| `{k}` |" not in text]
+    missing = [k for k in _config_keys(TrainerConfig) if f"| `{k}` |" not in text]
     assert not missing, (
         f"docs/configuration.md lacks {missing}; run python tools/gen_config_docs.py"
     )

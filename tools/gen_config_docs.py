@@ -195,6 +195,14 @@ def _source(cls: type) -> _ClassSource:
     return _SOURCES[cls]
 
 
+def _owner(cls: type, name: str) -> type:
+    """The class of ``cls``'s MRO whose body declares field ``name``."""
+    for base in cls.__mro__:
+        if name in base.__dict__.get("__annotations__", {}):
+            return base
+    return cls
+
+
 def _docstring_part(doc: str, name: str, others: list[str]) -> str:
     """The part of a class docstring that documents field ``name``: from ```` ``name``: ````
     or ``name:`` (at a sentence start) up to the next field so introduced, or the end
@@ -311,7 +319,8 @@ def _walk(
         key = f"{prefix}.{_yaml_key(f.name)}" if prefix else _yaml_key(f.name)
         tp = hints[f.name]
         inner, _ = _unwrap_optional(tp)
-        meaning = src.comments.get(f.name, "")
+        owner = _owner(cls, f.name)  # a field inherited from a base class: the base's source
+        meaning = _source(owner).comments.get(f.name, "")
         if not meaning:
             meaning = _docstring_part(src.doc, _yaml_key(f.name), names)
             if not meaning and f.name != _yaml_key(f.name):
