@@ -388,8 +388,8 @@ def generate() -> str:
         "",
         "Every key below is its dotted path as `--set` takes it; in YAML it nests"
         " (`rollout.streaming.chunk: 8` is `rollout: {streaming: {chunk: 8}}`)."
-        " A section whose only field to set is `enabled` also takes a bare boolean"
-        " (`resume: false`).",
+        " A section with an `enabled` field also takes a bare boolean"
+        " (`resume: false` is `resume: {enabled: false}`).",
         "",
         "The papers named below are listed in [papers.md](papers.md).",
         "",
