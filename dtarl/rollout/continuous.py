@@ -105,7 +105,9 @@ class ContinuousSampler:
             self.engine.place(weights), filtered=filtered, extend=extend, targets=targets
         )
 
-    def reserve(self, *, prompts: int, rows: int, prompt_len: int, response: int) -> None:
+    def reserve(
+        self, *, prompts: int = 1, rows: int = 1, prompt_len: int = 8, response: int = 8
+    ) -> None:
         """Checks the arguments (ints >= 1) and grows the engine only where ``generate``
         would: a turn of ``response`` tokens that its ``response_len`` rows cannot
         hold. Nothing else: the engine was sized at construction (``make_samplers``:
