@@ -192,28 +192,17 @@ class ContinuousSampler:
             eng.adopt(placed, weights)
         weights = placed
         streams = _Streams(eng, stream, [np.asarray(p, np.int32).reshape(-1) for p in prompts])
-        base = seed_key(seed)
-        groups, at = [], 0
-        for i, prompt in enumerate(prompts):
-            n = counts[i]
-            mx = (
-                self.max_new_tokens if max_new_tokens is None else list(max_new_tokens[at : at + n])
-            )
-            stop = 0 if early_stop is None else int(early_stop[i])
-            groups.append(
-                eng.submit(
-                    prompt,
-                    n=n,
-                    max_new_tokens=mx,
-                    forced_lengths=None if forced_lengths is None else forced_lengths[at : at + n],
-                    seed=fold_seed(base, index_offset + i),
-                    hold=on_turn is not None,
-                    until=complete(stop) if stop else None,
-                    on_tokens=streams.on_tokens if stream else None,
-                    **self.sampling,
-                )
-            )
-            at += n
+        groups = self._submit(
+            prompts,
+            counts,
+            seed_key(seed),
+            max_new_tokens=max_new_tokens,
+            forced_lengths=forced_lengths,
+            index_offset=index_offset,
+            early_stop=early_stop,
+            hold=on_turn is not None,
+            on_tokens=streams.on_tokens if stream else None,
+        )
         reqs = [r for g in groups for r in g.requests]
         row_of = {id(r): j for j, r in enumerate(reqs)}
         streams.rows(row_of, {id(r): i for i, g in enumerate(groups) for r in g.requests})
@@ -263,6 +252,43 @@ class ContinuousSampler:
             finish_rank=rank,
             streamed=streams.results(total),
         )
+
+    def _submit(
+        self,
+        prompts,
+        counts,
+        base,
+        *,
+        max_new_tokens,
+        forced_lengths,
+        index_offset,
+        early_stop,
+        hold,
+        on_tokens,
+    ) -> list:
+        """One engine group per prompt (prompt i keyed ``fold_seed(base, index_offset + i)``)."""
+        groups, at = [], 0
+        for i, prompt in enumerate(prompts):
+            n = counts[i]
+            mx = self.max_new_tokens
+            if max_new_tokens is not None:
+                mx = list(max_new_tokens[at : at + n])
+            stop = 0 if early_stop is None else int(early_stop[i])
+            groups.append(
+                self.engine.submit(
+                    prompt,
+                    n=n,
+                    max_new_tokens=mx,
+                    forced_lengths=None if forced_lengths is None else forced_lengths[at : at + n],
+                    seed=fold_seed(base, index_offset + i),
+                    hold=hold,
+                    until=complete(stop) if stop else None,
+                    on_tokens=on_tokens,
+                    **self.sampling,
+                )
+            )
+            at += n
+        return groups
 
     def _counts(self, prompts, num_samples, index_offset, early_stop) -> list[int]:
         """Samples per prompt, after checking ``generate``'s per-prompt arguments."""
