@@ -10,6 +10,7 @@ from dtarl.model.decoder import Decoder
 from dtarl.rl.config import ConfigError, RolloutEngineKind, TrainerConfig
 from dtarl.rollout.continuous import ContinuousSampler
 from dtarl.rollout.engine import ContinuousConfig
+from dtarl.rollout.protocol import Rollout
 from dtarl.rollout.sampler import Sampler, SamplingParams
 from dtarl.tree.plan import bucket
 
@@ -24,8 +25,9 @@ def make_samplers(
     prompt_len: int,
     response_len: int,
     mesh: jax.sharding.Mesh | None = None,
-) -> tuple[Sampler | ContinuousSampler, Sampler | ContinuousSampler]:
-    """(rollout sampler, greedy evaluation sampler).
+) -> tuple[Rollout, Rollout]:
+    """(rollout sampler, greedy evaluation sampler): both implement the ``Rollout``
+    protocol (``dtarl.rollout.protocol``); what they can do is in their ``features``.
 
     ``continuous`` (the default): every prompt of a step is resident at once (one
     prompt row each) and ``rollout.slots`` samples decode together (0: the whole

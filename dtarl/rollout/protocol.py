@@ -10,7 +10,21 @@ between them is declared in ``features``::
         raise ConfigError("rollout.pat needs a sampler that can switch its mesh")
 
 A sampler that is asked for something it does not declare raises ``SamplerError``
-naming the argument.
+naming the argument (``require``).
+
+=================  ==========================  ==========  ================
+Feature            ``generate`` argument       Sampler     ContinuousSampler
+=================  ==========================  ==========  ================
+``SWITCH``         ``on_call``                 no          yes
+``SHARE``          ``index_offset``            no          yes
+``CANDIDATES``     ``early_stop``              no          yes
+``STREAM``         ``stream``                  no          yes
+``EXTEND``         ``on_turn``                 no          yes
+=================  ==========================  ==========  ================
+
+Per-prompt sample counts (``num_samples=[...]``) are plain ``generate``: both take
+them. DARTS needs ``CANDIDATES`` for the early stop and the finish order
+(``SampleResult.finish_rank``).
 """
 
 from __future__ import annotations
@@ -20,8 +34,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import numpy as np
 
-from dtarl.rollout.sampler import SampleResult
+from dtarl.rollout.sampler import FinishReason, SamplerError, SampleResult
 
 
 class Feature(enum.Enum):
@@ -29,9 +44,15 @@ class Feature(enum.Enum):
 
     SWITCH = "switch"  # ``on_call``: a hook between decode calls that may reshard (PAT)
     SHARE = "share"  # ``index_offset``: a share of a larger batch samples as it does there
-    CANDIDATES = "candidates"  # per-prompt candidate counts and early stop (DARTS)
-    STREAM = "stream"  # streamed scoring between decode calls (rollout.streaming)
-    EXTEND = "extend"  # tool turns appended to a sample's own K/V (nothing re-prefilled)
+    CANDIDATES = "candidates"  # ``early_stop``: cancel a group's rest, record finish order
+    STREAM = "stream"  # ``stream``: forward-only scoring between decode calls
+    EXTEND = "extend"  # ``on_turn``: tool turns appended to a sample's own K/V
+
+
+# ``on_turn(sample, tokens, raw_logprobs, finish)``: called when a turn of sample
+# ``sample`` (its row in the result) ends; returns the tool output's token ids to append
+# and continue the sample with, or None to end it.
+TurnFn = Callable[[int, np.ndarray, np.ndarray, FinishReason], "np.ndarray | None"]
 
 
 @runtime_checkable
@@ -42,8 +63,22 @@ class Rollout(Protocol):
     prompt (or ``num_samples[i]`` for prompt ``i``) and returns a ``SampleResult``
     whose ``raw_logprobs`` are the training policy's (logits / T).
     ``max_new_tokens`` / ``forced_lengths``: one int per sample (limits; exact
-    lengths for benchmarks). ``index_offset`` and ``on_call`` need ``Feature.SHARE``
-    and ``Feature.SWITCH``.
+    lengths for benchmarks). The other keyword arguments each need their ``Feature``
+    (module docstring):
+
+    - ``index_offset=k``: prompt i is keyed as prompt k + i of a larger batch.
+    - ``on_call(engine, weights)``: runs between decode calls; a non-None result
+      replaces the weights (PAT's controller).
+    - ``early_stop[i] = m > 0``: prompt i's other samples are cancelled once ``m`` of
+      them finished with a stop (``FinishReason.CANCELLED``); ``finish_rank`` of the
+      result records the order in which samples finished.
+    - ``stream``: ``dtarl.rollout.stream.Stream`` models scored while decoding goes on;
+      the result's ``streamed[kind][i]`` holds the scores of sample i's tokens after
+      the prompt (every turn and tool output), its stats the ``stream_*`` timings.
+    - ``on_turn`` (a ``TurnFn``): multi-turn samples; a sample whose turn ended is
+      continued on its own K/V with the returned tool tokens appended. The result
+      then holds each sample's last turn; a sample whose tool output does not fit
+      ends with ``FinishReason.LENGTH``.
     """
 
     max_new_tokens: int
@@ -60,6 +95,9 @@ class Rollout(Protocol):
         forced_lengths: Sequence[int] | None = None,
         index_offset: int = 0,
         on_call: Callable[[Any, Any], Any] | None = None,
+        early_stop: Sequence[int] | None = None,
+        stream: Sequence[Any] = (),
+        on_turn: TurnFn | None = None,
     ) -> SampleResult: ...
 
     def warmup(self, weights, *, extend: bool = False) -> None:
@@ -68,8 +106,9 @@ class Rollout(Protocol):
 
     def reserve(self, *, prompts: int, rows: int, prompt_len: int, response: int) -> None:
         """Sizes the sampler for the run's largest call: ``prompts`` distinct prompts,
-        ``rows`` samples, prompts of up to ``prompt_len`` tokens and responses of up to
-        ``response`` tokens, so that later calls compile nothing new."""
+        ``rows`` samples, prompts (or, re-prefilling tool turns, histories) of up to
+        ``prompt_len`` tokens and turns of up to ``response`` tokens, so that later calls
+        compile nothing new."""
         ...
 
     @property
@@ -78,4 +117,32 @@ class Rollout(Protocol):
         ...
 
 
-__all__ = ["Feature", "Rollout"]
+# The argument of ``generate`` that asks for each feature.
+ARGUMENT = {
+    Feature.SWITCH: "on_call",
+    Feature.SHARE: "index_offset",
+    Feature.CANDIDATES: "early_stop",
+    Feature.STREAM: "stream",
+    Feature.EXTEND: "on_turn",
+}
+
+
+def features_of(sampler) -> frozenset[Feature]:
+    """``sampler.features``; a bare ``generate`` (a test double) declares none."""
+    return frozenset(getattr(sampler, "features", ()))
+
+
+def require(sampler, feature: Feature, argument: str | None = None) -> None:
+    """Raises ``SamplerError`` naming ``argument`` (default: the ``generate`` argument of
+    ``feature``) unless ``sampler`` declares ``feature``."""
+    if feature in features_of(sampler):
+        return
+    have = sorted(f.value for f in features_of(sampler)) or "none"
+    raise SamplerError(
+        f"{argument or ARGUMENT[feature]}: needs a sampler with Feature.{feature.name}; "
+        f"{type(sampler).__name__} declares {have} (the continuous engine, "
+        "rollout.engine=continuous, declares every feature)"
+    )
+
+
+__all__ = ["ARGUMENT", "Feature", "Rollout", "TurnFn", "features_of", "require"]

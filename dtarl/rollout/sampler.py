@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -337,6 +337,10 @@ class SampleResult:
     truncated); ``raw_logprobs``: under log softmax(logits / T) untruncated (T = 1
     when greedy), the old-policy logprobs to train with (``DecodeState``).
     finish: [N] FinishReason values.
+    finish_rank: [N] the order in which samples finished (0 first), where the sampler
+    records it (``Feature.CANDIDATES``); None otherwise.
+    streamed: ``ScoreKind`` -> per sample, the streamed scores of its tokens after
+    the prompt (``Feature.STREAM``; empty without streams).
     """
 
     tokens: tuple[np.ndarray, ...]
@@ -345,6 +349,8 @@ class SampleResult:
     finish: np.ndarray
     prompt_index: np.ndarray
     stats: dict[str, Any]
+    finish_rank: np.ndarray | None = None
+    streamed: dict[Any, tuple[np.ndarray, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -358,7 +364,17 @@ class Sampler:
     Buckets (prompt count, rows, prompt length, response length) only grow, so a
     smaller batch reuses the last program; ``reserve`` pre-sizes them.
     ``trace_count`` counts traces of the prefill and decode programs.
+
+    The ``Rollout`` protocol's reference implementation (``dtarl.rollout.protocol``):
+    it declares no ``Feature`` (``features`` is empty), so ``on_call``,
+    ``index_offset``, ``early_stop``, ``stream`` and ``on_turn`` raise
+    ``SamplerError``; tool turns are sampled by re-prefilling each history
+    (``dtarl.rl.multiturn.rollout``). ``warmup`` is a no-op: programs compile at the
+    first call of each bucket.
     """
+
+    # No Feature (``dtarl.rollout.protocol``; an empty set needs no import of it).
+    features: frozenset = frozenset()
 
     def __init__(self, model: Decoder, params: SamplingParams, *, pad_id: int = 0):
         self.graphdef, _ = nnx.split(model, nnx.Param)
@@ -370,16 +386,29 @@ class Sampler:
         self._prefill_fns: dict[tuple, Any] = {}
         self._decode_fn = None
 
+    @property
+    def max_new_tokens(self) -> int:
+        return self.params.max_new_tokens
+
+    def warmup(self, weights, *, extend: bool = False) -> None:
+        """Nothing to do: the static programs compile at the first call of each bucket
+        (``reserve`` sizes the buckets up front, so that is the first call)."""
+        del weights, extend
+
     def reserve(
         self, *, prompts: int = 1, rows: int = 1, prompt_len: int = 8, response: int = 8
     ) -> Sampler:
+        """Grows the buckets to hold ``prompts`` distinct prompts (or histories), ``rows``
+        samples, ``prompt_len`` prompt tokens and ``response`` new tokens (all >= 1)."""
         for key, value in (
             ("prompts", prompts),
             ("rows", rows),
             ("prompt_len", prompt_len),
             ("response", response),
         ):
-            self._min[key] = max(self._min[key], bucket(value))
+            if not isinstance(value, int | np.integer) or value < 1:
+                raise SamplerError(f"reserve: {key}={value!r} must be an int >= 1")
+            self._min[key] = max(self._min[key], bucket(int(value)))
         return self
 
     def _model(self, weights):
@@ -525,7 +554,27 @@ class Sampler:
         seed: int | jax.Array = 0,
         max_new_tokens: Sequence[int] | None = None,
         forced_lengths: Sequence[int] | None = None,
+        index_offset: int = 0,
+        on_call: Callable[[Any, Any], Any] | None = None,
+        early_stop: Sequence[int] | None = None,
+        stream: Sequence[Any] = (),
+        on_turn: Callable[..., Any] | None = None,
     ) -> SampleResult:
+        """Samples ``num_samples`` responses per prompt as one static batch. The
+        ``Rollout`` protocol's feature arguments are refused (``features`` is empty)."""
+        asked = dict(
+            on_call=(on_call is not None, "SWITCH"),
+            index_offset=(index_offset != 0, "SHARE"),
+            early_stop=(early_stop is not None, "CANDIDATES"),
+            stream=(bool(stream), "STREAM"),
+            on_turn=(on_turn is not None, "EXTEND"),
+        )
+        for name, (used, feature) in asked.items():
+            if used:
+                raise SamplerError(
+                    f"{name}: needs a sampler with Feature.{feature}; the static Sampler "
+                    "declares none (use the continuous engine, rollout.engine=continuous)"
+                )
         t0 = time.perf_counter()
         state, prompt_index = self.init(
             weights,

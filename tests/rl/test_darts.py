@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from dtarl.rl import darts
 from dtarl.rl.config import ConfigError, TrainerConfig, from_dict
-from dtarl.rl.episodes import Trajectory, _darts_shape, rl_batch
+from dtarl.rl.episodes import Trajectory, rl_batch
+from dtarl.rl.step import shape_darts
 from dtarl.rl.trainer import Trainer
 
 
@@ -291,7 +292,7 @@ def test_shape_multi_process_cost_is_the_slowest_process():
         decode_calls_per_process=[(0, 2, calls0), (2, 4, calls1)],
     )
     rewards = np.zeros(len(trajs), np.float32)
-    idx, m = _darts_shape(cfg, s, plan, keys, trajs, rewards, stats)
+    idx, m = shape_darts(cfg, s, plan, keys, trajs, rewards, stats)
     assert m["darts_cost_actual_s"] == pytest.approx(0.07)  # max(0.05, 0.04 + 0.03)
     share0 = darts.RolloutCostModel(a=s.cost.a, c=s.cost.c).predict([3, 5, 2, 4, 9])
     share1 = darts.RolloutCostModel(a=s.cost.a, c=s.cost.c).predict([1, 1, 6, 2, 2, 20])
@@ -304,7 +305,7 @@ def test_shape_multi_process_cost_is_the_slowest_process():
     # one process: the same step from the concatenated calls is their sum
     s1 = darts.DartsState()
     s1.cost = darts.RolloutCostModel(a=s.cost.a, c=s.cost.c, obs=list(s.cost.obs[:3]))
-    _, m1 = _darts_shape(cfg, s1, plan, keys, trajs, rewards, dict(decode_calls=calls0 + calls1))
+    _, m1 = shape_darts(cfg, s1, plan, keys, trajs, rewards, dict(decode_calls=calls0 + calls1))
     assert m1["darts_cost_actual_s"] == pytest.approx(0.12)
     with pytest.raises(ValueError, match="lengths: 1 processes, calls: 2"):
         darts.step_cost(s.cost, [[1]], [calls0, calls1])
