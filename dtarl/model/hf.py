@@ -53,6 +53,7 @@ from dtarl.model.decoder import Decoder
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+EXPORT_MARKER = ".dtarl-export"  # written by `dtarl export`: `--force` may replace the directory
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "pytorch_model.bin.index.json")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}
@@ -408,6 +409,9 @@ def save_hf(
 
     def hf_tensor(entry: _Entry) -> np.ndarray:
         arr = np.asarray(jax.device_get(slots[entry.path][...]))
+        if not np.isfinite(arr).all():  # never export NaN / inf weights
+            name = "/".join(map(str, entry.path))
+            raise ValueError(f"{path}: parameter {name} holds NaN or inf; not exported")
         return np.ascontiguousarray(entry.to_hf(arr).astype(np_dtype))
 
     itemsize = np.dtype(np_dtype).itemsize
@@ -483,7 +487,7 @@ def tokenizer_files(directory: str | os.PathLike | None) -> list[str]:
 
 
 def _written_by_save_hf(name: str) -> bool:
-    return name in (CONFIG_FILE, INDEX_FILE) or name.endswith(".safetensors")
+    return name in (CONFIG_FILE, INDEX_FILE, EXPORT_MARKER) or name.endswith(".safetensors")
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -528,6 +532,7 @@ def check_export_dir(
 
 
 __all__ = [
+    "EXPORT_MARKER",
     "SAVE_DTYPES",
     "TOKENIZER_FILES",
     "CheckpointError",

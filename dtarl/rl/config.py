@@ -522,6 +522,13 @@ class MeshSection:
         return dp, tp
 
 
+class OnCorrupt(enum.Enum):
+    """``resume.on_corrupt``: what a resume does with a step that fails verification."""
+
+    PREVIOUS = "previous"
+    ERROR = "error"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ResumeSection:
     """Continue from the latest checkpoint in ``out_dir/checkpoints``. The saved run's
@@ -532,6 +539,9 @@ class ResumeSection:
     SECTION: typing.ClassVar[str] = "resume"
     enabled: bool = True
     allow_changes: bool = False
+    # A step whose files do not match its manifest (``dtarl.rl.integrity``): skip it
+    # with one line and resume from the newest intact step, or stop with the error.
+    on_corrupt: OnCorrupt = OnCorrupt.PREVIOUS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -909,6 +919,7 @@ __all__ = [
     "LossAggMode",
     "MeshSection",
     "ModelSection",
+    "OnCorrupt",
     "OptimSection",
     "PatSection",
     "RESUME_FREE_KEYS",

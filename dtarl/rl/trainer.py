@@ -364,7 +364,9 @@ class Trainer:
         self.opt_state = None
         self.base_key = jax.random.PRNGKey(cfg.seed)
         self.ckpt = CheckpointManager(
-            os.path.join(cfg.out_dir, "checkpoints"), keep=cfg.keep_checkpoints
+            os.path.join(cfg.out_dir, "checkpoints"),
+            keep=cfg.keep_checkpoints,
+            on_corrupt=cfg.resume.on_corrupt.value,
         )
         if cfg.export.hf_dir:  # refused now, not after training
             check_export_dir(
