@@ -172,9 +172,6 @@ class CheckpointManager:
                 cleanup_tmp_directories=True,
                 todelete_subdir=_TRASH,
                 create=True,
-                async_options=ocp.AsyncOptions(
-                    post_finalization_callback=self._integrity.on_commit
-                ),
             )
             try:
                 self._mgr = ocp.CheckpointManager(
@@ -260,6 +257,7 @@ class CheckpointManager:
         if not saved:
             raise CheckpointError(f"{final}: Orbax declined to save step {step}")
         self._pending = step
+        self._integrity.watch(mgr.wait_until_finished)  # writes the manifest once committed
         return final
 
     def wait(self) -> None:
@@ -268,6 +266,7 @@ class CheckpointManager:
             return
         step, self._pending = self._pending, None
         try:
+            self._integrity.join()
             self._mgr.wait_until_finished()
         except Exception as e:
             raise CheckpointError(

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -239,11 +240,33 @@ class StepVerifier:
             )
         return None
 
-    def on_commit(self) -> None:
-        """Orbax's post-commit callback: a single-process run writes the manifest at once
-        (a multi-process one in ``committed``, where all processes meet)."""
-        if jax.process_count() == 1:
-            self.committed()
+    def watch(self, wait_fn) -> None:
+        """Single process: a thread waits for the async save in flight (``wait_fn``, Orbax's
+        ``wait_until_finished``) and writes its manifest at once, so a step is verifiable
+        as soon as it is committed. A multi-process run writes it in ``committed``, where
+        all processes meet."""
+        if jax.process_count() > 1:
+            return
+
+        def run():
+            try:
+                wait_fn()
+                self.committed()
+            except BaseException as e:  # re-raised by ``join`` in the caller's thread
+                self._error = e
+
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=run, name="dtarl-manifest", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        """Waits for ``watch``'s thread; raises what it raised."""
+        thread, self._thread = getattr(self, "_thread", None), None
+        if thread is not None:
+            thread.join()
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise err
 
     def committed(self) -> None:
         """Writes the manifest of the committed save in flight (``CheckpointManager.wait``;
@@ -252,7 +275,9 @@ class StepVerifier:
         if self.pending is None:
             return
         step_dir, step, config = self.pending
-        if jax.process_index() == 0 and os.path.isdir(step_dir) and not has_manifest(step_dir):
+        if not os.path.isdir(step_dir):  # not committed: ``CheckpointManager.wait`` says so
+            return
+        if jax.process_index() == 0 and not has_manifest(step_dir):
             write_manifest(step_dir, step=step, config=config)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
