@@ -28,6 +28,7 @@ equals the embedding is accepted and dropped. ``rotary_emb.inv_freq`` buffers
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from dtarl.errors import CheckpointError
@@ -206,12 +207,24 @@ def _weight_files(path: str) -> dict[str, str]:
         )
     where = {}
     for fp in files:
-        with safe_open(fp, framework="numpy") as f:
+        with _safetensors(fp) as f:
             for name in f.keys():
                 if name in where:
                     raise CheckpointError(f"tensor {name!r} appears in both {where[name]} and {fp}")
                 where[name] = fp
     return where
+
+
+@contextlib.contextmanager
+def _safetensors(fp: str):
+    """``safe_open(fp)``; a truncated or foreign file is a one-line ``CheckpointError``."""
+    try:
+        with safe_open(fp, framework="numpy") as f:
+            yield f
+    except SafetensorError as e:
+        raise CheckpointError(
+            f"{fp}: not a readable safetensors file ({e}); re-download or re-export it"
+        ) from None
 
 
 def _read_tensor(f, fp: str, name: str) -> np.ndarray:
@@ -287,7 +300,7 @@ def load_hf(
         by_file.setdefault(where[name], []).append(name)
     bad = []
     for fp, names in by_file.items():
-        with safe_open(fp, framework="numpy") as f:
+        with _safetensors(fp) as f:
             have = set(f.keys())
             for name in names:
                 if name not in have:
@@ -322,7 +335,7 @@ def load_hf(
     filled = {}
     embed = None
     for fp, names in by_file.items():
-        with safe_open(fp, framework="numpy") as f:
+        with _safetensors(fp) as f:
             for name in names:
                 w = _read_tensor(f, fp, name)
                 if name not in layout:  # the tied lm_head; compared once the embedding is in

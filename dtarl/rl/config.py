@@ -19,13 +19,13 @@ import enum
 import keyword
 import math
 import os
-import re
 import types
 import typing
 from typing import Any
 
 import yaml
 
+from dtarl import yamlconf
 from dtarl.batch import LossNorm
 from dtarl.engines.config import EngineConfig, EngineKind
 from dtarl.errors import ConfigError
@@ -317,11 +317,19 @@ class RolloutSection:
             if not s:
                 raise ConfigError(f"rollout.stop[{i}]='' must be a non-empty string")
         _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "steps_per_call")
+        if self.prompts_per_step * self.group_size > MAX_ROLLOUTS_PER_STEP:
+            raise ConfigError(
+                f"rollout.prompts_per_step x rollout.group_size = {self.prompts_per_step} x "
+                f"{self.group_size} rollouts per step; accepted: at most {MAX_ROLLOUTS_PER_STEP}"
+            )
         _nonneg(self, "slots")
         _in_range(self, "top_p", 0, 1, lo_open=True)
         _nonneg(self, "temperature", "top_k")
         if not math.isfinite(self.temperature):
             raise ConfigError(f"rollout.temperature={self.temperature!r} must be finite")
+
+
+MAX_ROLLOUTS_PER_STEP = 1 << 20  # prompts_per_step x group_size: host arrays stay bounded
 
 
 class LambdaUnits(enum.Enum):
@@ -661,6 +669,12 @@ class TrainerConfig:
                 f"rollout.streaming.enabled=false (got {self.rollout.streaming.enabled}; the "
                 "streaming scorers are single-device)"
             )
+        if self.algo.algorithm is not Algorithm.PPO and self.rollout.group_size < 2:
+            raise ConfigError(
+                f"rollout.group_size={self.rollout.group_size} with algo.algorithm="
+                f"{self.algo.algorithm.value}: group-relative advantages of a group of one are all "
+                "0 (nothing is learned); accepted: rollout.group_size >= 2, or algo.algorithm=ppo"
+            )
         if d.enabled and d.short_k > self.rollout.group_size:
             raise ConfigError(
                 f"algo.darts.short_k={d.short_k} must be <= rollout.group_size="
@@ -735,20 +749,8 @@ def _configs_dir() -> str:
 # ------------------------------------------------------------------ parsing
 
 
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2 floats: ``1e-3`` and ``5E4`` are numbers
-    (YAML 1.1 wants a dot and a signed exponent, ``1.0e-3``, and reads ``1e-3`` as a string)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
-
-
 def _yaml_load(stream):
-    return yaml.load(stream, Loader=_Loader)
+    return yamlconf.load(stream)  # YAML 1.2 floats; a duplicate key is an error
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -804,6 +806,8 @@ def _convert(tp, value, where: str):
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}={value!r} must be a number")
+        if not math.isfinite(value):  # .inf, 1e400, .nan
+            raise ConfigError(f"{where}={value!r} must be a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -897,6 +901,14 @@ def load_config(path: str | os.PathLike | None, overrides=()) -> TrainerConfig:
                 loaded = _yaml_load(f)
         except FileNotFoundError:
             raise ConfigError(f"{p}: no such config file") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{p}: is a directory, not a YAML config file") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"{p}: not a text file (byte {e.start} is not UTF-8); expected a YAML config"
+            ) from None
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read the config file ({e.strerror or e})") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f":{mark.line + 1}" if mark is not None else ""
