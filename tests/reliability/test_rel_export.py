@@ -2,16 +2,18 @@
 foreign target, an unwritable target are refused in one line; NaN is never exported."""
 
 import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import pytest
-from faults import data_files, flip
+from faults import data_files, flip, subprocess_env
 from flax import nnx
 
 from dtarl.cli import main as cli_main
 from dtarl.commands.export import ExportError, export_checkpoint
 from dtarl.model import ModelConfig, init_model
-from dtarl.model.hf import EXPORT_MARKER, save_hf
+from dtarl.model.hf import EXPORT_MARKER, load_hf, save_hf
 
 
 def test_corrupt_step_is_not_exported(two_steps, capsys):
@@ -67,3 +69,43 @@ def test_nonfinite_weights_are_not_exported(tmp_path):
     with pytest.raises(ValueError, match="parameter layers/0/mlp/down_proj holds NaN or inf"):
         save_hf(model, tmp_path / "hf")
     assert not os.path.exists(tmp_path / "hf")
+
+
+KILLED_EXPORT = """
+import os, signal, sys
+from dtarl.model import ModelConfig, init_model
+from dtarl.model import hf
+
+real_save_file = hf.save_file
+
+
+def save_then_die(tensors, path, **kw):
+    real_save_file(tensors, path, **kw)
+    print("wrote", os.path.basename(path), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # dies mid-export, before the rename
+
+
+hf.save_file = save_then_die
+hf.save_hf(init_model(ModelConfig.tiny(num_layers=1), seed=1), sys.argv[1])
+"""
+
+
+def test_kill_during_export_keeps_the_previous_export(tmp_path):
+    """kill -9 while ``dtarl export`` writes: the previous export stays whole (the new one
+    is written to a temporary directory and renamed into place only when complete)."""
+    out = tmp_path / "export"
+    save_hf(init_model(ModelConfig.tiny(num_layers=1), seed=0), out)
+    (out / EXPORT_MARKER).write_text("previous")
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_EXPORT, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
+    )
+    assert proc.returncode == -9 and "wrote model.safetensors" in proc.stdout, proc.stderr[-2000:]
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+    load_hf(out)  # still a loadable checkpoint
+    leftovers = [n for n in os.listdir(tmp_path) if n != "export"]
+    assert all(n.startswith(".export.tmp-") for n in leftovers), leftovers
