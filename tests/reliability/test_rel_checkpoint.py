@@ -9,12 +9,13 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from faults import data_files, flip, restored_w, small_tree, subprocess_env
+from faults import TINY_TRAINER, data_files, flip, restored_w, small_tree, subprocess_env
 
 from dtarl.errors import CheckpointError
 from dtarl.rl import integrity
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import OnCorrupt, load_config
+from dtarl.rl.trainer import Trainer
 
 
 def step_dir(d, step):
@@ -148,3 +149,18 @@ def test_kill_during_checkpoint_write(tmp_path):
         m2.save(2, {"params": {"w": jnp.ones(1000)}}, {"config": {}})
     assert CheckpointManager(d).latest_step() == 2
     assert json.load(open(os.path.join(step_dir(d, 2), integrity.MANIFEST)))["step"] == 2
+
+
+def test_trainer_resumes_from_the_newest_intact_step(tmp_path, caplog):
+    """Case 1 end to end: the trainer's resume skips the corrupt step 2, names it, and
+    restores step 1 (on main it resumed from the corrupt step with rc 0)."""
+    t = Trainer(load_config(None, [*TINY_TRAINER, f"out_dir={tmp_path}"]))
+    t.opt_state = t.sft_opt.init(t.params)
+    for step in (1, 2):
+        t.step = step
+        t.save_checkpoint()
+    t.ckpt.wait()
+    flip(data_files(step_dir(tmp_path / "checkpoints", 2))[0], 8, offset=16)
+    t.step = 0
+    assert t.try_resume() and t.step == 1
+    assert "skipping checkpoint" in caplog.text and "step_00000002" in caplog.text
