@@ -206,6 +206,13 @@ class CheckpointManager:
         """The newest committed step whose files match its manifest (``integrity``)."""
         return self._integrity.latest(self.steps(), self.path)
 
+    def _last_good(self) -> int | None:
+        """``latest_step`` for error messages: None instead of raising."""
+        try:
+            return self.latest_step()
+        except CheckpointError:
+            return None
+
     def path(self, step: int) -> str:
         return os.path.join(self.directory, f"step_{step:08d}")
 
@@ -252,7 +259,7 @@ class CheckpointManager:
         except (OSError, ValueError) as e:
             raise CheckpointError(
                 f"{final}: checkpoint write failed ({e}); the previous checkpoint "
-                f"(step {self.latest_step()}) is still valid"
+                f"(step {self._last_good()}) is still valid"
             ) from e
         if not saved:
             raise CheckpointError(f"{final}: Orbax declined to save step {step}")
@@ -271,12 +278,12 @@ class CheckpointManager:
         except Exception as e:
             raise CheckpointError(
                 f"{self.path(step)}: checkpoint write failed ({e}); the previous checkpoint "
-                f"(step {self.latest_step()}) is still valid"
+                f"(step {self._last_good()}) is still valid"
             ) from e
         if not os.path.isdir(self.path(step)):
             raise CheckpointError(
                 f"{self.path(step)}: the save of step {step} was not committed (see the log); "
-                f"the previous checkpoint (step {self.latest_step()}) is still valid"
+                f"the previous checkpoint (step {self._last_good()}) is still valid"
             )
         self._integrity.committed()
         self._empty_trash()
