@@ -643,6 +643,7 @@ class TrainerConfig:
     compile_cache_dir: str | None = None
 
     def __post_init__(self):
+        _check_finite(self, "")  # every float key, however the config was built
         _nonneg(self, "steps", "seed", "checkpoint_every", "eval_problems", "eval_every")
         _positive(self, "keep_checkpoints")
         if not self.out_dir:
@@ -740,6 +741,17 @@ class TrainerConfig:
     def quickstart(cls) -> TrainerConfig:
         """The embedded default (configs/quickstart.yaml): tiny model, SFT then GRPO."""
         return load_config(os.path.join(_configs_dir(), "quickstart.yaml"))
+
+
+def _check_finite(obj, prefix: str) -> None:
+    """Raises ``ConfigError`` naming the first float key (dotted) holding inf or nan."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        key = f"{prefix}{_yaml_key(f.name)}"
+        if dataclasses.is_dataclass(v):
+            _check_finite(v, key + ".")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{key}={v!r} must be a finite number")
 
 
 def _configs_dir() -> str:

@@ -12,7 +12,7 @@ from dtarl.cli import main as cli_main
 from dtarl.errors import CheckpointError, ConfigError
 from dtarl.model import ModelConfig, init_model
 from dtarl.model.hf import load_hf, save_hf
-from dtarl.rl.config import load_config
+from dtarl.rl.config import OptimSection, SFTSection, TrainerConfig, load_config
 
 
 def one_line_error(capsys, argv) -> str:
@@ -39,6 +39,13 @@ def test_non_finite_numbers_are_refused(assignment):
     key = assignment.split("=")[0]
     with pytest.raises(ConfigError, match=rf"^{key}=(inf|-inf|nan) must be a finite number$"):
         load_config(None, [assignment])
+
+
+def test_non_finite_numbers_are_refused_in_python_too():
+    with pytest.raises(ConfigError, match=r"^optim.lr=inf must be a finite number$"):
+        TrainerConfig(optim=OptimSection(lr=float("inf")))
+    with pytest.raises(ConfigError, match=r"^sft.lr=inf must be a finite number$"):
+        TrainerConfig().replace(sft=SFTSection(lr=float("inf")))
 
 
 # ---------------------------------------------------------- 8: config files
