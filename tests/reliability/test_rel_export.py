@@ -25,20 +25,31 @@ def test_corrupt_step_is_not_exported(two_steps, capsys):
     assert not (run_dir.parent / "out").exists()
 
 
-@pytest.mark.parametrize("target", ["step", "checkpoints", "run", "cwd"])
-def test_force_never_replaces_the_run_or_the_cwd(two_steps, monkeypatch, target):
+@pytest.mark.parametrize(
+    "target, why",
+    [
+        ("step", "it is inside the checkpoints being exported"),
+        ("checkpoints", "it is or contains the checkpoints being exported"),
+        ("run", "it is or contains the (checkpoints being exported|run directory)"),
+        ("cwd", "it is or contains the current directory"),
+    ],
+)
+def test_force_never_replaces_the_run_or_the_cwd(two_steps, tmp_path, monkeypatch, target, why):
     """Item 7: --force replaced a checkpoint step, the run directory or the cwd."""
     run_dir = two_steps.parent
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "work.txt").write_text("keep")
+    monkeypatch.chdir(elsewhere)
     out = {
         "step": two_steps / "step_00000001",
         "checkpoints": two_steps,
         "run": run_dir,
-        "cwd": run_dir.parent,
+        "cwd": elsewhere,
     }[target]
-    monkeypatch.chdir(run_dir.parent)
-    with pytest.raises(ExportError, match=r"^--hf .*(it is or contains|it is inside)"):
+    with pytest.raises(ExportError, match=rf"^--hf .*: {why}"):
         export_checkpoint(run_dir, out, step=1, force=True)
-    assert (two_steps / "step_00000001").is_dir()
+    assert (two_steps / "step_00000001").is_dir() and (elsewhere / "work.txt").exists()
 
 
 def test_force_replaces_only_a_previous_export(two_steps, tmp_path):
