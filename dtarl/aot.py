@@ -26,11 +26,15 @@ The full key text is stored in the file and compared on load (a hash collision
 cannot load a wrong program).
 
 Files are ``<dir>/<name>-<hash>.program``, written atomically (a temporary file in
-the same folder, then ``os.replace``). Their content is the ``Exported``'s fields,
-pickled (jax's own ``Exported.serialize`` needs the optional ``flatbuffers`` package,
-which dtarl does not depend on; the jax version is part of the key, so a file is only
-read by the jax that wrote it). Like JAX's compilation cache, the store is trusted
-code: anyone who can write to it can make the process run arbitrary code.
+the same folder, then ``os.replace``), in the format of ``dtarl.aotfile``: JSON
+metadata and the serialized StableHLO module as it is, never pickle (jax's own
+``Exported.serialize`` needs the optional ``flatbuffers`` package, which dtarl does
+not depend on; the jax version is part of the key, so a file is only read by the jax
+that wrote it). The stored key and the module's checksum are compared before
+anything else in the file is decoded; a file that does not match is ignored with a
+warning and its program is never run. A planted file can at most hold a StableHLO
+program under the right key: keep the store private to the user, like JAX's
+compilation cache.
 
 Failures never give a wrong result: a program whose export fails (a host callback,
 an effect, a custom call jax will not export, a leaf that is not an array), or whose
@@ -58,7 +62,6 @@ import dataclasses
 import hashlib
 import importlib.util
 import os
-import pickle
 import tempfile
 import threading
 import time
@@ -71,7 +74,8 @@ import jax
 import jaxlib
 import numpy as np
 
-MAGIC = b"dtarl-program-v1\n"
+from dtarl.aotfile import StoreError, decode, encode
+
 STORE_SUBDIR = "dtarl-programs"
 
 # The kernels the model may call (``attention_backend: pallas``) live beside dtarl.
@@ -80,10 +84,6 @@ _PALLAS_DIR = os.path.dirname(_spec.origin) if _spec and _spec.origin else None
 _store: ProgramStore | None = None
 _fingerprints: dict[str, str] = {}
 _lock = threading.Lock()
-
-
-class StoreError(Exception):
-    """A store file that cannot be used (unreadable, foreign, another key)."""
 
 
 def source_fingerprint(root: str | os.PathLike | None = None) -> str:
@@ -160,26 +160,14 @@ class ProgramStore:
             return None
         except OSError as e:
             raise StoreError(f"cannot read {file}: {e}") from e
-        try:
-            if not data.startswith(MAGIC):
-                raise StoreError(f"{file} is not a dtarl program file")
-            stored_key, fields = pickle.loads(data[len(MAGIC) :])
-            if stored_key != key_text:
-                raise StoreError(f"{file} holds another program (key mismatch)")
-            exported = jax.export.Exported(**fields)
-        except StoreError:
-            raise
-        except Exception as e:  # a truncated or foreign pickle raises anything
-            raise StoreError(f"{file} cannot be decoded: {type(e).__name__}: {e}") from e
+        exported = decode(data, key_text, file)  # key and checksum first; no pickle
         self.stats.load_seconds += time.perf_counter() - t0
         self.stats.loaded += 1
         return exported
 
     def save(self, file: str, key_text: str, exported: jax.export.Exported) -> None:
         """Writes ``exported`` atomically (temporary file, then ``os.replace``)."""
-        fields = {f.name: getattr(exported, f.name) for f in dataclasses.fields(exported)}
-        fields["_get_vjp"] = None  # a closure; the store's programs are never differentiated
-        data = MAGIC + pickle.dumps((key_text, fields), protocol=pickle.HIGHEST_PROTOCOL)
+        data = encode(exported, key_text)  # ``Unsupported``: the program is not stored
         fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".tmp-", suffix=".program")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -397,8 +385,6 @@ class StoredJit:
             )
             try:
                 exported = jax.export.export(jax.jit(self._fun, **self._kw))(*specs)
-                if exported.ordered_effects or exported.unordered_effects:
-                    raise _Unsupported(f"the program has effects {exported.ordered_effects}")
                 store.save(file, key_text, exported)
             except Exception as e:  # export refuses many things; the plain path runs them
                 store.warn(name, f"not exported: {type(e).__name__}: {e}")

@@ -76,6 +76,53 @@ def _as_ragged(name: str, arrays, n: int, dtype, lengths: Sequence[int] | None):
     return tuple(out)
 
 
+LOGPROB_SLACK = 1e-4  # a logprob may exceed 0 by this much (rounding), no more
+
+
+def validate(batch: RolloutBatch) -> None:
+    """Checks what every ``RolloutBatch`` must hold, however it was built (``create``
+    normalises user input; the constructor takes arrays as they are): token ids in
+    [0, 2**31) with an integer dtype, loss-mask weights in [0, 1], finite advantages,
+    rewards and token advantages, logprobs finite and <= 0. Raises ``BatchError``
+    naming the field and position."""
+    n = len(batch.tokens)
+    for i, t in enumerate(batch.tokens):
+        token_ids(f"tokens[{i}]", t)
+    for name in ("loss_mask", "old_logprobs", "ref_logprobs", "token_advantages"):
+        arrs = getattr(batch, name)
+        if arrs is not None and len(arrs) != n:
+            raise BatchError(f"{name}: expected {n} sequences, got {len(arrs)}")
+    for i, m in enumerate(batch.loss_mask):
+        m = np.asarray(m)
+        ok = np.isfinite(m) & (m >= 0) & (m <= 1)
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise BatchError(
+                f"loss_mask[{i}][{bad}] = {float(m[bad]):g}: accepted: a weight in [0, 1]"
+            )
+    for name in ("advantages", "rewards"):
+        a = getattr(batch, name)
+        if a is not None and not np.all(np.isfinite(np.asarray(a))):
+            bad = int(np.flatnonzero(~np.isfinite(np.asarray(a).reshape(-1)))[0])
+            raise BatchError(f"{name}[{bad}] = {np.asarray(a).reshape(-1)[bad]} is not finite")
+    for name in ("old_logprobs", "ref_logprobs", "token_advantages"):
+        for i, a in enumerate(getattr(batch, name) or ()):
+            a = np.asarray(a)[1:]  # entry 0 is never predicted
+            ok = (
+                np.isfinite(a)
+                if name == "token_advantages"
+                else (np.isfinite(a) & (a <= LOGPROB_SLACK))
+            )
+            if not ok.all():
+                bad = int(np.flatnonzero(~ok)[0])
+                what = (
+                    "is not finite"
+                    if name == "token_advantages"
+                    else ("is not a logprob (finite and <= 0)")
+                )
+                raise BatchError(f"{name}[{i}][{bad + 1}] = {a[bad]} {what}")
+
+
 def _check_vocab(tokens, vocab_size: int) -> None:
     for i, t in enumerate(tokens):
         if t.max() >= vocab_size:
@@ -90,10 +137,12 @@ class RolloutBatch:
     Attributes:
       tokens: N int32 arrays [n_i], n_i >= 2.
       loss_mask: N float32 arrays [n_i]; 1 where token t is trained on (response
-        tokens), 0 for prompt / tool-output tokens. Entry 0 must be 0.
+        tokens), 0 for prompt / tool-output tokens. Entry 0 must be 0. Entries are
+        per-token weights in [0, 1] (the losses multiply by them and normalise by
+        their sum).
       advantages: [N] float32 per-sequence advantage (or reward for SFT-like losses).
       old_logprobs: optional N float32 arrays [n_i]: logprob of token t under the
-        sampling policy (entry 0 ignored).
+        sampling policy (entry 0 ignored); finite and <= 0 (``LOGPROB_SLACK`` of rounding).
       ref_logprobs: optional N float32 arrays [n_i] under a frozen reference policy.
       token_advantages: optional N float32 arrays [n_i]: a per-token advantage
         (PPO with GAE). Where given it replaces the sequence's ``advantages``.
@@ -109,6 +158,9 @@ class RolloutBatch:
     token_advantages: tuple[np.ndarray, ...] | None = None
     group_ids: np.ndarray | None = None
     rewards: np.ndarray | None = None
+
+    def __post_init__(self):
+        validate(self)
 
     @classmethod
     def create(
@@ -174,8 +226,12 @@ class RolloutBatch:
         for i, m in enumerate(mask):
             if m[0] != 0:
                 raise BatchError(f"loss_mask[{i}][0] = {m[0]}; token 0 is never predicted, use 0")
-            if not np.all(np.isfinite(m)) or m.min() < 0:
-                raise BatchError(f"loss_mask[{i}]: entries must be finite and >= 0")
+            if not np.all(np.isfinite(m)) or m.min() < 0 or m.max() > 1:
+                bad = int(np.flatnonzero(~((m >= 0) & (m <= 1)))[0])
+                raise BatchError(
+                    f"loss_mask[{i}][{bad}] = {float(m[bad]):g}: accepted: a weight in [0, 1] "
+                    "(1 = trained on, 0 = not)"
+                )
         if advantages is None:
             advantages = np.ones(n, np.float32)
         adv = np.asarray(advantages, np.float32).reshape(-1)
@@ -219,6 +275,9 @@ class RolloutBatch:
             rw = np.asarray(rewards, np.float32).reshape(-1)
             if rw.shape != (n,):
                 raise BatchError(f"rewards: expected shape ({n},), got {np.shape(rewards)}")
+            if not np.all(np.isfinite(rw)):
+                bad = int(np.flatnonzero(~np.isfinite(rw))[0])
+                raise BatchError(f"rewards[{bad}] = {rw[bad]} is not finite")
         return cls(
             tokens=toks,
             loss_mask=mask,

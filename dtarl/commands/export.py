@@ -8,8 +8,12 @@ config saved in the step's metadata (a ``Trainer`` built from it, as a resume
 does; a run from ``model.hf_path`` needs that directory to still exist), the
 step is restored through ``CheckpointManager.restore`` and the policy is written
 with ``save_hf`` (atomic: a temporary directory renamed into place), plus the
-run's tokenizer files when its tokenizer came from a HF directory. An existing
-non-empty OUT is refused unless ``--force`` (then it is replaced as a whole).
+run's tokenizer files when its tokenizer came from a HF directory. The step is
+verified against its manifest first (``dtarl.rl.integrity``): a corrupt step is
+refused, and so are parameters holding NaN or inf. An existing non-empty OUT is
+refused unless ``--force``, and even then only when a previous ``dtarl export``
+made it (its ``EXPORT_MARKER`` file): ``--force`` never replaces the run's
+directory, its checkpoints, the current directory, or a directory holding them.
 
 ``dtarl.cli`` adds it with ``register(subparsers)``. Standalone:
 ``python -m dtarl.commands.export CHECKPOINT --hf OUT``.
@@ -21,11 +25,14 @@ import argparse
 import dataclasses
 import os
 import sys
+import tempfile
 
+import jax
 from flax import nnx
 
-from dtarl.model.hf import SAVE_DTYPES, save_hf, tokenizer_files
-from dtarl.rl.checkpoint import CheckpointError, CheckpointManager
+from dtarl.model.hf import EXPORT_MARKER, SAVE_DTYPES, save_hf, tokenizer_files
+from dtarl.rl import integrity
+from dtarl.rl.checkpoint import CheckpointError, CheckpointManager, leaf_names
 from dtarl.rl.config import ExportSection, TrainerConfig, from_dict
 from dtarl.rl.trainer import Trainer
 
@@ -63,25 +70,60 @@ def locate(path: str | os.PathLike) -> tuple[CheckpointManager, int | None]:
     )
 
 
+def _within(child: str, parent: str) -> bool:
+    child, parent = os.path.realpath(child), os.path.realpath(parent)
+    return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def _check_writable(out: str) -> None:
+    """Creates (and removes) a probe next to ``out``: an unwritable target fails now, in
+    one line, not after the model is rebuilt."""
+    parent = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".dtarl-export-probe-", dir=parent))
+    except OSError as e:
+        raise ExportError(f"--hf {out}: cannot be written ({e.strerror or e})") from None
+
+
 def _check_out(out: str, ckpt_dir: str, force: bool) -> None:
-    o = os.path.realpath(out)
-    c = os.path.realpath(ckpt_dir)
-    if c == o or c.startswith(o.rstrip(os.sep) + os.sep):
+    protected = [
+        ("the checkpoints being exported", ckpt_dir),
+        ("the run directory", os.path.dirname(ckpt_dir)),
+        ("the current directory", os.getcwd()),
+    ]
+    for what, d in protected:
+        if _within(d, out):
+            raise ExportError(
+                f"--hf {out}: it is or contains {what} ({d}); the export replaces its "
+                "directory as a whole: choose another one"
+            )
+    if _within(out, ckpt_dir):
         raise ExportError(
-            f"--hf {out}: it contains the checkpoints being exported ({ckpt_dir}); the "
-            "export replaces its directory as a whole: choose another one"
+            f"--hf {out}: it is inside the checkpoints being exported ({ckpt_dir}): "
+            "choose a directory outside it"
         )
-    if not os.path.exists(out):
+    if not os.path.lexists(out):
+        _check_writable(out)
         return
     if not os.path.isdir(out):
         raise ExportError(f"--hf {out}: exists and is not a directory")
-    entries = sorted(os.listdir(out))
+    try:
+        entries = sorted(os.listdir(out))
+    except OSError as e:
+        raise ExportError(f"--hf {out}: cannot be listed ({e.strerror})") from None
+    shown = ", ".join(entries[:5]) + (
+        f", ... ({len(entries) - 5} more)" if len(entries) > 5 else ""
+    )
     if entries and not force:
-        shown = ", ".join(entries[:5]) + (
-            f", ... ({len(entries) - 5} more)" if len(entries) > 5 else ""
-        )
         raise ExportError(
-            f"--hf {out}: exists and is not empty ({shown}); pass --force to replace it as a whole"
+            f"--hf {out}: exists and is not empty ({shown}); pass --force to replace a "
+            "previous export"
+        )
+    if entries and EXPORT_MARKER not in entries:
+        raise ExportError(
+            f"--hf {out}: holds {shown} but no {EXPORT_MARKER} (it was not made by dtarl "
+            "export); --force replaces only a previous export: choose another directory"
         )
 
 
@@ -106,6 +148,12 @@ def export_checkpoint(
         step = named if named is not None else steps[-1]
     if step not in steps:
         raise ExportError(f"step {step} not found in {mgr.directory}; available steps: {steps}")
+    why = integrity.verify(mgr.path(step))
+    if why is not None:
+        raise ExportError(
+            f"{mgr.path(step)}: corrupt checkpoint, not exported: {why}; export an intact "
+            f"step with --step (saved: {steps})"
+        )
     out = os.fspath(out)
     _check_out(out, mgr.directory, force)
     if dtype is not None and dtype not in SAVE_DTYPES:
@@ -145,9 +193,18 @@ def export_checkpoint(
         tree, _ = mgr.restore(step, trainer.state_tree())
     except CheckpointError as e:
         raise ExportError(str(e)) from None
-    model = nnx.merge(trainer.graphdef, tree["params"])
+    params = tree["params"]
+    bad = integrity.nonfinite_leaf(leaf_names(params), jax.tree.leaves(params))
+    if bad is not None:
+        raise ExportError(f"{mgr.path(step)}: parameter {bad!r} holds NaN or inf; not exported")
+    model = nnx.merge(trainer.graphdef, params)
     tok_dir = cfg.model.tokenizer_path or cfg.model.hf_path
-    save_hf(model, out, dtype=dtype, extra_files=tokenizer_files(tok_dir))
+    try:
+        save_hf(model, out, dtype=dtype, extra_files=tokenizer_files(tok_dir))
+        with open(os.path.join(out, EXPORT_MARKER), "w") as f:
+            f.write(f"dtarl export of step {step} of {mgr.directory}\n")
+    except OSError as e:
+        raise ExportError(f"--hf {out}: cannot be written ({e.strerror or e})") from None
     return out, step
 
 

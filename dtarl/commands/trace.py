@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -49,13 +50,36 @@ from dtarl.bench.simulate import (
 from dtarl.bench.simulate.production import validate_production
 from dtarl.model import ModelConfig
 from dtarl.timing import QuietGate
+from dtarl.traces.loaders import find_traces
 from dtarl.traces.report import write_report
 from dtarl.traces.workload import generate_workload
 
+_TRACES = "a trace file, a run directory or a folder of traces"
+
+
+def check_report_path(path: str) -> None:
+    """Raises ``ValueError`` (one line, naming the file) when ``path`` holds no trace
+    records to report on: missing, no trace files, an empty trace file."""
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: no such file or directory (expected {_TRACES})")
+    traces = find_traces(path)  # an unknown file name is a ValueError naming the names
+    if not traces:
+        raise ValueError(f"{path}: no PolyTrace files found (expected {_TRACES})")
+    for t in traces:
+        for fp in getattr(t, "step_files", {}).values():
+            if os.path.getsize(fp) == 0:
+                raise ValueError(f"{fp}: empty trace file (no records); remove it or re-export it")
+
 
 def _report(args: argparse.Namespace) -> int:
-
-    res = write_report(args.path, args.out, steps=args.steps, html_output=not args.no_html)
+    check_report_path(args.path)
+    try:
+        res = write_report(args.path, args.out, steps=args.steps, html_output=not args.no_html)
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{args.path}: a trace file is not UTF-8 text (byte {e.start}: {e.reason}); "
+            "expected JSON lines"
+        ) from None
     print(f"wrote {res.markdown} ({len(res.plots)} plots)")
     for h in res.headlines:
         print(

@@ -318,6 +318,10 @@ class ModelConfig:
                 raise ConfigError(f"{p}: no such file (expected a HF config.json)") from None
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{p}:{e.lineno}: malformed JSON ({e.msg})") from None
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"{p}: cannot be read as a HF config.json ({e})") from None
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{where}: expected a JSON object of fields, got {type(hf).__name__}")
         model_type = hf.get("model_type")
         families = {
             "qwen3": ModelFamily.QWEN3,
@@ -333,10 +337,13 @@ class ModelConfig:
         def need(key):
             if key not in hf:
                 raise ConfigError(f"{where}: missing field {key!r} for model_type {model_type!r}")
-            return hf[key]
+            value = hf[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{where}: {key}={value!r} must be an integer >= 1")
+            return value
 
-        heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
+        heads = need("num_attention_heads")
+        hidden = need("hidden_size")
         head_dim = hf.get("head_dim")
         if not head_dim:
             if hidden % heads:
@@ -386,21 +393,24 @@ class ModelConfig:
             raise ConfigError(f"{where}: attention_bias=true is not supported for llama")
         if family is ModelFamily.LLAMA3 and hf.get("mlp_bias", False):
             raise ConfigError(f"{where}: mlp_bias=true is not supported for llama")
-        kwargs = dict(
-            family=family,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
-            num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        )
+        try:  # a field of the wrong type (a string, a list) names the file
+            kwargs = dict(
+                family=family,
+                vocab_size=need("vocab_size"),
+                hidden_size=hidden,
+                intermediate_size=need("intermediate_size"),
+                num_layers=need("num_hidden_layers"),
+                num_heads=heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(head_dim),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(theta),
+                rope_scaling=rope_scaling,
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            )
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: a field has the wrong type ({e})") from None
         kwargs.update(overrides)
         return cls(**kwargs)
 

@@ -28,6 +28,7 @@ equals the embedding is accepted and dropped. ``rotary_emb.inv_freq`` buffers
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from dtarl.errors import CheckpointError
@@ -53,6 +54,7 @@ from dtarl.model.decoder import Decoder
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+EXPORT_MARKER = ".dtarl-export"  # written by `dtarl export`: `--force` may replace the directory
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "pytorch_model.bin.index.json")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}
@@ -205,12 +207,24 @@ def _weight_files(path: str) -> dict[str, str]:
         )
     where = {}
     for fp in files:
-        with safe_open(fp, framework="numpy") as f:
+        with _safetensors(fp) as f:
             for name in f.keys():
                 if name in where:
                     raise CheckpointError(f"tensor {name!r} appears in both {where[name]} and {fp}")
                 where[name] = fp
     return where
+
+
+@contextlib.contextmanager
+def _safetensors(fp: str):
+    """``safe_open(fp)``; a truncated or foreign file is a one-line ``CheckpointError``."""
+    try:
+        with safe_open(fp, framework="numpy") as f:
+            yield f
+    except SafetensorError as e:
+        raise CheckpointError(
+            f"{fp}: not a readable safetensors file ({e}); re-download or re-export it"
+        ) from None
 
 
 def _read_tensor(f, fp: str, name: str) -> np.ndarray:
@@ -286,7 +300,7 @@ def load_hf(
         by_file.setdefault(where[name], []).append(name)
     bad = []
     for fp, names in by_file.items():
-        with safe_open(fp, framework="numpy") as f:
+        with _safetensors(fp) as f:
             have = set(f.keys())
             for name in names:
                 if name not in have:
@@ -321,7 +335,7 @@ def load_hf(
     filled = {}
     embed = None
     for fp, names in by_file.items():
-        with safe_open(fp, framework="numpy") as f:
+        with _safetensors(fp) as f:
             for name in names:
                 w = _read_tensor(f, fp, name)
                 if name not in layout:  # the tied lm_head; compared once the embedding is in
@@ -408,6 +422,9 @@ def save_hf(
 
     def hf_tensor(entry: _Entry) -> np.ndarray:
         arr = np.asarray(jax.device_get(slots[entry.path][...]))
+        if not np.isfinite(arr).all():  # never export NaN / inf weights
+            name = "/".join(map(str, entry.path))
+            raise ValueError(f"{path}: parameter {name} holds NaN or inf; not exported")
         return np.ascontiguousarray(entry.to_hf(arr).astype(np_dtype))
 
     itemsize = np.dtype(np_dtype).itemsize
@@ -483,7 +500,7 @@ def tokenizer_files(directory: str | os.PathLike | None) -> list[str]:
 
 
 def _written_by_save_hf(name: str) -> bool:
-    return name in (CONFIG_FILE, INDEX_FILE) or name.endswith(".safetensors")
+    return name in (CONFIG_FILE, INDEX_FILE, EXPORT_MARKER) or name.endswith(".safetensors")
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -528,6 +545,7 @@ def check_export_dir(
 
 
 __all__ = [
+    "EXPORT_MARKER",
     "SAVE_DTYPES",
     "TOKENIZER_FILES",
     "CheckpointError",

@@ -41,37 +41,28 @@ freeing a hung job's machines long before a cluster's wall-clock limit.
 
 Each worker calls ``initialize()`` (below) before importing the target, so the
 target's ``jax.devices()`` already lists every process's devices and it just
-builds its mesh (``dtarl.parallel.make_mesh``) and runs.
+The coordinator listens on 127.0.0.1 unless ``--coordinator-address HOST:PORT``
+names another address (it then listens there only; see
+``dtarl.parallel.distributed``). A run over several hosts starts ``dtarl launch``
+on each with the same ``--coordinator-address`` (host 0's), ``--nnodes N`` and its
+own ``--node-rank``; its ranks are ``node_rank * nproc + i``. ``--nproc`` is at
+most the local accelerator count (``--devices-per-proc`` each), or the CPU core
+count on a CPU run, unless ``--allow-oversubscribe``; the target is checked
+before any process starts.
 
-On a cluster, run the same target under the scheduler with these variables
-set per process (or the ``initialize()`` arguments); unset ones fall back to
-JAX's own detection (Slurm, Open MPI, TPU pods, ``JAX_COORDINATOR_ADDRESS``):
-
-    DTARL_COORDINATOR_ADDRESS  host:port of process 0 (it serves the coordinator)
-    DTARL_NUM_PROCESSES        number of processes
-    DTARL_PROCESS_ID           this process, 0 .. num_processes - 1
-    DTARL_LOCAL_DEVICE_IDS     optional, comma-separated local accelerator ids
-    DTARL_INIT_TIMEOUT         seconds to wait for every process to join (60)
-    DTARL_HEARTBEAT_TIMEOUT    seconds without a heartbeat before a process is
-                               declared dead and the others abort (30)
-    DTARL_SHUTDOWN_TIMEOUT     seconds the exit barrier waits (30)
-    DTARL_CPU_COLLECTIVES      CPU collectives implementation (gloo)
-    DTARL_PROGRESS_FILE        set by the launcher: the file ``report_progress``
-                               touches (unset elsewhere: a no-op)
-
-A run that fails after ``initialize`` leaves through ``os._exit`` so that it
-never waits in JAX's shutdown barrier for peers that will not arrive.
+Joining (``initialize``, the ``DTARL_*`` variables a scheduler sets instead) lives
+in ``dtarl.parallel.distributed`` and is re-exported here. A run that fails after
+``initialize`` leaves through ``os._exit`` so that it never waits in JAX's
+shutdown barrier for peers that will not arrive; a rank that lost a peer says so
+in one line (no traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
-import importlib.util
 import os
 import re
-import runpy
 import shutil
 import signal
 import socket
@@ -80,298 +71,68 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 
-ENV_COORDINATOR = "DTARL_COORDINATOR_ADDRESS"
-ENV_NUM_PROCESSES = "DTARL_NUM_PROCESSES"
-ENV_PROCESS_ID = "DTARL_PROCESS_ID"
-ENV_LOCAL_DEVICE_IDS = "DTARL_LOCAL_DEVICE_IDS"
-ENV_INIT_TIMEOUT = "DTARL_INIT_TIMEOUT"
-ENV_HEARTBEAT_TIMEOUT = "DTARL_HEARTBEAT_TIMEOUT"
-ENV_SHUTDOWN_TIMEOUT = "DTARL_SHUTDOWN_TIMEOUT"
-ENV_CPU_COLLECTIVES = "DTARL_CPU_COLLECTIVES"
-ENV_PROGRESS_FILE = "DTARL_PROGRESS_FILE"
+from dtarl.parallel.distributed import (  # re-exported: this module's public names
+    ENV_COORDINATOR,
+    ENV_COORDINATOR_BIND,
+    ENV_CPU_COLLECTIVES,
+    ENV_HEARTBEAT_TIMEOUT,
+    ENV_INIT_TIMEOUT,
+    ENV_LOCAL_DEVICE_IDS,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_PROGRESS_FILE,
+    ENV_SHUTDOWN_TIMEOUT,
+    EXIT_PEER_LOST,
+    PEER_LOST_PATTERN,
+    DistributedConfig,
+    DistributedInitError,
+    check_address,
+    initialize,
+    lost_peer,
+    report_progress,
+)
+from dtarl.parallel.targets import (
+    LaunchError,
+    check_capacity,
+    check_target,
+    local_capacity,
+    worker_main,
+)
 
 # The whole-run watchdog: seconds without progress from any rank before the launcher
 # stops the run (see the module docstring), and the exit code it then returns.
 DEFAULT_WATCHDOG = 1800.0
 EXIT_WATCHDOG = 125
 
-# A launched rank that fails because it lost a peer (a collective broke when another
-# process died) exits with this code, so the launcher can name the rank that died
-# first rather than the one whose collective noticed it (EX_TEMPFAIL).
-EXIT_PEER_LOST = 75
-# How a lost peer shows up in the collectives' errors: gloo on CPU raises ValueError,
-# NCCL and JAX's coordination service XlaRuntimeError.
-PEER_LOST_PATTERN = re.compile(
-    r"gloo|nccl|connection|unavailable|deadline_exceeded|heartbeat|peer|socket|broken pipe",
-    re.IGNORECASE,
-)
-
 __all__ = [
     "DistributedConfig",
     "DistributedInitError",
+    "ENV_COORDINATOR",
+    "ENV_COORDINATOR_BIND",
+    "ENV_CPU_COLLECTIVES",
+    "ENV_HEARTBEAT_TIMEOUT",
+    "ENV_INIT_TIMEOUT",
+    "ENV_LOCAL_DEVICE_IDS",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "ENV_PROGRESS_FILE",
+    "ENV_SHUTDOWN_TIMEOUT",
+    "EXIT_PEER_LOST",
+    "PEER_LOST_PATTERN",
     "LaunchError",
     "LaunchResult",
+    "check_target",
+    "local_capacity",
     "initialize",
     "launch",
+    "lost_peer",
     "report_progress",
     "add_arguments",
     "main",
     "run",
 ]
-
-
-class DistributedInitError(RuntimeError):
-    """This process could not join the others (coordinator unreachable, timeout)."""
-
-
-class LaunchError(ValueError):
-    """Bad launcher arguments."""
-
-
-def _int_env(env: Mapping[str, str], name: str) -> int | None:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise DistributedInitError(f"{name}={raw!r}: expected an integer") from None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DistributedConfig:
-    """Arguments of ``jax.distributed.initialize`` (None = let JAX detect them)."""
-
-    coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    local_device_ids: tuple[int, ...] | None = None
-    init_timeout: int = 60
-    heartbeat_timeout: int = 30
-    shutdown_timeout: int = 30
-    cpu_collectives: str = "gloo"
-
-    def __post_init__(self):
-        if self.num_processes is not None and self.num_processes < 1:
-            raise DistributedInitError(f"num_processes={self.num_processes}: must be >= 1")
-        if self.process_id is not None and self.num_processes is not None:
-            if not 0 <= self.process_id < self.num_processes:
-                raise DistributedInitError(
-                    f"process_id={self.process_id}: must be in [0, {self.num_processes - 1}]"
-                )
-        for name in ("init_timeout", "heartbeat_timeout", "shutdown_timeout"):
-            if getattr(self, name) < 1:
-                raise DistributedInitError(f"{name}={getattr(self, name)}: must be >= 1 second")
-        if self.coordinator_address is not None and ":" not in self.coordinator_address:
-            raise DistributedInitError(
-                f"coordinator_address={self.coordinator_address!r}: expected host:port"
-            )
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> DistributedConfig:
-        """Reads the ``DTARL_*`` variables (see the module docstring)."""
-        env = os.environ if env is None else env
-        ids = env.get(ENV_LOCAL_DEVICE_IDS)
-        kw = {}
-        for field, name in (
-            ("init_timeout", ENV_INIT_TIMEOUT),
-            ("heartbeat_timeout", ENV_HEARTBEAT_TIMEOUT),
-            ("shutdown_timeout", ENV_SHUTDOWN_TIMEOUT),
-        ):
-            v = _int_env(env, name)
-            if v is not None:
-                kw[field] = v
-        if env.get(ENV_CPU_COLLECTIVES):
-            kw["cpu_collectives"] = env[ENV_CPU_COLLECTIVES]
-        return cls(
-            coordinator_address=env.get(ENV_COORDINATOR) or None,
-            num_processes=_int_env(env, ENV_NUM_PROCESSES),
-            process_id=_int_env(env, ENV_PROCESS_ID),
-            local_device_ids=tuple(int(x) for x in ids.split(",")) if ids else None,
-            **kw,
-        )
-
-    @property
-    def configured(self) -> bool:
-        return self.num_processes is not None or self.coordinator_address is not None
-
-
-def initialize(config: DistributedConfig | None = None, **overrides) -> DistributedConfig | None:
-    """Joins the multi-process JAX runtime (``jax.distributed.initialize``).
-
-    ``config`` defaults to ``DistributedConfig.from_env()``; keyword overrides
-    replace its fields. Returns None (single process, nothing done) when neither
-    a process count nor a coordinator is configured. Idempotent. Must run before
-    any JAX computation. CPU collectives are set to gloo so that CPU devices of
-    different processes can all-reduce.
-
-    When the processes do not all join within ``init_timeout`` seconds JAX
-    aborts this process (SIGABRT, exit 134, "DEADLINE_EXCEEDED ... RegisterTask");
-    once running, a peer silent for ``heartbeat_timeout`` seconds aborts the
-    others the same way. Errors JAX raises as exceptions (bad address, ...)
-    become ``DistributedInitError`` naming this process and the coordinator.
-    """
-    cfg = DistributedConfig.from_env() if config is None else config
-    if overrides:
-        cfg = dataclasses.replace(cfg, **overrides)
-    if "jax" not in sys.modules and (not cfg.configured or cfg.num_processes == 1):
-        # Nothing to join and JAX not loaded (so not initialized either): a launched
-        # single-process target does not pay for importing JAX here.
-        return cfg if cfg.configured else None
-    import jax
-
-    if jax.distributed.is_initialized():
-        return cfg
-    if not cfg.configured:
-        return None
-    if cfg.num_processes == 1:
-        return cfg
-    jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
-    who = f"process {cfg.process_id} of {cfg.num_processes}"
-    # JAX aborts the process (SIGABRT, "DEADLINE_EXCEEDED ... RegisterTask") when the
-    # others do not join in time; say beforehand what that would mean.
-    print(
-        f"dtarl: {who} joining the coordinator at {cfg.coordinator_address} (waits at most "
-        f"{cfg.init_timeout} s; an abort with DEADLINE_EXCEEDED means a process died or never "
-        "started)",
-        file=sys.stderr,
-        flush=True,
-    )
-    try:
-        jax.distributed.initialize(
-            coordinator_address=cfg.coordinator_address,
-            num_processes=cfg.num_processes,
-            process_id=cfg.process_id,
-            local_device_ids=list(cfg.local_device_ids) if cfg.local_device_ids else None,
-            initialization_timeout=cfg.init_timeout,
-            heartbeat_timeout_seconds=cfg.heartbeat_timeout,
-            shutdown_timeout_seconds=cfg.shutdown_timeout,
-        )
-    except Exception as e:  # XlaRuntimeError (DEADLINE_EXCEEDED, UNAVAILABLE, ...)
-        raise DistributedInitError(
-            f"{who}: could not join the coordinator at {cfg.coordinator_address} within "
-            f"{cfg.init_timeout} s (a process died, never started, or the address is "
-            f"unreachable; set {ENV_INIT_TIMEOUT} to wait longer): {type(e).__name__}: {e}"
-        ) from e
-    return cfg
-
-
-def report_progress() -> None:
-    """Tells ``dtarl launch``'s watchdog that this rank made progress (e.g. finished a
-    step): touches the rank's ``DTARL_PROGRESS_FILE``. One ``utime`` call; a no-op
-    when the variable is unset (not under the launcher). A failed touch (the
-    launcher's directory gone) is ignored: the watchdog then sees no progress and
-    fails the run loudly, which is where such a fault belongs."""
-    path = os.environ.get(ENV_PROGRESS_FILE)
-    if not path:
-        return
-    try:
-        os.utime(path)
-    except FileNotFoundError:
-        try:
-            with open(path, "a"):
-                pass
-        except OSError:
-            pass
-    except OSError:
-        pass
-
-
-# --------------------------------------------------------------------------- worker
-
-
-def _run_target(target: Sequence[str]) -> None:
-    """Runs TARGET (module, script or dtarl command) as ``__main__`` in this process."""
-    if not target:
-        raise LaunchError("no target: give `-- -m module ...`, `-- script.py ...` or dtarl args")
-    head, rest = target[0], list(target[1:])
-    if head == "-m":
-        if not rest:
-            raise LaunchError("`-m` needs a module name")
-        sys.argv = [rest[0], *rest[1:]]
-        runpy.run_module(rest[0], run_name="__main__", alter_sys=True)
-    elif head.endswith(".py"):
-        if not os.path.isfile(head):
-            raise LaunchError(f"script {head!r} does not exist")
-        sys.argv = [head, *rest]
-        runpy.run_path(head, run_name="__main__")
-    elif "." in head and "/" not in head and _find_module(head):
-        sys.argv = [head, *rest]
-        runpy.run_module(head, run_name="__main__", alter_sys=True)
-    else:
-        entry = _console_script("dtarl")
-        if entry is None:
-            raise LaunchError(
-                f"target {head!r} is not a module or script, and the `dtarl` command "
-                "is not installed to run it as a dtarl command"
-            )
-        sys.argv = ["dtarl", *target]
-        code = entry(list(target))
-        if code:
-            raise SystemExit(code)
-
-
-def _console_script(name: str):
-    """The function behind the installed console script ``name``, or None.
-
-    Resolved through the package metadata, so the launcher (a library module) never
-    imports the CLI that drives it.
-    """
-    for ep in importlib.metadata.entry_points(group="console_scripts", name=name):
-        return ep.load()
-    return None
-
-
-def _find_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def lost_peer(exc: BaseException) -> bool:
-    """True when ``exc`` (or its cause chain) is a collective that broke on a lost peer."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if type(exc).__name__ == "PeerLostError" or (
-            isinstance(exc, Exception) and PEER_LOST_PATTERN.search(f"{type(exc).__name__} {exc}")
-        ):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def _worker(target: Sequence[str]) -> None:
-    """Entry of each launched process: join the runtime, run the target, exit hard on failure.
-
-    Exit codes: the target's own, 1 for an uncaught error, ``EXIT_PEER_LOST`` for an
-    error that means another process died (see ``lost_peer``).
-    """
-    code = 0
-    try:
-        initialize()
-        report_progress()  # joined the others
-        _run_target(target)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if e.code is not None and not isinstance(e.code, int):
-            print(e.code, file=sys.stderr)
-    except BaseException as e:
-        traceback.print_exc()
-        code = EXIT_PEER_LOST if lost_peer(e) else 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        # Skip JAX's atexit shutdown barrier: the peers may never reach it.
-        os._exit(code)
-    sys.exit(0)
-
-
-# --------------------------------------------------------------------------- launcher
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -523,6 +284,10 @@ def launch(
     timeout: float | None = None,
     watchdog: float | None = DEFAULT_WATCHDOG,
     output_progress: bool = True,
+    coordinator_address: str | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    allow_oversubscribe: bool = False,
     grace: float = 5.0,
     cause_wait: float = 2.0,
     stdout=None,
@@ -547,13 +312,26 @@ def launch(
         raise LaunchError(f"devices_per_proc={devices_per_proc}: must be >= 1")
     if platform not in ("cpu", "gpu", "tpu"):
         raise LaunchError(f"platform={platform!r}: expected cpu, gpu or tpu")
-    if not target:
-        raise LaunchError("no target: give `-- -m module ...`, `-- script.py ...` or dtarl args")
     if watchdog is not None and not watchdog >= 0:
         raise LaunchError(f"watchdog={watchdog!r}: must be >= 0 seconds (0 disables it)")
+    for name, v, lo in (("nnodes", nnodes, 1), ("node_rank", node_rank, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise LaunchError(f"{name}={v!r}: must be an int >= {lo}")
+    if node_rank >= nnodes:
+        raise LaunchError(f"node_rank={node_rank}: must be in [0, {nnodes - 1}] (nnodes={nnodes})")
+    if nnodes > 1 and coordinator_address is None:
+        raise LaunchError(
+            f"nnodes={nnodes}: a multi-host run needs --coordinator-address HOST:PORT (host "
+            "0's address on the network the hosts share; the coordinator listens there only)"
+        )
+    if coordinator_address is not None:
+        check_address(coordinator_address, "--coordinator-address", error=LaunchError)
+    if not allow_oversubscribe:
+        check_capacity(platform, nproc, devices_per_proc)
+    check_target(target)
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
-    coordinator = f"{host}:{port or free_port(host)}"
+    coordinator = coordinator_address or f"{host}:{port or free_port(host)}"
     cmd = [sys.executable, "-m", "dtarl.parallel.launch", "--worker", "--", *target]
     t0 = time.monotonic()
     procs: list[subprocess.Popen] = []
@@ -572,8 +350,8 @@ def launch(
     try:
         for r in range(nproc):
             env = rank_env(
-                r,
-                nproc,
+                node_rank * nproc + r,
+                nnodes * nproc,
                 coordinator,
                 devices_per_proc=devices_per_proc,
                 platform=platform,
@@ -683,6 +461,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--platform", choices=("cpu", "gpu", "tpu"), default="cpu")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
     p.add_argument(
+        "--coordinator-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the coordinator (rank 0) listens and the ranks reach it (default: "
+        "127.0.0.1 and a free port); required with --nnodes > 1",
+    )
+    p.add_argument("--nnodes", type=int, default=1, help="hosts of a multi-host run (1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this host, 0 .. nnodes - 1")
+    p.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="start more processes than local accelerators (or CPU cores on a CPU run)",
+    )
+    p.add_argument(
         "--init-timeout", type=int, default=60, help="seconds for every rank to join (60)"
     )
     p.add_argument(
@@ -729,6 +521,10 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             watchdog=args.watchdog,
             output_progress=args.output_progress,
+            coordinator_address=args.coordinator_address,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            allow_oversubscribe=args.allow_oversubscribe,
         )
     except LaunchError as e:
         print(f"dtarl launch: {e}", file=sys.stderr)
@@ -742,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rest = argv[1:]
         if rest and rest[0] == "--":
             rest = rest[1:]
-        _worker(rest)
+        worker_main(rest)
         return 0
     p = argparse.ArgumentParser(prog="python -m dtarl.parallel.launch")
     add_arguments(p)

@@ -43,6 +43,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from dtarl.errors import CheckpointError
+from dtarl.rl import integrity
 
 LAYOUT = "dtarl-orbax-1"
 _STATE, _META = "state", "meta"
@@ -149,13 +150,16 @@ class CheckpointManager:
     make the same calls (Orbax synchronizes them).
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int = 2):
+    def __init__(
+        self, directory: str | os.PathLike, *, keep: int = 2, on_corrupt: str = "previous"
+    ):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r} must be an int >= 1")
         self.directory = os.path.abspath(os.fspath(directory))
         self.keep = keep
         self._mgr: ocp.CheckpointManager | None = None
         self._pending: int | None = None  # the step of the last save not yet waited for
+        self._integrity = integrity.StepVerifier(on_corrupt)  # manifests (dtarl.rl.integrity)
 
     def _manager(self) -> ocp.CheckpointManager:
         """The Orbax manager, made on the first save (reads do not need it)."""
@@ -199,8 +203,15 @@ class CheckpointManager:
         return sorted(out)
 
     def latest_step(self) -> int | None:
-        s = self.steps()
-        return s[-1] if s else None
+        """The newest committed step whose files match its manifest (``integrity``)."""
+        return self._integrity.latest(self.steps(), self.path)
+
+    def _last_good(self) -> int | None:
+        """``latest_step`` for error messages: None instead of raising."""
+        try:
+            return self.latest_step()
+        except CheckpointError:
+            return None
 
     def path(self, step: int) -> str:
         return os.path.join(self.directory, f"step_{step:08d}")
@@ -219,6 +230,9 @@ class CheckpointManager:
         final = self.path(step)
         leaves = jax.tree.leaves(tree)
         names = leaf_names(tree)
+        bad = integrity.nonfinite_leaf(names, leaves)
+        if bad is not None:
+            raise CheckpointError(f"{final}: leaf {bad!r} holds NaN or inf; not saved")
         full_meta = dict(meta or {})
         full_meta.update(step=step, layout=LAYOUT, fingerprint=_fingerprint(names, leaves))
         try:
@@ -227,6 +241,7 @@ class CheckpointManager:
             raise CheckpointError(f"{final}: metadata is not JSON-serializable ({e})") from None
         self.wait()
         mgr = self._manager()
+        self._integrity.pending = (final, step, full_meta.get("config"))
         try:
             mgr.reload()
             if step in mgr.all_steps():
@@ -244,11 +259,12 @@ class CheckpointManager:
         except (OSError, ValueError) as e:
             raise CheckpointError(
                 f"{final}: checkpoint write failed ({e}); the previous checkpoint "
-                f"(step {self.latest_step()}) is still valid"
+                f"(step {self._last_good()}) is still valid"
             ) from e
         if not saved:
             raise CheckpointError(f"{final}: Orbax declined to save step {step}")
         self._pending = step
+        self._integrity.watch(mgr.wait_until_finished)  # writes the manifest once committed
         return final
 
     def wait(self) -> None:
@@ -257,17 +273,19 @@ class CheckpointManager:
             return
         step, self._pending = self._pending, None
         try:
+            self._integrity.join()
             self._mgr.wait_until_finished()
         except Exception as e:
             raise CheckpointError(
                 f"{self.path(step)}: checkpoint write failed ({e}); the previous checkpoint "
-                f"(step {self.latest_step()}) is still valid"
+                f"(step {self._last_good()}) is still valid"
             ) from e
         if not os.path.isdir(self.path(step)):
             raise CheckpointError(
                 f"{self.path(step)}: the save of step {step} was not committed (see the log); "
-                f"the previous checkpoint (step {self.latest_step()}) is still valid"
+                f"the previous checkpoint (step {self._last_good()}) is still valid"
             )
+        self._integrity.committed()
         self._empty_trash()
 
     def close(self) -> None:
@@ -323,6 +341,9 @@ class CheckpointManager:
         sharding; numpy: restored on the host) or ``jax.ShapeDtypeStruct`` with a
         sharding.
         """
+        self.wait()
+        self._check_layout(step)
+        self._integrity.check(self.path(step))
         meta = self.read_meta(step)
         leaves, treedef = jax.tree.flatten(target)
         names = leaf_names(target)

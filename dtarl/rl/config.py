@@ -19,13 +19,13 @@ import enum
 import keyword
 import math
 import os
-import re
 import types
 import typing
 from typing import Any
 
 import yaml
 
+from dtarl import yamlconf
 from dtarl.batch import LossNorm
 from dtarl.engines.config import EngineConfig, EngineKind
 from dtarl.errors import ConfigError
@@ -317,11 +317,19 @@ class RolloutSection:
             if not s:
                 raise ConfigError(f"rollout.stop[{i}]='' must be a non-empty string")
         _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "steps_per_call")
+        if self.prompts_per_step * self.group_size > MAX_ROLLOUTS_PER_STEP:
+            raise ConfigError(
+                f"rollout.prompts_per_step x rollout.group_size = {self.prompts_per_step} x "
+                f"{self.group_size} rollouts per step; accepted: at most {MAX_ROLLOUTS_PER_STEP}"
+            )
         _nonneg(self, "slots")
         _in_range(self, "top_p", 0, 1, lo_open=True)
         _nonneg(self, "temperature", "top_k")
         if not math.isfinite(self.temperature):
             raise ConfigError(f"rollout.temperature={self.temperature!r} must be finite")
+
+
+MAX_ROLLOUTS_PER_STEP = 1 << 20  # prompts_per_step x group_size: host arrays stay bounded
 
 
 class LambdaUnits(enum.Enum):
@@ -522,6 +530,13 @@ class MeshSection:
         return dp, tp
 
 
+class OnCorrupt(enum.Enum):
+    """``resume.on_corrupt``: what a resume does with a step that fails verification."""
+
+    PREVIOUS = "previous"
+    ERROR = "error"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ResumeSection:
     """Continue from the latest checkpoint in ``out_dir/checkpoints``. The saved run's
@@ -532,6 +547,9 @@ class ResumeSection:
     SECTION: typing.ClassVar[str] = "resume"
     enabled: bool = True
     allow_changes: bool = False
+    # A step whose files do not match its manifest (``dtarl.rl.integrity``): skip it
+    # with one line and resume from the newest intact step, or stop with the error.
+    on_corrupt: OnCorrupt = OnCorrupt.PREVIOUS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -625,6 +643,7 @@ class TrainerConfig:
     compile_cache_dir: str | None = None
 
     def __post_init__(self):
+        _check_finite(self, "")  # every float key, however the config was built
         _nonneg(self, "steps", "seed", "checkpoint_every", "eval_problems", "eval_every")
         _positive(self, "keep_checkpoints")
         if not self.out_dir:
@@ -650,6 +669,12 @@ class TrainerConfig:
                 f"rollout.engine=continuous (got {self.rollout.engine.value}) and "
                 f"rollout.streaming.enabled=false (got {self.rollout.streaming.enabled}; the "
                 "streaming scorers are single-device)"
+            )
+        if self.algo.algorithm is not Algorithm.PPO and self.rollout.group_size < 2:
+            raise ConfigError(
+                f"rollout.group_size={self.rollout.group_size} with algo.algorithm="
+                f"{self.algo.algorithm.value}: group-relative advantages of a group of one are all "
+                "0 (nothing is learned); accepted: rollout.group_size >= 2, or algo.algorithm=ppo"
             )
         if d.enabled and d.short_k > self.rollout.group_size:
             raise ConfigError(
@@ -718,6 +743,17 @@ class TrainerConfig:
         return load_config(os.path.join(_configs_dir(), "quickstart.yaml"))
 
 
+def _check_finite(obj, prefix: str) -> None:
+    """Raises ``ConfigError`` naming the first float key (dotted) holding inf or nan."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        key = f"{prefix}{_yaml_key(f.name)}"
+        if dataclasses.is_dataclass(v):
+            _check_finite(v, key + ".")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{key}={v!r} must be a finite number")
+
+
 def _configs_dir() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "configs")
 
@@ -725,20 +761,8 @@ def _configs_dir() -> str:
 # ------------------------------------------------------------------ parsing
 
 
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2 floats: ``1e-3`` and ``5E4`` are numbers
-    (YAML 1.1 wants a dot and a signed exponent, ``1.0e-3``, and reads ``1e-3`` as a string)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
-
-
 def _yaml_load(stream):
-    return yaml.load(stream, Loader=_Loader)
+    return yamlconf.load(stream)  # YAML 1.2 floats; a duplicate key is an error
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -794,6 +818,8 @@ def _convert(tp, value, where: str):
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}={value!r} must be a number")
+        if not math.isfinite(value):  # .inf, 1e400, .nan
+            raise ConfigError(f"{where}={value!r} must be a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -887,6 +913,14 @@ def load_config(path: str | os.PathLike | None, overrides=()) -> TrainerConfig:
                 loaded = _yaml_load(f)
         except FileNotFoundError:
             raise ConfigError(f"{p}: no such config file") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{p}: is a directory, not a YAML config file") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"{p}: not a text file (byte {e.start} is not UTF-8); expected a YAML config"
+            ) from None
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read the config file ({e.strerror or e})") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f":{mark.line + 1}" if mark is not None else ""
@@ -909,6 +943,7 @@ __all__ = [
     "LossAggMode",
     "MeshSection",
     "ModelSection",
+    "OnCorrupt",
     "OptimSection",
     "PatSection",
     "RESUME_FREE_KEYS",

@@ -78,7 +78,7 @@ from dtarl.parallel import mesh as mesh_lib
 from dtarl.parallel.launch import report_progress
 from dtarl.parallel.partition import FlopCost
 from dtarl.parallel.sharded import ShardedEngine, to_host
-from dtarl.rl import darts
+from dtarl.rl import darts, runlock
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import (
     Algorithm,
@@ -364,7 +364,9 @@ class Trainer:
         self.opt_state = None
         self.base_key = jax.random.PRNGKey(cfg.seed)
         self.ckpt = CheckpointManager(
-            os.path.join(cfg.out_dir, "checkpoints"), keep=cfg.keep_checkpoints
+            os.path.join(cfg.out_dir, "checkpoints"),
+            keep=cfg.keep_checkpoints,
+            on_corrupt=cfg.resume.on_corrupt.value,
         )
         if cfg.export.hf_dir:  # refused now, not after training
             check_export_dir(
@@ -931,7 +933,12 @@ class Trainer:
 
     def run(self, *, max_steps: int | None = None) -> TrainResult:
         """Trains to ``cfg.total_steps`` (or stops after ``max_steps`` global steps, e.g.
-        to simulate an interruption), resuming from out_dir's checkpoint when asked."""
+        to simulate an interruption), resuming from out_dir's checkpoint when asked.
+        Holds ``out_dir/.lock`` meanwhile (``dtarl.rl.runlock``: one run per out_dir)."""
+        with runlock.hold(self.cfg.out_dir, enabled=jax.process_index() == 0):
+            return self._run(max_steps=max_steps)
+
+    def _run(self, *, max_steps: int | None) -> TrainResult:
         cfg = self.cfg
         t_start = time.perf_counter()
         resumed = cfg.resume.enabled and self.try_resume()

@@ -142,7 +142,10 @@ def test_old_layout_is_refused(tmp_path):
     (old / "state").mkdir(parents=True)
     (old / "meta.json").write_text('{"step": 5}')
     mgr = CheckpointManager(tmp_path)
-    assert mgr.latest_step() == 5  # listed, so that a resume cannot silently start over
+    # Not verifiable (no manifest), and not skipped into a silent fresh start either.
+    with pytest.raises(CheckpointError, match=r"none of the saved steps \[5\] is intact"):
+        mgr.latest_step()
+    assert mgr.steps() == [5]
     for call in (lambda: mgr.read_meta(5), lambda: mgr.restore(5, {"w": jnp.zeros(2)})):
         with pytest.raises(CheckpointError, match=r"step_00000005: checkpoint in the old layout"):
             call()
