@@ -1,6 +1,7 @@
 """The package's layers import downward only, and no module imports itself back.
 
     floor 1  dtarl.tree, dtarl.axes, dtarl.timing,     (no JAX in tree/)
+             dtarl.errors, dtarl.aot, dtarl.aotfile, dtarl.yamlconf
              dtarl.parallel.partition             (numpy only: engines price their work in it)
     floor 2  dtarl.model, dtarl.parallel.mesh
     floor 3  dtarl.advantages, dtarl.batch, dtarl.losses, dtarl.traces, dtarl.testing
@@ -30,6 +31,8 @@ FLOORS = {
     "dtarl.axes": 1,
     "dtarl.timing": 1,
     "dtarl.aot": 1,
+    "dtarl.aotfile": 1,
+    "dtarl.yamlconf": 1,
     "dtarl.errors": 1,
     "dtarl.parallel.partition": 1,
     "dtarl.model": 2,
