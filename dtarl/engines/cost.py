@@ -53,7 +53,7 @@ import numpy as np
 from dtarl.batch import RolloutBatch
 from dtarl.engines.base import WorkFeatures
 from dtarl.model.config import ModelConfig
-from dtarl.parallel.partition import FlopCost, RowCost
+from dtarl.tree.cost import FlopCost, RowCost
 from dtarl.tree.trie import PrefixTree, build_tree
 
 BACKWARD_FACTOR = 2.0
