@@ -72,8 +72,8 @@ import numpy as np
 
 from dtarl.batch import RolloutBatch
 from dtarl.engines import base
-from dtarl.engines.config import AutoConfig, Capacity, EngineConfig, configured
-from dtarl.engines.cost import ENGINES, CostModel, fit_cost_model
+from dtarl.engines.config import AutoConfig, Capacity, EngineConfig, EngineKind, configured
+from dtarl.engines.cost import CostModel, fit_cost_model
 from dtarl.engines.dense import DenseEngine
 from dtarl.engines.dfs import DFSEngine
 from dtarl.engines.prefix_reuse import PrefixReuseEngine
@@ -339,9 +339,10 @@ class AutoEngine:
         self.name = name
         self.cfg = model.cfg
         given = dict(engines or {})
-        unknown = [k for k in given if k not in ENGINES]
+        names = [k.value for k in EngineKind.auto_candidates()]
+        unknown = [k for k in given if k not in names]
         if unknown:
-            raise ValueError(f"engines: unknown names {unknown}; accepted: {ENGINES}")
+            raise ValueError(f"engines: unknown names {unknown}; accepted: {names}")
         for k, e in given.items():
             if getattr(e, "temperature", 1.0) != self.temperature:
                 raise ValueError(
@@ -354,7 +355,7 @@ class AutoEngine:
             "prefix_reuse": lambda: PrefixReuseEngine(model, ec.prefix_reuse, temperature=t),
             "dfs": lambda: DFSEngine(model, ec.dfs, temperature=t),
         }
-        self.engines = {k: given[k] if k in given else build[k]() for k in ENGINES}
+        self.engines = {k: given[k] if k in given else build[k]() for k in names}
         self.jit = _DelegatingJit(self)
         # (kind, inner static, loss) -> Timing: the autotuning table.
         self.timings: dict[tuple, Timing] = {}
@@ -554,7 +555,9 @@ class AutoEngine:
         while True:
             est = {e: self._estimate(e, keys[e], pred[e]) for e in work}
             total = {e: est[e] + (0.0 if keys[e] in self.timings else host[e]) for e in work}
-            best = min(pool, key=lambda e: (total[e], ENGINES.index(e)))
+            best = min(
+                pool, key=lambda e: (total[e], EngineKind.auto_candidates().index(EngineKind(e)))
+            )
             # Time every candidate on a small batch (host work and fixed costs decide).
             # On the first batch of a loss after ``reserve`` (its programs are the run's
             # only ones for that loss: timed now, no later batch tunes) the margin is

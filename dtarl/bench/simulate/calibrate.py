@@ -42,7 +42,8 @@ from dtarl.bench.simulate.fit import (
     fit_engine_costs,
 )
 from dtarl.engines.base import split_model
-from dtarl.engines.cost import ENGINES, nnls
+from dtarl.engines.config import EngineKind
+from dtarl.engines.cost import nnls
 from dtarl.model import init_model
 from dtarl.model.config import ModelConfig
 from dtarl.testing import grpo_groups
@@ -297,7 +298,10 @@ def calibration_kinds(kinds: Sequence[str]) -> tuple[list[str], bool]:
     auto = AUTO in want
     out = [k for k in want if k != AUTO]
     if auto:
-        out += [k for k in engine_default(AUTO, "candidates") or ENGINES if k not in out]
+        kinds = engine_default(AUTO, "candidates") or [
+            k.value for k in EngineKind.auto_candidates()
+        ]
+        out += [k for k in kinds if k not in out]
     return list(dict.fromkeys(out)), auto
 
 
