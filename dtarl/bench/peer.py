@@ -68,6 +68,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from dtarl.bench import report
+
 PEER_INSTALL = "pip install -e .[peer]"
 
 
@@ -683,14 +685,15 @@ def format_table(res: dict) -> str:
         wl = [(k, v) for k, v in res["workloads"].items() if peer in v["runs"]]
         if not wl:
             continue
-        head = [f"Tunix {part}"] + [n.replace("_", " ") for n in ours]
+        head = ["workload", f"Tunix {part}"] + [n.replace("_", " ") for n in ours]
         head += [f"Tunix / {n.split('_', 1)[1]}" for n in ours]
-        lines.append("| workload | " + " | ".join(head) + " |")
-        lines.append("|---" * (len(head) + 1) + "|")
-        for name, v in wl:
-            secs = [_range([x["seconds"] for x in v["runs"][n]], unit=" s") for n in (peer, *ours)]
-            rats = [_range(v["ratios"][f"{peer}/{n}"], unit="x") for n in ours]
-            lines.append(f"| {name} | " + " | ".join(secs + rats) + " |")
+        cells = [
+            [name]
+            + [_range([x["seconds"] for x in v["runs"][n]], unit=" s") for n in (peer, *ours)]
+            + [_range(v["ratios"][f"{peer}/{n}"], unit="x") for n in ours]
+            for name, v in wl
+        ]
+        lines += report.markdown(head, cells, compact=True)
         extra = [
             f"{name}: {n} autotune {_range([x['autotune_s'] for x in v['runs'][n]], unit=' s')}"
             for name, v in wl

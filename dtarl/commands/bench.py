@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -19,7 +18,7 @@ from dtarl.bench import darts as bench_darts
 from dtarl.bench import memory as bench_memory
 from dtarl.bench import partition as bench_partition
 from dtarl.bench import pat as bench_pat
-from dtarl.bench import pat_profile
+from dtarl.bench import pat_profile, report
 from dtarl.bench import peer as bench_peer
 from dtarl.bench import rollout as bench_rollout
 from dtarl.bench import stalls as bench_stalls
@@ -31,11 +30,8 @@ from dtarl.rollout import pat
 
 
 def _write_json(path: Path, obj, **dumps_kw) -> None:
-    """Writes a bench's ``--json`` result (parent folders created) and says where."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=1, **dumps_kw))
-    print(f"wrote {path}")
+    """Writes a bench's ``--json`` result (``dtarl.bench.report``) and says where."""
+    print(f"wrote {report.write_json(path, obj, **dumps_kw)}")
 
 
 # ----------------------------------------------------------------------------- train
@@ -110,9 +106,8 @@ def _train(args) -> int:
         mesh=args.mesh,
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
-        print(f"\nwrote {args.json}")
+        print()
+        _write_json(args.json, res, default=str)
     return 0
 
 
@@ -153,9 +148,8 @@ def _memory(args) -> int:
         resolution=args.resolution,
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(res, model=args.model), f, indent=1)
-        print(f"\nwrote {args.json}")
+        print()
+        _write_json(args.json, dict(res, model=args.model))
     return 0
 
 

@@ -20,6 +20,7 @@ from dtarl.bench.replay.stages import (
 )
 from dtarl.bench.replay.suite import WorkloadSpec, jsonable, model_config_to_dict
 from dtarl.bench.replay.train_stage import EngineTiming
+from dtarl.bench.report import write_json
 from dtarl.model.config import ModelConfig
 from dtarl.timing import TimedRuns
 
@@ -233,10 +234,7 @@ class ReplayResult:
         )
 
     def save(self, path: str | os.PathLike) -> Path:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_dict(), indent=1))
-        return p
+        return write_json(path, self.to_dict())
 
     def table(self) -> str:
         """A plain-text summary: one row per (workload, engine)."""
