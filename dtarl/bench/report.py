@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,9 +105,12 @@ def json_rows(rows: Iterable[Mapping[str, Any]], *, nan_to_null: bool = False) -
     return [_nan_to_none(r) for r in out] if nan_to_null else out
 
 
-def write_json(path: str | Path, obj, **dumps_kw) -> Path:
-    """Writes ``obj`` as indented JSON to ``path`` (parent folders created); returns it."""
+def write_json(path: str | Path, obj, *, say: Callable[[str], Any] | None = None, **dumps_kw):
+    """Writes ``obj`` as indented JSON to ``path`` (parent folders created) and returns the
+    path; ``say`` (e.g. ``print``) gets ``wrote <path>``. ``dumps_kw`` go to ``json.dumps``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=1, **dumps_kw))
+    if say is not None:
+        say(f"wrote {path}")
     return path
