@@ -430,10 +430,7 @@ def plot(res: dict[str, Any], path: str | os.PathLike) -> Path:
     ax_ok.set(xlabel="RL step", ylabel="greedy success", title="eval success", ylim=(0, 1))
     ax_len.legend(fontsize=8)
     ax_ok.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path, dpi=110)
 
 
 __all__ = [

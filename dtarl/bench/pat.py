@@ -563,12 +563,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
     ax1.set_ylabel("seconds (median run)")
     ax1.set_title("latency per stage", fontsize=9)
     ax1.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path, dpi=100)
 
 
 def json_rows(result: dict[str, Any]) -> list[dict[str, Any]]:

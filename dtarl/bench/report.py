@@ -5,6 +5,7 @@
     Column(title, width, align)   one column of a text table (width None: the widest cell)
     json_rows(rows)               result rows as fresh JSON-ready dicts (NaN -> null on ask)
     write_json(path, obj)         a ``--json`` file, parent folders created
+    save_figure(fig, path)        a matplotlib figure as a PNG, parent folders created
 
 Cells are strings formatted by the caller (``f"{x:.3f}"``); the writer only lays
 them out, so every bench keeps its own number formats and column names.
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Column", "json_rows", "markdown", "text_table", "write_json"]
+__all__ = ["Column", "json_rows", "markdown", "save_figure", "text_table", "write_json"]
 
 
 def markdown(header: Sequence[str], rows: Iterable[Sequence[Any]], *, compact: bool = False):
@@ -113,4 +114,17 @@ def write_json(path: str | Path, obj, *, say: Callable[[str], Any] | None = None
     path.write_text(json.dumps(obj, indent=1, **dumps_kw))
     if say is not None:
         say(f"wrote {path}")
+    return path
+
+
+def save_figure(fig, path: str | Path, *, dpi: int) -> Path:
+    """Lays out ``fig`` (``tight_layout``), saves it at ``path`` (parent folders created)
+    and closes it; returns the path."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
     return path

@@ -638,12 +638,7 @@ def plot_active(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path
         ax.set_ylabel("active batch")
         ax.legend(fontsize=7, loc="upper right")
     axes[-1, 0].set_xlabel("decode step")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path, dpi=100)
 
 
 def json_rows(result: dict[str, Any]) -> list[dict[str, Any]]:

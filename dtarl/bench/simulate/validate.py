@@ -18,6 +18,7 @@ from dtarl.bench.replay import (
     model_config_from_dict,
     tool_phase,
 )
+from dtarl.bench.report import save_figure
 from dtarl.bench.simulate.features import AUTO
 from dtarl.bench.simulate.fit import CostProfile
 from dtarl.bench.simulate.predict import predict_inference, predict_rollout, predict_step
@@ -206,12 +207,7 @@ class ValidationReport:
         ax.set_ylabel("predicted (s)")
         ax.set_title(f"simulator vs replay: mean |err| {self.mean_abs_pct_error:.1f}%")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        return p
+        return save_figure(fig, path, dpi=110)
 
 
 def validate(
