@@ -210,6 +210,14 @@ class ValidationReport:
         return save_figure(fig, path, dpi=110)
 
 
+def _fastest_background(timed: dict) -> float | None:
+    """The background cores measured during the fastest of ``timed``'s runs (None: not
+    recorded)."""
+    if timed.get("background_cores") and timed.get("runs_s"):
+        return timed["background_cores"][int(np.argmin(timed["runs_s"]))]
+    return None
+
+
 def validate(
     profile: CostProfile,
     replay_json: dict[str, Any],
@@ -255,9 +263,7 @@ def validate(
             if k == AUTO:
                 ran = (e.get("stats") or {}).get("chosen_engine")
                 note = f"picks {pred.engines[k].program} (replay: {ran})"
-            bg = None
-            if e.get("background_cores") and e.get("runs_s"):
-                bg = e["background_cores"][int(np.argmin(e["runs_s"]))]
+            bg = _fastest_background(e)
             rows.append(
                 ValidationRow(
                     workload=spec.name,
@@ -314,9 +320,7 @@ def validate(
         if roll.get("seconds") is not None and rp is not None:  # rollout row; step rows below
             mn = float(roll.get("min_seconds") or roll["seconds"])
             detail = roll.get("detail") or {}
-            bg = None
-            if detail.get("background_cores") and detail.get("runs_s"):
-                bg = detail["background_cores"][int(np.argmin(detail["runs_s"]))]
+            bg = _fastest_background(detail)
             rows.append(
                 ValidationRow(
                     workload=spec.name,
