@@ -189,18 +189,13 @@ class PrefixReuseEngine(base.BucketState):
         temperature: float = 1.0,
         **settings,
     ):
-        self.model = model
-        self.config = configured(PrefixReuseConfig, config, settings)
-        self.name = name
-        self.temperature = base.logprob_temperature(temperature)
+        config = configured(PrefixReuseConfig, config, settings)
+        self._init_engine(model, config, name=name, temperature=temperature)
         self.dfs = None  # the deep groups' DFS engine (DeepTrees.DFS)
         if self.config.deep_trees is DeepTrees.DFS:
             self.dfs = DFSEngine(
                 self.model, chunk_len=self.config.dfs_chunk_len, temperature=self.temperature
             )
-        self.graphdef, _ = base.split_model(self.model)
-        self.cfg = self.model.cfg
-        self.jit = base.JitCache(self)
         self._min = dict(groups=1, prefix=1, rows=1, row_len=1, slots=1, pslots=1, path=1)
         self._min.update(seqs=1, flat=1, split=0)
         # Set by ``reserve`` with prompt and response bounds: the group shapes are
