@@ -25,6 +25,12 @@ __all__ = ["add_pat", "add_rollout", "simulated_devices"]
 # ----------------------------------------------------------------------------- rollout
 
 
+def _overrides(args: argparse.Namespace, config_cls) -> dict:
+    """The flags given (not None) that are fields of the bench's config dataclass."""
+    names = [f.name for f in dataclasses.fields(config_cls)]
+    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+
+
 def add_rollout(sub) -> None:
     p = sub.add_parser(
         "rollout",
@@ -138,22 +144,9 @@ def _rollout(args: argparse.Namespace) -> int:
     model = (
         bench_rollout.peer_tiny() if args.model == "peer_tiny" else ModelConfig.preset(args.model)
     )
-    fields = (
-        "prompts",
-        "group_size",
-        "prompt_len",
-        "max_new_tokens",
-        "slots",
-        "steps_per_call",
-        "rounds",
-        "seed",
-        "kv_group",
-        "kv_prompt",
-        "kv_responses",
-    )
     if args.profile:
         return _profile(args, model)
-    over = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
+    over = _overrides(args, bench_rollout.RolloutBenchConfig)
     if "kv_responses" in over:
         over["kv_responses"] = tuple(over["kv_responses"])
     make = (
@@ -226,18 +219,7 @@ def add_pat(sub) -> None:
 
 def _pat(args: argparse.Namespace) -> int:
     simulated_devices()
-    fields = (
-        "prompts",
-        "group_size",
-        "prompt_len",
-        "max_new_tokens",
-        "steps_per_call",
-        "check_every",
-        "start_tp",
-        "rounds",
-        "seed",
-    )
-    over = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
+    over = _overrides(args, bench_pat.PatBenchConfig)
     make = bench_pat.PatBenchConfig.quick if args.quick else bench_pat.PatBenchConfig
     t0 = time.perf_counter()
     res = bench_pat.run(
