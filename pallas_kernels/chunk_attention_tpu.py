@@ -77,9 +77,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.chunk_attention import DEFAULT_BLOCK_K as _GPU_BLOCK_K
-from pallas_kernels.chunk_attention import DEFAULT_BLOCK_Q as _GPU_BLOCK_Q
-from pallas_kernels.chunk_attention import _segments_B, _validate, key_segments
+from pallas_kernels.chunk_attention_contract import (
+    batched_inputs,
+    check_inputs,
+    key_segments,
+    unbatched,
+)
 
 __all__ = ["chunk_attention_tpu"]
 
@@ -534,9 +537,7 @@ def chunk_attention_tpu(
         raise ValueError(f"block_q must be a positive multiple of 8; got block_q={block_q!r}.")
     if not isinstance(block_k, int) or block_k < LANES or block_k % LANES:
         raise ValueError(f"block_k must be a positive multiple of 128; got block_k={block_k!r}.")
-    batched, B, C, S, Hq, Hkv, D = _validate(
-        q, k, v, start, kv_len, sm_scale, None, _GPU_BLOCK_Q, _GPU_BLOCK_K
-    )
+    batched, B, C, S, Hq, Hkv, D = check_inputs(q, k, v, start, kv_len, sm_scale, None)
     cfg = _Config(
         sm_scale=float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale),
         block_q=min(block_q, _round_up(C, SUBLANES)),
@@ -547,12 +548,8 @@ def chunk_attention_tpu(
         segmented=segment_ids is not None,
         interpret=_resolve_interpret(interpret),
     )
-    seg_BxC = _segments_B(segment_ids, batched, B, C, q.shape)
-    start_B = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (B,))
-    kv_len_B = jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B,))
-    if not batched:
-        q, k, v = q[None], k[None], v[None]
+    q, k, v, start_B, kv_len_B, seg_BxC = batched_inputs(
+        q, k, v, start, kv_len, segment_ids, batched=batched, B=B, C=C
+    )
     out, lse = _core(q, k, v, start_B, kv_len_B, seg_BxC, cfg)
-    if not batched:
-        out, lse = out[0], lse[0]
-    return (out, lse) if return_lse else out
+    return unbatched(out, lse, batched=batched, return_lse=return_lse)

@@ -1,8 +1,8 @@
 """The package's layers import downward only, and no module imports itself back.
 
-    floor 1  dtarl.tree, dtarl.axes, dtarl.timing,     (no JAX in tree/)
-             dtarl.errors, dtarl.aot, dtarl.aotfile, dtarl.yamlconf
-             dtarl.parallel.partition             (numpy only: engines price their work in it)
+    floor 1  dtarl.tree, dtarl.axes, dtarl.timing,     (no JAX in tree/; engines price their
+             dtarl.errors, dtarl.aot, dtarl.aotfile,   work in dtarl.tree.cost)
+             dtarl.yamlconf
     floor 2  dtarl.model, dtarl.parallel.mesh
     floor 3  dtarl.advantages, dtarl.batch, dtarl.losses, dtarl.traces, dtarl.testing
     floor 4  dtarl.rollout, dtarl.engines
@@ -34,7 +34,6 @@ FLOORS = {
     "dtarl.aotfile": 1,
     "dtarl.yamlconf": 1,
     "dtarl.errors": 1,
-    "dtarl.parallel.partition": 1,
     "dtarl.model": 2,
     "dtarl.parallel.mesh": 2,
     "dtarl.advantages": 3,

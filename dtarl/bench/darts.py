@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from dtarl.bench import report
 from dtarl.rl.config import load_config
 from dtarl.rl.trainer import Trainer
 
@@ -323,27 +324,30 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def format_table(res: dict[str, Any]) -> str:
     """The per-arm table, the speedup line and the machine load."""
     s = res["summary"]
-    head = (
-        f"{'arm':6s} {'seeds':>5s} {'step s':>14s} {'rollout s':>10s} {'train s':>9s} "
-        f"{'len mean':>8s} {'len p90':>8s} {'len max':>7s} {'final success':>22s} "
-        f"{'tree ratio':>10s}"
-    )
-    lines = [head, "-" * len(head)]
-    for arm in ARMS:
-        if arm not in s:
-            continue
-        a = s[arm]
-        succ = (
+    columns = [report.Column(title="arm", width=6, align="<")] + [
+        report.Column(title=t, width=w)
+        for t, w in (
+            ("seeds", 5), ("step s", 14), ("rollout s", 10), ("train s", 9), ("len mean", 8),
+            ("len p90", 8), ("len max", 7), ("final success", 22), ("tree ratio", 10),
+        )
+    ]  # fmt: skip
+    cells = [
+        [
+            arm,
+            str(a["seeds"]),
+            f"{a['step_seconds']:.3f} ± {a['step_seconds_std']:.3f}",
+            f"{a['rollout_seconds']:.3f}",
+            f"{a['train_seconds']:.3f}",
+            f"{a['mean_response_len']:.1f}",
+            f"{a['p90_response_len']:.1f}",
+            f"{a['max_response_len']:.0f}",
             f"{a['final_success']:.3f} ± {a['final_success_std']:.3f} "
-            f"[{a['final_success_min']:.2f},{a['final_success_max']:.2f}]"
-        )
-        step = f"{a['step_seconds']:.3f} ± {a['step_seconds_std']:.3f}"
-        lines.append(
-            f"{arm:6s} {a['seeds']:5d} {step:>14s} {a['rollout_seconds']:10.3f} "
-            f"{a['train_seconds']:9.3f} {a['mean_response_len']:8.1f} "
-            f"{a['p90_response_len']:8.1f} {a['max_response_len']:7.0f} {succ:>22s} "
-            f"{a['tree_token_ratio']:10.3f}"
-        )
+            f"[{a['final_success_min']:.2f},{a['final_success_max']:.2f}]",
+            f"{a['tree_token_ratio']:.3f}",
+        ]
+        for arm, a in ((arm, s[arm]) for arm in ARMS if arm in s)
+    ]
+    lines = report.text_table(columns, cells, rule=True)
     for arm in ARMS:
         if arm in s:
             a = s[arm]
@@ -381,17 +385,7 @@ def json_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     """One object per (arm, seed): ``arm``, ``seed``, ``step_seconds``, ``final_success``,
     ``mean_response_len``, then the rest of the run's numbers and series. NaN (a
     metric the arm does not have, e.g. ``m_total`` of grpo) becomes None (JSON null)."""
-
-    def clean(v):
-        if isinstance(v, float) and v != v:
-            return None
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [clean(x) for x in v]
-        return v
-
-    return [clean(r) for r in res["runs"]]
+    return report.json_rows(res["runs"], nan_to_null=True)
 
 
 def plot(res: dict[str, Any], path: str | os.PathLike) -> Path:
@@ -436,10 +430,7 @@ def plot(res: dict[str, Any], path: str | os.PathLike) -> Path:
     ax_ok.set(xlabel="RL step", ylabel="greedy success", title="eval success", ylim=(0, 1))
     ax_len.legend(fontsize=8)
     ax_ok.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path, dpi=110)
 
 
 __all__ = [

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from flax import nnx
 
 from dtarl.batch import RolloutBatch
+from dtarl.bench import report
 from dtarl.engines.dense import DenseEngine
 from dtarl.engines.prefix_reuse import PrefixActivations, PrefixReuseEngine
 from dtarl.losses import ClippedSurrogateLoss
@@ -157,9 +158,10 @@ def format_table(rows: list[dict]) -> str:
     def fmt(v):
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
-    cells = [keys] + [[fmt(r[k]) for k in keys] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(keys))]
-    return "\n".join("  ".join(c[i].rjust(widths[i]) for i in range(len(keys))) for c in cells)
+    columns = [report.Column(title=k) for k in keys]
+    return "\n".join(
+        report.text_table(columns, [[fmt(r[k]) for k in keys] for r in rows], sep="  ")
+    )
 
 
 def run(

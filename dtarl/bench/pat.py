@@ -61,7 +61,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dtarl.bench import pat_profile
+from dtarl.bench import pat_profile, report
 from dtarl.bench.rollout import synthetic_lengths, trace_lengths
 from dtarl.model import ModelConfig, init_model
 from dtarl.parallel.mesh import make_mesh
@@ -460,21 +460,18 @@ def run(
     return result
 
 
+_TIMES = ("latency_s", "decode_s", "switch_s", "kv_s", "other_s")
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = [
-        "| config | latency s | decode s | switch s | kv s | other s | switches |",
-        "|---|---|---|---|---|---|---|",
+    header = ("config", "latency s", "decode s", "switch s", "kv s", "other s", "switches")
+    pred = next((r for r in rows if r["config"] == "predictor"), None)
+    cells = [
+        (r["config"], *(f"{r[k]:.3f}" for k in _TIMES), r["switches"])
+        for r in rows
+        if r["config"] != "predictor"
     ]
-    pred = None
-    for r in rows:
-        if r["config"] == "predictor":
-            pred = r
-            continue
-        lines.append(
-            f"| {r['config']} | {r['latency_s']:.3f} | {r['decode_s']:.3f} | "
-            f"{r['switch_s']:.3f} | {r['kv_s']:.3f} | {r['other_s']:.3f} | {r['switches']} |"
-        )
-    out = "\n".join(lines)
+    out = "\n".join(report.markdown(header, cells, compact=True))
     patrow = next((r for r in rows if r["config"] == "pat"), None)
     if patrow is not None:
         if patrow["switches"] == 0:
@@ -566,19 +563,14 @@ def plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
     ax1.set_ylabel("seconds (median run)")
     ax1.set_title("latency per stage", fontsize=9)
     ax1.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path, dpi=100)
 
 
 def json_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     """``--json``: one object per configuration (``config``, ``latency_s``, ``switches``,
     the breakdown) and one ``{"config": "predictor", "mean_rel_error": ...}``; with a
     replay, one ``{"config": "replay", "label": "PREDICTION", ...}``."""
-    out = [dict(r) for r in result["rows"]]
+    out = report.json_rows(result["rows"])
     if "replay" in result:
         rep = dict(result["replay"])
         rep["static"] = {f"tp{k}": v for k, v in rep["static"].items()}

@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from dtarl.bench import report
 from dtarl.model import ModelConfig, init_model
 from dtarl.rollout.continuous import ContinuousSampler
 from dtarl.rollout.engine import (
@@ -562,20 +563,27 @@ def _mib(b: int) -> str:
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown table: per workload and sampler, tokens/s, seconds, K/V, utilisation."""
-    head = (
-        "| workload | sampler | tokens | tokens/s | seconds (median) | engine / static | "
-        "peak KV | allocated KV | batch | decode steps | slot utilisation |"
-    )
-    lines = [head, "| " + " | ".join(["---"] * (head.count("|") - 1)) + " |"]
-    for r in rows:
-        ratio = f"{r['throughput_vs_static']:.2f}x" if "throughput_vs_static" in r else ""
-        lines.append(
-            f"| {r['workload']} | {r['sampler']} | {r['generated_tokens']} | "
-            f"{r['tokens_per_s']:.0f} | {r['seconds']:.3f} | {ratio} | "
-            f"{_mib(r['peak_kv_bytes'])} | {_mib(r['allocated_kv_bytes'])} | {r['batch']} | "
-            f"{r['decode_steps']} | {r['slot_utilisation']:.2f} |"
+    header = (
+        "workload | sampler | tokens | tokens/s | seconds (median) | engine / static | "
+        "peak KV | allocated KV | batch | decode steps | slot utilisation"
+    ).split(" | ")
+    cells = [
+        (
+            r["workload"],
+            r["sampler"],
+            r["generated_tokens"],
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['seconds']:.3f}",
+            f"{r['throughput_vs_static']:.2f}x" if "throughput_vs_static" in r else "",
+            _mib(r["peak_kv_bytes"]),
+            _mib(r["allocated_kv_bytes"]),
+            r["batch"],
+            r["decode_steps"],
+            f"{r['slot_utilisation']:.2f}",
         )
-    return "\n".join(lines)
+        for r in rows
+    ]
+    return "\n".join(report.markdown(header, cells))
 
 
 def format_goals(rows: Sequence[dict[str, Any]]) -> str:
@@ -630,18 +638,13 @@ def plot_active(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path
         ax.set_ylabel("active batch")
         ax.legend(fontsize=7, loc="upper right")
     axes[-1, 0].set_xlabel("decode step")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path, dpi=100)
 
 
 def json_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     """``--json``: the timing rows (keys workload, sampler, tokens_per_s, seconds,
     peak_kv_bytes and more)."""
-    return [dict(r) for r in result["rows"]]
+    return report.json_rows(result["rows"])
 
 
 __all__ = [

@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from dtarl.bench import report
 from dtarl.rl.config import load_config
 from dtarl.rl.trainer import Trainer
 from dtarl.timing import Rounds, alternating, interleaved_rounds, self_cpu_s, self_timed
@@ -239,15 +240,17 @@ def format_table(res: dict[str, Any]) -> str:
         ("response_len_max", "len max", ""),
         ("compile_seconds", "compile s", ""),
     ]
-    head = f"{'workload':<9} {'arm':<4} " + " ".join(f"{c[1]:>14}" for c in cols)
-    lines = [head, "-" * len(head)]
+    columns = [report.Column(title="workload", width=9, align="<")]
+    columns += [report.Column(title="arm", width=4, align="<")]
+    columns += [report.Column(title=title, width=14) for _, title, _ in cols]
+    cells = [
+        [w, arm] + [_fmt(r["arms"][arm]["median"].get(k), u) for k, _, u in cols]
+        for w, r in res["workloads"].items()
+        for arm in ARMS
+    ]
+    lines = report.text_table(columns, cells, rule=True)
     notes = []
     for w, r in res["workloads"].items():
-        for arm in ARMS:
-            med = r["arms"][arm]["median"]
-            lines.append(
-                f"{w:<9} {arm:<4} " + " ".join(f"{_fmt(med.get(k), u):>14}" for k, _, u in cols)
-            )
         off, on = r["arms"]["off"]["median"], r["arms"]["on"]["median"]
         notes.append(
             f"{w} (streams {', '.join(r['streamed'])}): step {off['step_seconds']:.3f} s off vs "
@@ -277,21 +280,19 @@ def format_table(res: dict[str, Any]) -> str:
 def json_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per (workload, arm): the medians, the workload's differences and the
     per-step ``series`` (None where a metric is absent)."""
-    rows = []
-    for w, r in res["workloads"].items():
-        for arm in ARMS:
-            rows.append(
-                dict(
-                    workload=w,
-                    arm=arm,
-                    streamed=r["streamed"] if arm == "on" else [],
-                    **r["arms"][arm]["median"],
-                    moved_seconds=r["moved_seconds"],
-                    step_saving_seconds=r["step_saving_seconds"],
-                    series=r["arms"][arm]["series"],
-                )
-            )
-    return rows
+    return report.json_rows(
+        dict(
+            workload=w,
+            arm=arm,
+            streamed=r["streamed"] if arm == "on" else [],
+            **r["arms"][arm]["median"],
+            moved_seconds=r["moved_seconds"],
+            step_saving_seconds=r["step_saving_seconds"],
+            series=r["arms"][arm]["series"],
+        )
+        for w, r in res["workloads"].items()
+        for arm in ARMS
+    )
 
 
 def workload_names(names: Sequence[str] | None) -> tuple[str, ...]:

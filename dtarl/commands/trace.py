@@ -39,6 +39,7 @@ from dtarl.bench.replay import (
     plot_stages,
     replay,
 )
+from dtarl.bench.report import write_json
 from dtarl.bench.simulate import (
     ClusterSpec,
     CostProfile,
@@ -292,7 +293,7 @@ def _simulate_joint(args: argparse.Namespace) -> int:
     res.save(out / "replay.json")
     print(res.table())
     rep = validate(prof, json.loads(json.dumps(res.to_dict())), target=args.target)
-    (out / "validation.json").write_text(json.dumps(rep.to_dict(), indent=1))
+    write_json(out / "validation.json", rep.to_dict())
     rep.plot(out / "validation.png")
     print(rep.table())
     print(f"wrote {args.profile}, {out / 'replay.json'}, {out / 'validation.json'}")
@@ -321,8 +322,7 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ValueError(str(e)) from None
     if replay_json is not None:
         rep = validate(prof, replay_json, engines=args.engines, target=args.target)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "validation.json").write_text(json.dumps(rep.to_dict(), indent=1))
+        write_json(out / "validation.json", rep.to_dict())
         rep.plot(out / "validation.png")
         print(rep.table())
         print(f"wrote {out / 'validation.json'} and {out / 'validation.png'}")
@@ -354,11 +354,8 @@ def _simulate(args: argparse.Namespace) -> int:
                 f"{spec.name}: rollout {roll}; tool {p.tool_s:.2f}s, reward {p.reward_s:.2f}s "
                 f"({units}); inference {inf}; {parts}"
             )
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "simulate.json").write_text(
-            json.dumps(dict(kind="dtarl.trace.simulate", workloads=rows), indent=1)
-        )
-        print(f"wrote {out / 'simulate.json'}")
+        path = write_json(out / "simulate.json", dict(kind="dtarl.trace.simulate", workloads=rows))
+        print(f"wrote {path}")
     return 0
 
 
@@ -375,9 +372,7 @@ def _validate(args: argparse.Namespace) -> int:
     )
     print(rep.table())
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    js = out / "production.json"
-    js.write_text(json.dumps(rep.to_dict(), indent=1))
+    js = write_json(out / "production.json", rep.to_dict())
     png = rep.plot(out / "production.png")
     print(f"wrote {js} and {png}")
     return 0

@@ -59,11 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import os
-import tempfile
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -72,8 +68,9 @@ import numpy as np
 
 from dtarl.batch import RolloutBatch
 from dtarl.engines import base
-from dtarl.engines.config import AutoConfig, Capacity, EngineConfig, configured
-from dtarl.engines.cost import ENGINES, CostModel, fit_cost_model
+from dtarl.engines.autotune import ChoiceCache, Timer, Timing
+from dtarl.engines.config import AutoConfig, Capacity, EngineConfig, EngineKind, configured
+from dtarl.engines.cost import CostModel, fit_cost_model
 from dtarl.engines.dense import DenseEngine
 from dtarl.engines.dfs import DFSEngine
 from dtarl.engines.prefix_reuse import PrefixReuseEngine
@@ -81,18 +78,6 @@ from dtarl.losses import MaskedNLLLoss
 from dtarl.model.decoder import Decoder
 from dtarl.timing import time_program, time_programs
 from dtarl.tree.plan import bucket, fine_bucket
-
-Timer = Callable[[dict[str, Callable[[], object]]], dict[str, float]]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Timing:
-    """One timed program: ``measured`` seconds on the batch it was timed on, whose
-    padded ``work`` the cost model then predicted at ``predicted`` seconds."""
-
-    measured: float
-    predicted: float
-    work: base.WorkFeatures
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -138,108 +123,6 @@ class _DelegatingJit:
     @property
     def trace_count(self) -> int:
         return sum(e.jit.trace_count for e in self._auto.engines.values())
-
-
-class ChoiceCache:
-    """Measured choices reused across runs: a JSON file mapping (scope, signature) to
-    the engine a measured choice picked, and its measured seconds.
-
-    ``scope`` says what a choice is valid for besides the batch's signature (the
-    model's and engines' configs and the device kind: ``AutoEngine._cache_scope``);
-    entries of other scopes in the same file are kept but never used. Every new
-    choice is written at once, atomically (a temporary file in the same folder,
-    then ``os.replace``), merged with what the file holds then. A file that is not
-    one of these (unreadable, not JSON, another format or version) gives a warning
-    and is ignored: nothing is read from it and it is never overwritten. ``path``
-    None: no file, nothing kept.
-    """
-
-    VERSION = 1
-    FORMAT = "dtarl.autotune-choices"
-
-    def __init__(self, path: str | None, scope: str):
-        self.path = path
-        self.scope = scope
-        self.entries: dict[str, dict[str, Any]] = {}
-        self.writable = path is not None
-        if path is not None and os.path.exists(path):
-            data = self._read(path)
-            if data is None:
-                self.writable = False
-            else:
-                self.entries = data
-
-    @staticmethod
-    def key(scope: str, sig: tuple) -> str:
-        return scope + "|" + repr(sig)
-
-    def _read(self, path: str) -> dict[str, dict[str, Any]] | None:
-        """The file's entries, or None (with a warning) when it is not a choice cache."""
-        try:
-            with open(path) as f:
-                data = json.load(f)
-            ok = (
-                isinstance(data, dict)
-                and data.get("format") == self.FORMAT
-                and data.get("version") == self.VERSION
-                and isinstance(data.get("entries"), dict)
-                and all(
-                    isinstance(v, dict) and isinstance(v.get("kind"), str)
-                    for v in data["entries"].values()
-                )
-            )
-            if not ok:
-                raise ValueError(f"not a {self.FORMAT} file of version {self.VERSION}")
-            return data["entries"]
-        except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
-            warnings.warn(
-                f"engine.auto.cache_path={path!r}: {e}; the file is ignored and will not "
-                "be overwritten (delete it or choose another path to cache choices)",
-                stacklevel=3,
-            )
-            return None
-
-    def get(self, sig: tuple) -> dict[str, Any] | None:
-        return self.entries.get(self.key(self.scope, sig))
-
-    def kinds(self, loss) -> set[str]:
-        """The engines this scope's cached choices for ``loss`` name (a signature's
-        first element is its loss)."""
-        head = f"{self.scope}|({loss!r}, "
-        return {v["kind"] for k, v in self.entries.items() if k.startswith(head)}
-
-    def put(self, sig: tuple, kind: str, seconds: float) -> None:
-        if self.path is None:
-            return
-        key = self.key(self.scope, sig)
-        entry = {"kind": kind, "measured_seconds": float(seconds)}
-        if self.entries.get(key) == entry:
-            return
-        self.entries[key] = entry
-        if not self.writable:
-            return
-        if os.path.exists(self.path):  # another run may have added choices meanwhile
-            on_disk = self._read(self.path)
-            if on_disk is None:
-                self.writable = False
-                return
-            self.entries = {**on_disk, **self.entries}
-        folder = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".autotune-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(
-                    {"format": self.FORMAT, "version": self.VERSION, "entries": self.entries},
-                    f,
-                    indent=1,
-                    sort_keys=True,
-                )
-            os.replace(tmp, self.path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
 
 
 class AutoEngine:
@@ -339,9 +222,10 @@ class AutoEngine:
         self.name = name
         self.cfg = model.cfg
         given = dict(engines or {})
-        unknown = [k for k in given if k not in ENGINES]
+        names = [k.value for k in EngineKind.auto_candidates()]
+        unknown = [k for k in given if k not in names]
         if unknown:
-            raise ValueError(f"engines: unknown names {unknown}; accepted: {ENGINES}")
+            raise ValueError(f"engines: unknown names {unknown}; accepted: {names}")
         for k, e in given.items():
             if getattr(e, "temperature", 1.0) != self.temperature:
                 raise ValueError(
@@ -354,7 +238,7 @@ class AutoEngine:
             "prefix_reuse": lambda: PrefixReuseEngine(model, ec.prefix_reuse, temperature=t),
             "dfs": lambda: DFSEngine(model, ec.dfs, temperature=t),
         }
-        self.engines = {k: given[k] if k in given else build[k]() for k in ENGINES}
+        self.engines = {k: given[k] if k in given else build[k]() for k in names}
         self.jit = _DelegatingJit(self)
         # (kind, inner static, loss) -> Timing: the autotuning table.
         self.timings: dict[tuple, Timing] = {}
@@ -554,7 +438,9 @@ class AutoEngine:
         while True:
             est = {e: self._estimate(e, keys[e], pred[e]) for e in work}
             total = {e: est[e] + (0.0 if keys[e] in self.timings else host[e]) for e in work}
-            best = min(pool, key=lambda e: (total[e], ENGINES.index(e)))
+            best = min(
+                pool, key=lambda e: (total[e], EngineKind.auto_candidates().index(EngineKind(e)))
+            )
             # Time every candidate on a small batch (host work and fixed costs decide).
             # On the first batch of a loss after ``reserve`` (its programs are the run's
             # only ones for that loss: timed now, no later batch tunes) the margin is

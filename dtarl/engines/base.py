@@ -162,6 +162,17 @@ class BucketState:
         for k, v in buckets.sizes:
             self._min[k] = max(self._min[k], v)
 
+    def _init_engine(self, model: Decoder, config, *, name: str, temperature: float) -> None:
+        """What every engine's ``__init__`` sets: the model and its split graph, its
+        config (already ``configured``), name, logprob temperature and jit cache."""
+        self.model = model
+        self.config = config
+        self.name = name
+        self.temperature = logprob_temperature(temperature)
+        self.graphdef, _ = split_model(model)
+        self.cfg = model.cfg
+        self.jit = JitCache(self)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Prepared:

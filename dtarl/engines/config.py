@@ -40,6 +40,12 @@ class EngineKind(enum.Enum):
                 f"{field}={value!r} is not a known engine; accepted: {[k.value for k in cls]}"
             ) from None
 
+    @classmethod
+    def auto_candidates(cls) -> tuple[EngineKind, ...]:
+        """The engines auto chooses among (its candidates and the cost model's keys),
+        in tie-break order."""
+        return (cls.DENSE, cls.PREFIX_REUSE, cls.DFS)
+
 
 class PrefixActivations(enum.Enum):
     """What happens to the prefix's activations (other than K/V) during the suffixes."""
@@ -54,10 +60,6 @@ class DeepTrees(enum.Enum):
 
     DFS = "dfs"  # deep groups go to the DFS engine: every node computed once
     ROWS = "rows"  # one dense suffix row per leaf: shared deeper nodes recomputed
-
-
-# The engines auto chooses among (its candidates and cost-model keys).
-TREE_ENGINES = ("dense", "prefix_reuse", "dfs")
 
 
 def _at_least(obj, minimum, *names):
@@ -126,7 +128,8 @@ class AutoConfig:
     """The autotuner (``dtarl.engines.auto``; its docstring explains each field)."""
 
     SECTION = "engine.auto"
-    candidates: tuple[str, ...] = TREE_ENGINES  # engines auto may pick
+    # engines auto may pick (EngineKind values)
+    candidates: tuple[str, ...] = tuple(k.value for k in EngineKind.auto_candidates())
     autotune: bool = True  # time the close candidates once per shape bucket
     tune_margin: float = 2.0  # time candidates whose estimate is within this factor
     tune_all_below: float = 0.05  # seconds: below this best estimate, time them all
@@ -144,11 +147,11 @@ class AutoConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "candidates", tuple(self.candidates))
-        bad = [c for c in self.candidates if c not in TREE_ENGINES]
-        if bad or not self.candidates:
+        accepted = [k.value for k in EngineKind.auto_candidates()]
+        if not self.candidates or any(c not in accepted for c in self.candidates):
             raise ValueError(
                 f"{self.SECTION}.candidates={list(self.candidates)!r}: each must be one of "
-                f"{list(TREE_ENGINES)}, at least one"
+                f"{accepted}, at least one"
             )
         _at_least(self, 1.0, "tune_margin")
         _at_least(self, 0.0, "tune_all_below")

@@ -52,12 +52,12 @@ import numpy as np
 
 from dtarl.batch import RolloutBatch
 from dtarl.engines.base import WorkFeatures
+from dtarl.engines.config import EngineKind
 from dtarl.model.config import ModelConfig
-from dtarl.parallel.partition import FlopCost, RowCost
+from dtarl.tree.cost import FlopCost, RowCost
 from dtarl.tree.trie import PrefixTree, build_tree
 
 BACKWARD_FACTOR = 2.0
-ENGINES = ("dense", "prefix_reuse", "dfs")
 
 
 def run_flops(cfg: ModelConfig, start: float, n: float) -> float:
@@ -159,9 +159,10 @@ class CostModel:
     coefs: Mapping[str, EngineCoef]
 
     def __post_init__(self):
-        missing = [e for e in ENGINES if e not in self.coefs]
+        need = [k.value for k in EngineKind.auto_candidates()]
+        missing = [e for e in need if e not in self.coefs]
         if missing:
-            raise ValueError(f"CostModel.coefs is missing engines {missing}; need {ENGINES}")
+            raise ValueError(f"CostModel.coefs is missing engines {missing}; need {need}")
 
     @classmethod
     def default(cls) -> CostModel:
@@ -180,7 +181,8 @@ class CostModel:
     def choose(self, work: Mapping[str, WorkFeatures]) -> tuple[str, dict[str, float]]:
         """The engine with the smallest predicted time (ties: dense, prefix_reuse, dfs)."""
         pred = self.predict(work)
-        best = min(ENGINES, key=lambda e: (pred[e], ENGINES.index(e)))
+        names = [k.value for k in EngineKind.auto_candidates()]
+        best = min(names, key=lambda e: (pred[e], names.index(e)))
         return best, pred
 
 
@@ -222,7 +224,7 @@ def fit_cost_model(
     """
     base = base or CostModel.default()
     coefs = dict(base.coefs)
-    for e in ENGINES:
+    for e in (k.value for k in EngineKind.auto_candidates()):
         rows = [(w.flops, w.total_steps, s) for k, w, s in samples if k == e and s > 0]
         if not rows:
             continue
@@ -237,7 +239,6 @@ def fit_cost_model(
 __all__ = [
     "BACKWARD_FACTOR",
     "CostModel",
-    "ENGINES",
     "EngineCoef",
     "dense_flops",
     "dense_partition_cost",

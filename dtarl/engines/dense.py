@@ -53,13 +53,8 @@ class DenseEngine(base.BucketState):
         temperature: float = 1.0,
         **settings,
     ):
-        self.model = model
-        self.config = configured(DenseConfig, config, settings)
-        self.name = name
-        self.temperature = base.logprob_temperature(temperature)
-        self.graphdef, _ = base.split_model(self.model)
-        self.cfg = self.model.cfg
-        self.jit = base.JitCache(self)
+        config = configured(DenseConfig, config, settings)
+        self._init_engine(model, config, name=name, temperature=temperature)
         self._min = dict(length=8, seqs=1, flat=1)
 
     @property

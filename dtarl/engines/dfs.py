@@ -130,13 +130,8 @@ class DFSEngine(base.BucketState):
         temperature: float = 1.0,
         **settings,
     ):
-        self.model = model
-        self.config = configured(DFSConfig, config, settings)
-        self.name = name
-        self.temperature = base.logprob_temperature(temperature)
-        self.graphdef, _ = base.split_model(self.model)
-        self.cfg = self.model.cfg
-        self.jit = base.JitCache(self)
+        config = configured(DFSConfig, config, settings)
+        self._init_engine(model, config, name=name, temperature=temperature)
         self._single_segment = not self.config.pack_leaves
         # Buckets only grow, so a smaller batch reuses the last program.
         # Loss slots are cheap (O(path) each); 8 covers most packed steps.

@@ -29,7 +29,6 @@ _EXPORTS = {
     "ShardedEngine": "sharded",
     "ShardingError": "sharded",
     "Strategy": "sharded",
-    "sharded_value_and_grad": "sharded",
     "to_host": "sharded",
     "DistributedConfig": "launch",
     "initialize": "launch",

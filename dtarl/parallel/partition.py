@@ -77,15 +77,26 @@ Host-side numpy only; no JAX.
 
 from __future__ import annotations
 
-import array
 import bisect
 import dataclasses
 import enum
-import heapq
 from collections.abc import Sequence
-from typing import Protocol
 
 import numpy as np
+
+from dtarl.parallel.baselines import greedy_least_loaded, greedy_tree, karmarkar_karp
+from dtarl.tree.cost import (
+    CostModel,
+    FlopCost,
+    RowCost,
+    TreeTokenCost,
+    check_sequences,
+    dfs_order,
+    lex_order,
+    tree_cost,
+    tree_tokens,
+)
+from dtarl.tree.trie import lcp
 
 __all__ = [
     "BalancedOrder",
@@ -146,206 +157,6 @@ class BalancedOrder(enum.Enum):
     BLOCKS = "blocks"
     CUTS = "cuts"
     BEST = "best"
-
-
-# ----------------------------------------------------------------------------- cost models
-
-
-class CostModel(Protocol):
-    """Cost of tree tokens; ``append_cost`` must be >= 0 and additive over positions
-    (a model whose ``shares_prefix`` attribute is False, e.g. ``RowCost``, instead
-    prices every sequence whole, whatever prefix it shares)."""
-
-    def append_cost(self, lengths: np.ndarray, lcps: np.ndarray) -> np.ndarray:
-        """Cost of the tree tokens at positions [lcp, len) of each sequence."""
-        ...
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TreeTokenCost:
-    """The paper's cost: the number of tree tokens, c(len, lcp) = len - lcp (int64)."""
-
-    def append_cost(self, lengths: np.ndarray, lcps: np.ndarray) -> np.ndarray:
-        return np.asarray(lengths, np.int64) - np.asarray(lcps, np.int64)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RowCost:
-    """An engine that runs every sequence as its own padded row (dense): each sequence
-    costs one row, c(len, lcp) = row, whatever prefix it shares with its neighbours.
-
-    ``row`` is the work of one padded row (e.g. its training FLOPs at the engine's
-    row length, ``DenseEngine.partition_cost``); the balanced method then balances
-    the number of sequences per rank, which is what a rank's padded rows cost.
-    """
-
-    row: float
-    shares_prefix = False  # class attribute: the partition's prefix-sharing switch
-
-    def __post_init__(self):
-        if not (np.isfinite(self.row) and self.row > 0):
-            raise ValueError(f"RowCost.row={self.row}: must be finite and > 0")
-
-    def append_cost(self, lengths: np.ndarray, lcps: np.ndarray) -> np.ndarray:
-        del lcps
-        return np.full(np.shape(lengths), self.row, np.float64)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FlopCost:
-    """Linear + attention cost: a tree token at depth p (0-based position) costs a + b p.
-
-    c(len, lcp) = a n + b n (lcp + len - 1) / 2,  n = len - lcp.
-
-    ``a`` stands for the per-token matmul work and ``b`` for attention over the p
-    earlier tokens. The default (a = 1, b = 2.6e-5) is a Qwen2.5-7B-sized decoder
-    in units of one token's linear FLOPs (see ``from_transformer``).
-    """
-
-    a: float = 1.0
-    b: float = 2.6e-5
-
-    def __post_init__(self):
-        if not (np.isfinite(self.a) and self.a >= 0):
-            raise ValueError(f"FlopCost.a={self.a}: must be finite and >= 0")
-        if not (np.isfinite(self.b) and self.b >= 0):
-            raise ValueError(f"FlopCost.b={self.b}: must be finite and >= 0")
-        if self.a == 0 and self.b == 0:
-            raise ValueError("FlopCost: a and b are both 0; at least one must be > 0")
-
-    def append_cost(self, lengths: np.ndarray, lcps: np.ndarray) -> np.ndarray:
-        ln = np.asarray(lengths, np.float64)
-        lc = np.asarray(lcps, np.float64)
-        n = ln - lc
-        return self.a * n + self.b * n * (lc + ln - 1.0) * 0.5
-
-    @classmethod
-    def from_transformer(cls, *, num_params: float, num_layers: int, hidden: int) -> FlopCost:
-        """Training FLOPs of a dense decoder, normalised to a = 1.
-
-        Per token: 6 N (matmuls, fwd + bwd); attention at depth p: 12 L d p
-        (QK^T and AV, fwd + bwd). So b / a = 2 L d / N.
-        """
-        if num_params <= 0 or num_layers <= 0 or hidden <= 0:
-            raise ValueError(
-                f"from_transformer: num_params={num_params}, num_layers={num_layers}, "
-                f"hidden={hidden}; all must be > 0"
-            )
-        return cls(a=1.0, b=2.0 * num_layers * hidden / float(num_params))
-
-    @staticmethod
-    def features(sequences: Sequence) -> np.ndarray:
-        """[2] = (tree tokens, sum of tree-token depths) of the prefix tree of ``sequences``.
-
-        A measured time t ~ a * features[0] + b * features[1]; stack these rows to ``fit``.
-        """
-        order, lcps, lengths = dfs_order(sequences)
-        ln = lengths[order].astype(np.float64)
-        lc = lcps.astype(np.float64)
-        n = ln - lc
-        return np.array([n.sum(), (n * (lc + ln - 1.0) * 0.5).sum()])
-
-    @classmethod
-    def fit(cls, features, measured_times) -> FlopCost:
-        """Non-negative least squares for t_m ~ a f_m0 + b f_m1.
-
-        Args:
-          features: [M, 2] rows from ``FlopCost.features`` (one per measured run).
-          measured_times: [M] seconds (or any unit; a and b come out in that unit).
-        """
-        x = np.asarray(features, np.float64)
-        y = np.asarray(measured_times, np.float64).reshape(-1)
-        if x.ndim != 2 or x.shape[1] != 2:
-            raise ValueError(f"features: expected shape [M, 2], got {x.shape}")
-        if x.shape[0] != y.shape[0] or x.shape[0] < 1:
-            raise ValueError(
-                f"measured_times: expected {x.shape[0]} >= 1 entries matching features, "
-                f"got {y.shape[0]}"
-            )
-        if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
-            raise ValueError("features / measured_times: must be finite")
-        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-        if np.all(coef >= 0) and np.any(coef > 0):
-            return cls(a=float(coef[0]), b=float(coef[1]))
-        # 2-variable NNLS: the optimum has one coefficient at 0; try both.
-        best = None
-        for j in (0, 1):
-            den = float(x[:, j] @ x[:, j])
-            c = max(float(x[:, j] @ y) / den, 0.0) if den > 0 else 0.0
-            r = float(np.sum((y - c * x[:, j]) ** 2))
-            if c > 0 and (best is None or r < best[0]):
-                best = (r, j, c)
-        if best is None:
-            raise ValueError("measured_times: no non-negative (a, b) fits these measurements")
-        _, j, c = best
-        return cls(a=c, b=0.0) if j == 0 else cls(a=0.0, b=c)
-
-
-# ----------------------------------------------------------------------------- DFS order
-
-
-def _check_sequences(sequences: Sequence) -> list[np.ndarray]:
-    seqs = []
-    for i, s in enumerate(sequences):
-        a = np.asarray(s)
-        if a.ndim != 1:
-            raise ValueError(f"sequences[{i}]: expected a 1-D token array, got shape {a.shape}")
-        if a.shape[0] == 0:
-            raise ValueError(f"sequences[{i}]: length 0; every sequence needs >= 1 token")
-        if a.dtype.kind not in "iub":
-            raise ValueError(f"sequences[{i}]: expected integer token ids, got dtype {a.dtype}")
-        seqs.append(a)
-    return seqs
-
-
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    m = min(a.shape[0], b.shape[0])
-    if m == 0:
-        return 0
-    neq = a[:m] != b[:m]
-    k = int(np.argmax(neq))
-    return k if neq[k] else m
-
-
-def _sort_key(a: np.ndarray) -> bytes:
-    # Big-endian unsigned bytes compare like the int sequence (a proper prefix sorts first).
-    return (a.astype(np.int64) + 2**31).astype(">u4").tobytes()
-
-
-def _dfs_order(seqs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    keys = [_sort_key(s) for s in seqs]
-    order = np.array(sorted(range(len(seqs)), key=keys.__getitem__), np.int64)
-    lcps = np.zeros(len(seqs), np.int64)
-    for t in range(1, len(order)):
-        lcps[t] = _lcp(seqs[order[t - 1]], seqs[order[t]])
-    return order, lcps
-
-
-def dfs_order(sequences: Sequence) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Lexicographic order of the sequences, a DFS order of their prefix tree.
-
-    Returns:
-      order: [N] indices into ``sequences``, lexicographically sorted (ties by index).
-      lcps: [N] lcps[t] = lcp(s[order[t-1]], s[order[t]]), lcps[0] = 0.
-      lengths: [N] lengths in the original order.
-    """
-    seqs = _check_sequences(sequences)
-    order, lcps = _dfs_order(seqs)
-    return order, lcps, np.array([s.shape[0] for s in seqs], np.int64)
-
-
-def tree_cost(sequences: Sequence, cost: CostModel | None = None):
-    """C(T) of the prefix tree of ``sequences``: sum_t c(len_t, lcp_t) over the DFS order."""
-    cost = TreeTokenCost() if cost is None else cost
-    if len(sequences) == 0:
-        return cost.append_cost(np.zeros(0, np.int64), np.zeros(0, np.int64)).sum()
-    order, lcps, lengths = dfs_order(sequences)
-    return cost.append_cost(lengths[order], lcps).sum()
-
-
-def tree_tokens(sequences: Sequence) -> int:
-    """Number of tokens (non-root nodes) of the prefix tree of ``sequences``."""
-    return int(tree_cost(sequences, TreeTokenCost()))
 
 
 # ----------------------------------------------------------------------------- result
@@ -564,7 +375,7 @@ def _block_order(seqs, seq_order, lc, unit_len, lengths, cost: CostModel, k: int
     bend = np.concatenate([bstart[1:], [n_units]])
     csum = np.concatenate([np.zeros(1, inc_u.dtype), np.cumsum(inc_u)])
     bcost = full_u[bstart] + (csum[bend] - csum[bstart + 1])  # C(block alone)
-    bins = _greedy_least_loaded(bcost, k)  # LPT: largest block first, to the least loaded bin
+    bins = greedy_least_loaded(bcost, k)  # LPT: largest block first, to the least loaded bin
     blocks = [b for g in bins for b in sorted(g)]
     units = np.concatenate([np.arange(bstart[b], bend[b]) for b in blocks])
     new_order = np.concatenate([seq_order[bounds[u] : bounds[u + 1]] for u in units])
@@ -572,112 +383,8 @@ def _block_order(seqs, seq_order, lc, unit_len, lengths, cost: CostModel, k: int
     # Only a block's first sequence gets a new predecessor.
     heads = np.cumsum(np.concatenate([[0], unit_len[units]]))[:-1]
     for h in heads[np.isin(units, bstart)]:
-        new_lc[h] = 0 if h == 0 else _lcp(seqs[new_order[h - 1]], seqs[new_order[h]])
+        new_lc[h] = 0 if h == 0 else lcp(seqs[new_order[h - 1]], seqs[new_order[h]])
     return new_order, new_lc, unit_len[units]
-
-
-# ----------------------------------------------------------------------------- baselines
-
-
-class _SparseMin:
-    """Range-min over lcps: lcp(order[a], order[b]) = min(lcps[a+1..b]) for a < b."""
-
-    def __init__(self, x: np.ndarray):
-        levels = [np.asarray(x, np.int64)]
-        w = 1
-        while 2 * w <= x.shape[0]:
-            prev = levels[-1]
-            levels.append(np.minimum(prev[:-w], prev[w:]))
-            w *= 2
-        # Python int arrays: indexing them is several times cheaper than numpy scalars.
-        self.levels = [array.array("q", lvl.tobytes()) for lvl in levels]
-
-    def min(self, lo: int, hi: int) -> int:
-        """min x[lo:hi], hi > lo."""
-        j = (hi - lo).bit_length() - 1
-        lvl = self.levels[j]
-        a, b = lvl[lo], lvl[hi - (1 << j)]
-        return a if a < b else b
-
-
-class _RankTree:
-    """A rank's prefix tree as the sorted DFS positions of its sequences.
-
-    Inserting s adds the tokens at positions [m, len(s)), m = the longest lcp of
-    s with any sequence already there, which is attained at a sorted neighbour.
-    """
-
-    def __init__(self, rmq: _SparseMin):
-        self.rmq = rmq
-        self.pos: list[int] = []
-
-    def shared(self, q: int) -> int:
-        i = bisect.bisect_left(self.pos, q)
-        m = 0
-        if i > 0:
-            m = self.rmq.min(self.pos[i - 1] + 1, q + 1)
-        if i < len(self.pos):
-            m = max(m, self.rmq.min(q + 1, self.pos[i] + 1))
-        return m
-
-    def insert(self, q: int) -> None:
-        bisect.insort(self.pos, q)
-
-
-def _greedy_least_loaded(weights: np.ndarray, k: int) -> list[list[int]]:
-    """Heaviest first to the least-loaded rank (ties: lowest rank). Unit lists per rank."""
-    w = np.asarray(weights).tolist()
-    order = sorted(range(len(w)), key=lambda u: (-w[u], u))
-    heap = [(0, j) for j in range(k)]
-    out: list[list[int]] = [[] for _ in range(k)]
-    for u in order:
-        load, j = heapq.heappop(heap)
-        out[j].append(u)
-        heapq.heappush(heap, (load + w[u], j))
-    return out
-
-
-def _karmarkar_karp(weights: np.ndarray, k: int) -> list[list[int]]:
-    """K-way largest differencing method (Karmarkar & Karp 1982; Korf's K-way form).
-
-    Each unit starts as a K-tuple (w, 0, ..., 0). Repeatedly merge the two tuples
-    with the largest spread (max - min): pair the largest subset of one with the
-    smallest of the other, then normalise by the minimum.
-    """
-    # A subset is a merge tree: None (empty), a unit id, or a pair of subsets; merging
-    # is O(1) and the subsets are flattened once at the end.
-    w = [int(x) for x in weights.tolist()]
-    zeros, empty = [0] * (k - 1), [None] * (k - 1)
-    heap = [(-w[u], u, [w[u], *zeros], [u, *empty]) for u in range(len(w))]
-    heapq.heapify(heap)
-    tie = len(w)
-    while len(heap) > 1:
-        _, _, s1, t1 = heapq.heappop(heap)
-        _, _, s2, t2 = heapq.heappop(heap)
-        a = sorted(range(k), key=s1.__getitem__, reverse=True)  # stable, like key=-s1[j]
-        b = sorted(range(k), key=s2.__getitem__)
-        sums = [s1[i] + s2[j] for i, j in zip(a, b, strict=True)]
-        sets = [
-            y if x is None else x if y is None else (x, y)
-            for x, y in ((t1[i], t2[j]) for i, j in zip(a, b, strict=True))
-        ]
-        m = min(sums)
-        sums = [s - m for s in sums]
-        heapq.heappush(heap, (-(max(sums) - min(sums)), tie, sums, sets))
-        tie += 1
-    return [_merge_leaves(t) for t in heap[0][3]]
-
-
-def _merge_leaves(node) -> list[int]:
-    """The unit ids of a merge tree of ``_karmarkar_karp``, ascending."""
-    out, stack = [], [node]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, tuple):
-            stack.extend(x)
-        elif x is not None:
-            out.append(x)
-    return sorted(out)
 
 
 # ----------------------------------------------------------------------------- partition
@@ -757,7 +464,7 @@ def partition(
             f"order={order!r}: expected one of {[o.value for o in BalancedOrder]}"
         ) from None
     cost = TreeTokenCost() if cost is None else cost
-    seqs = _check_sequences(sequences)
+    seqs = check_sequences(sequences)
     n = len(seqs)
     if isinstance(k, bool) or not isinstance(k, int | np.integer):
         raise ValueError(f"k={k!r}: expected an int number of ranks")
@@ -770,7 +477,7 @@ def partition(
 
     lengths = np.array([s.shape[0] for s in seqs], np.int64)
     if dfs is None:
-        order_ix, lcps = _dfs_order(seqs)
+        order_ix, lcps = lex_order(seqs)
     else:
         order_ix, lcps, dfs_len = (np.asarray(a, np.int64) for a in dfs)
         if order_ix.shape != (n,) or lcps.shape != (n,) or not np.array_equal(dfs_len, lengths):
@@ -795,7 +502,7 @@ def partition(
             dfs_cut = bool(np.all(np.diff(rank_in_order[seq_order]) > 0))
             u_lcps = np.zeros(n, np.int64)
             for t in range(1, n):
-                u_lcps[t] = _lcp(seqs[seq_order[t - 1]], seqs[seq_order[t]])
+                u_lcps[t] = lcp(seqs[seq_order[t - 1]], seqs[seq_order[t]])
         else:
             seq_order, unit_len, u_lcps, dfs_cut = order_ix, np.ones(n, np.int64), lcps, True
         orders = []
@@ -894,12 +601,12 @@ class _Ctx:
 def _baseline(method: PartitionMethod, units, lengths, ctx: _Ctx, k: int) -> list[list[int]]:
     """Unit ids per rank of a baseline method."""
     if method is PartitionMethod.GREEDY_TREE:
-        return _greedy_tree(units, lengths, ctx.order, ctx.lcps, ctx.rank_in_order, ctx.cost, k)
+        return greedy_tree(units, lengths, ctx.order, ctx.lcps, ctx.rank_in_order, ctx.cost, k)
     starts = np.cumsum([0] + [u.shape[0] for u in units[:-1]])
     unit_tokens = np.add.reduceat(lengths[np.concatenate(units)], starts).astype(np.int64)
     if method is PartitionMethod.GREEDY_TOKENS:
-        return _greedy_least_loaded(unit_tokens, k)
-    return _karmarkar_karp(unit_tokens, k)
+        return greedy_least_loaded(unit_tokens, k)
+    return karmarkar_karp(unit_tokens, k)
 
 
 def _fill_empty(groups: list[list[int]], units, lengths) -> None:
@@ -918,50 +625,6 @@ def _fill_empty(groups: list[list[int]], units, lengths) -> None:
         u = min(groups[donor], key=lambda u: (int(lengths[units[u]].sum()), u))
         groups[donor].remove(u)
         groups[j].append(u)
-
-
-def _greedy_tree(units, lengths, order, lcps, rank_in_order, cost: CostModel, k: int):
-    """Largest standalone tree cost first, to the rank whose tree cost after adding it is least.
-
-    The marginal cost of a unit on a rank counts the prefixes it shares with the
-    sequences already there and among its own members (exact, via sorted neighbours).
-    Ties: the less loaded rank, then the lowest rank. The cost is additive over
-    positions, so c(len, lcp) = F[len] - F[lcp] with F[n] = c(n, 0), tabulated once.
-    """
-    if not getattr(cost, "shares_prefix", True):  # every sequence priced whole
-        full = cost.append_cost(lengths, np.zeros_like(lengths))
-        weights = np.array([full[u].sum() for u in units])
-        return _greedy_least_loaded(weights, k)
-    rmq = _SparseMin(lcps)
-    max_len = int(lengths.max())
-    f = cost.append_cost(np.arange(max_len + 1), np.zeros(max_len + 1, np.int64)).tolist()
-    len_sorted = lengths[order].tolist()
-    unit_pos = [sorted(int(q) for q in rank_in_order[u]) for u in units]
-
-    # A member's longest shared prefix with the earlier (smaller) members of its unit
-    # is its lcp with the previous one.
-    intra = [
-        [0] + [rmq.min(a + 1, b + 1) for a, b in zip(pos[:-1], pos[1:], strict=True)]
-        for pos in unit_pos
-    ]
-    standalone = [
-        sum(f[len_sorted[q]] - f[m] for q, m in zip(pos, sh, strict=True))
-        for pos, sh in zip(unit_pos, intra, strict=True)
-    ]
-    trees = [_RankTree(rmq) for _ in range(k)]
-    loads = [0] * k
-    out: list[list[int]] = [[] for _ in range(k)]
-    for u in sorted(range(len(units)), key=lambda u: (-standalone[u], u)):
-        members = [(q, f[len_sorted[q]], m) for q, m in zip(unit_pos[u], intra[u], strict=True)]
-        # Cost on rank j: each member shares the longer of its prefix with rank j's tree
-        # and with the unit's earlier members.
-        extra = [sum(fl - f[max(t.shared(q), m)] for q, fl, m in members) for t in trees]
-        j = min(range(k), key=lambda j: (loads[j] + extra[j], loads[j], j))
-        for q, _, _ in members:
-            trees[j].insert(q)
-        loads[j] += extra[j]
-        out[j].append(u)
-    return out
 
 
 def partition_batch(batch, k: int, **kwargs) -> Partition:

@@ -97,7 +97,6 @@ __all__ = [
     "ShardingError",
     "Strategy",
     "allgather_objects",
-    "sharded_value_and_grad",
     "time_strategies",
     "to_host",
 ]
@@ -642,11 +641,6 @@ def allgather_objects(obj: Any, *, what: str) -> list[Any]:
         row[: data.size] = data
         rows = np.asarray(multihost_utils.process_allgather(row))  # [P, longest]
     return [pickle.loads(rows[i, : int(n)].tobytes()) for i, n in enumerate(sizes)]
-
-
-def sharded_value_and_grad(engine, params, batch: RolloutBatch, loss, mesh: Mesh, **kwargs):
-    """One-shot ``ShardedEngine(engine, mesh, **kwargs).value_and_grad(params, batch, loss)``."""
-    return ShardedEngine(engine, mesh, **kwargs).value_and_grad(params, batch, loss)
 
 
 def time_strategies(

@@ -59,13 +59,4 @@ def grpo_groups(
     )
 
 
-def random_tree_batch(
-    *, num_sequences: int, max_len: int, vocab_size: int = 8, seed: int = 0
-) -> RolloutBatch:
-    """Sequences over a small alphabet, so they share prefixes at many depths."""
-    rs = np.random.RandomState(seed)
-    toks = [rs.randint(0, vocab_size, rs.randint(2, max_len + 1)) for _ in range(num_sequences)]
-    return RolloutBatch.create(tokens=toks, advantages=rs.randn(num_sequences))
-
-
-__all__ = ["grpo_groups", "random_tree_batch", "tiny_config"]
+__all__ = ["grpo_groups", "tiny_config"]

@@ -94,6 +94,13 @@ def _summarise_run(run: RunTrace, steps) -> _RunSummary:
 # ----------------------------------------------------------------------------- plots
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def _plot_cdfs(rs: _RunSummary, path: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, attr, label in (
@@ -110,10 +117,7 @@ def _plot_cdfs(rs: _RunSummary, path: Path) -> Path:
     if len(rs.steps) <= 8:
         axes[1].legend(fontsize=7)
     fig.suptitle(f"{rs.run.name}: length CDFs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _plot_joint(rs: _RunSummary, path: Path) -> Path:
@@ -124,10 +128,7 @@ def _plot_joint(rs: _RunSummary, path: Path) -> Path:
     ax.set_ylabel("output tokens")
     ax.set_title(f"{rs.run.name}: joint input/output")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _plot_box(rs: _RunSummary, path: Path) -> Path:
@@ -140,10 +141,7 @@ def _plot_box(rs: _RunSummary, path: Path) -> Path:
         ax.set_ylabel(t)
         ax.grid(alpha=0.3)
     fig.suptitle(f"{rs.run.name}: per-step distribution")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _plot_tool(rs: _RunSummary, path: Path) -> Path:
@@ -161,10 +159,7 @@ def _plot_tool(rs: _RunSummary, path: Path) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.suptitle(f"{rs.run.name}: tool latency and turns")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _plot_reward(x: np.ndarray, y: np.ndarray, name: str, path: Path) -> Path:
@@ -174,10 +169,7 @@ def _plot_reward(x: np.ndarray, y: np.ndarray, name: str, path: Path) -> Path:
     ax.set_ylabel("reward time (s)")
     ax.set_title(f"{name}: reward time vs response tokens")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _plot_fitted(math_io: np.ndarray, path: Path) -> Path:
@@ -193,10 +185,7 @@ def _plot_fitted(math_io: np.ndarray, path: Path) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.suptitle("fitted production math workload")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 # ----------------------------------------------------------------------------- tables

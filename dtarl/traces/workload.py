@@ -23,7 +23,6 @@ import enum
 import functools
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
@@ -36,6 +35,10 @@ from dtarl.traces.fitted import (
     sample_tool_session,
     tool_feature_dim,
 )
+
+# The samplers moved to dtarl.traces.latency; re-exported from here.
+from dtarl.traces.latency import RewardTimeSampler as RewardTimeSampler
+from dtarl.traces.latency import ToolLatencySampler as ToolLatencySampler
 from dtarl.traces.loaders import (
     FITTED_RELPATH,
     FileKind,
@@ -641,97 +644,3 @@ def sample_workload(
         group_correlation=group_correlation,
         dapo_filter=dapo_filter,
     ).batch
-
-
-# ----------------------------------------------------------------------------- tool latency
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ToolLatencySampler:
-    """Draws tool-call latencies from an empirical distribution (bootstrap, seeded).
-
-    Attributes:
-      latencies_s: observed latencies in seconds, sorted ascending, all >= 0.
-    """
-
-    latencies_s: np.ndarray
-
-    def __post_init__(self):
-        a = np.sort(np.asarray(self.latencies_s, np.float64).reshape(-1))
-        if a.size == 0:
-            raise ValueError("latencies_s: empty; need at least one observed latency")
-        if not np.all(np.isfinite(a)) or a[0] < 0:
-            raise ValueError("latencies_s: entries must be finite and >= 0")
-        object.__setattr__(self, "latencies_s", a)
-
-    @classmethod
-    def from_trace(
-        cls, source, *, steps: Sequence[int] | None = None, statuses: Sequence[str] | None = None
-    ) -> ToolLatencySampler:
-        """Latencies of every tool call in a multi-turn trace, filtered by ``statuses``."""
-        run = source if isinstance(source, RunTrace) else load_trace(Path(source))
-        if not isinstance(run, RunTrace) or run.kind is not RunKind.MULTI_TURN:
-            raise TraceFormatError(f"{source}: not a multi-turn trace (no tool calls)")
-        lat = [
-            c.latency_s
-            for t in run.iter_records(steps)
-            for c in t.tool_calls
-            if statuses is None or c.status in statuses
-        ]
-        return cls(latencies_s=np.asarray(lat, np.float64))
-
-    def sample(self, n: int, *, seed: int | np.random.Generator = 0) -> np.ndarray:
-        """[n] latencies drawn uniformly (with replacement) from the observed ones."""
-        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-        return self.latencies_s[rng.integers(0, self.latencies_s.size, size=n)]
-
-    def quantile(self, q) -> np.ndarray:
-        return np.quantile(self.latencies_s, q)
-
-    @property
-    def mean_s(self) -> float:
-        return float(self.latencies_s.mean())
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RewardTimeSampler:
-    """Draws per-rank reward-stage times from a run's reward timings (bootstrap, seeded).
-
-    The rllm trace's reward time (sandboxed test execution) barely follows the
-    response lengths (``dtarl trace validate``: a length model scores ~55%), so
-    the stage is replayed from the observed per-rank times themselves.
-
-    Attributes:
-      times_s: observed per-rank reward times in seconds (> 0), sorted.
-      batch_size: responses per rank in the source run (the largest seen).
-    """
-
-    times_s: np.ndarray
-    batch_size: int
-
-    def __post_init__(self):
-        a = np.sort(np.asarray(self.times_s, np.float64).reshape(-1))
-        if a.size == 0:
-            raise ValueError("times_s: empty; need at least one reward timing")
-        if not np.all(np.isfinite(a)) or a[0] <= 0:
-            raise ValueError("times_s: entries must be finite and > 0")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size}: must be >= 1")
-        object.__setattr__(self, "times_s", a)
-
-    @classmethod
-    def from_trace(cls, source, *, steps: Sequence[int] | None = None) -> RewardTimeSampler:
-        run = source if isinstance(source, RunTrace) else load_trace(Path(source))
-        if not isinstance(run, RunTrace) or not run.reward_files:
-            raise TraceFormatError(f"{source}: no reward_timings_step_<k>.jsonl files")
-        recs = [r for r in run.iter_reward_timings(steps) if not r.validate and r.reward_time_s > 0]
-        if not recs:
-            raise TraceFormatError(f"{source}: no positive training reward timings")
-        return cls(
-            times_s=np.array([r.reward_time_s for r in recs]),
-            batch_size=max(r.batch_size for r in recs),
-        )
-
-    def sample(self, n: int, *, seed: int | np.random.Generator = 0) -> np.ndarray:
-        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-        return self.times_s[rng.integers(0, self.times_s.size, size=n)]

@@ -2,7 +2,7 @@
 
 from dtarl.tree.order import DFSOrder, child_order, dfs_preorder, order_cost
 from dtarl.tree.plan import Op, SegmentPlan, bucket, compile_plan
-from dtarl.tree.trie import PrefixTree, TreeStats, build_tree
+from dtarl.tree.trie import PrefixTree, TreeStats, build_tree, lcp, sort_key
 
 __all__ = [
     "DFSOrder",
@@ -15,5 +15,7 @@ __all__ = [
     "child_order",
     "compile_plan",
     "dfs_preorder",
+    "lcp",
     "order_cost",
+    "sort_key",
 ]

@@ -121,16 +121,24 @@ def _validate(sequences: Sequence[np.ndarray]) -> list[np.ndarray]:
     return out
 
 
-def _sort_key(a: np.ndarray) -> bytes:
-    # Flip the sign bit and write big-endian: byte order == numeric order, and a
-    # proper prefix compares smaller, exactly like tuple comparison.
-    return (a.view(np.uint32) ^ np.uint32(0x80000000)).astype(">u4").tobytes()
+def sort_key(a: np.ndarray) -> bytes:
+    """Bytes that order token sequences lexicographically (a proper prefix sorts first).
+
+    Each token is cast to int32, its sign bit flipped and written big-endian, so byte
+    order == numeric order, exactly like tuple comparison of the int sequences.
+    """
+    a32 = np.asarray(a).astype(np.int32, copy=False)
+    return (a32.view(np.uint32) ^ np.uint32(0x80000000)).astype(">u4").tobytes()
 
 
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+def lcp(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two 1-D token arrays."""
     m = min(a.shape[0], b.shape[0])
-    diff = np.flatnonzero(a[:m] != b[:m])
-    return int(diff[0]) if diff.size else m
+    if m == 0:
+        return 0
+    neq = a[:m] != b[:m]
+    k = int(np.argmax(neq))
+    return k if neq[k] else m
 
 
 def build_tree(sequences: Sequence[np.ndarray]) -> PrefixTree:
@@ -149,7 +157,7 @@ def build_tree(sequences: Sequence[np.ndarray]) -> PrefixTree:
     seqs = _validate(sequences)
     n = len(seqs)
     # Stable sort: duplicates keep their input order.
-    order = sorted(range(n), key=lambda i: _sort_key(seqs[i]))
+    order = sorted(range(n), key=lambda i: sort_key(seqs[i]))
 
     # Growable node table (construction ids; renumbered to preorder below).
     # A node covers path positions [n_start, n_end) of its representative sequence n_rep.
@@ -164,7 +172,7 @@ def build_tree(sequences: Sequence[np.ndarray]) -> PrefixTree:
     for k in order:
         s = seqs[k]
         ln = s.shape[0]
-        l = 0 if prev is None else _lcp(prev, s)
+        l = 0 if prev is None else lcp(prev, s)
         while len(stack) > 1 and n_start[stack[-1]] >= l:
             stack.pop()
         top = stack[-1]

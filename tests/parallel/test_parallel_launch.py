@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 
 from dtarl.engines import AutoEngine, DFSConfig, DFSEngine, EngineConfig, RolloutBatch
-from dtarl.engines.cost import ENGINES, CostModel, EngineCoef
+from dtarl.engines.config import EngineKind
+from dtarl.engines.cost import CostModel, EngineCoef
 from dtarl.engines.prefix_reuse import PrefixReuseEngine
 from dtarl.model import ModelConfig, init_model
 from dtarl.losses import ClippedSurrogateLoss
@@ -71,7 +72,7 @@ def favouring(kind):
     return CostModel(
         coefs={
             e: EngineCoef(seconds_per_flop=1e-15 if e == kind else 1e-3, seconds_per_step=0.0)
-            for e in ENGINES
+            for e in (k.value for k in EngineKind.auto_candidates())
         }
     )
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dtarl.commands.train import main as cli_main
-from dtarl.engines.cost import ENGINES
+from dtarl.engines.config import EngineKind
 from dtarl.model.tokenizer import ByteTokenizer
 from dtarl.rl.config import ConfigError, load_config
 from dtarl.rl.episodes import encode_prompt, rollout, tool_stop_sequences
@@ -354,7 +354,9 @@ def test_hf_checkpoint_with_ppo_and_kl(tmp_path):
     rec = res.history[-1]
     assert rec["skipped"] == 0 and np.isfinite(rec["value_loss"]) and np.isfinite(rec["kl"])
     # The default engine is auto: the metrics say what it ran and what tuning cost.
-    assert rec["engine"] == "auto" and rec["chosen_engine"] in ENGINES
+    assert rec["engine"] == "auto" and rec["chosen_engine"] in [
+        k.value for k in EngineKind.auto_candidates()
+    ]
     assert rec["autotune_seconds"] >= 0 and rec["trace_count"] > 0
 
 

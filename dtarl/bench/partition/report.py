@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dtarl.bench.report import Column, text_table
 from dtarl.parallel.partition import PartitionMethod
 
 TARGET_PCT = 10.0
@@ -157,6 +158,16 @@ UNITS_NOTE = {
 }
 
 
+_COLUMNS = [
+    Column(title=t, width=w, align=a)
+    for t, w, a in (
+        ("workload", 11, "<"), ("K", 2, ">"), ("variant", 24, "<"), ("max load", 12, ">"),
+        ("mean load", 12, ">"), ("max/mean", 8, ">"), ("dup tokens", 10, ">"),
+        ("dup/bound", 9, ">"), ("bal%", 6, ">"), ("ideal%", 6, ">"), ("won (steps)", 0, "<"),
+    )
+]  # fmt: skip
+
+
 def format_table(result: dict) -> str:
     """Plain-text tables: per cost, workload, K and variant; then the average lines."""
     lines = []
@@ -168,19 +179,25 @@ def format_table(result: dict) -> str:
             "",
             f"cost={cname}: makespan = max load over ranks, mean over steps; "
             f"bal% = {REFERENCE} lower than the row; ideal% = C(T)/K lower than the row",
-            f"{'workload':<11} {'K':>2} {'variant':<24} {'max load':>12} {'mean load':>12} "
-            f"{'max/mean':>8} {'dup tokens':>10} {'dup/bound':>9} {'bal%':>6} {'ideal%':>6}  "
-            "won (steps)",
         ]
-        for s in sel:
-            for v, e in s["variants"].items():
-                lines.append(
-                    f"{s['workload']:<11} {s['k']:>2} {v:<24} {e['makespan']:>12.1f} "
-                    f"{e['mean_load']:>12.1f} {e['imbalance']:>8.3f} "
-                    f"{e['duplicated_tokens']:>10.0f} {e['dup_over_bound_max']:>9.3f} "
-                    f"{e['pct_lower']:>5.1f}% {e['ideal_pct_lower']:>5.1f}%  "
-                    f"{format_wins(e['wins'])}"
-                )
+        cells = [
+            [
+                s["workload"],
+                str(s["k"]),
+                v,
+                f"{e['makespan']:.1f}",
+                f"{e['mean_load']:.1f}",
+                f"{e['imbalance']:.3f}",
+                f"{e['duplicated_tokens']:.0f}",
+                f"{e['dup_over_bound_max']:.3f}",
+                f"{e['pct_lower']:.1f}%",
+                f"{e['ideal_pct_lower']:.1f}%",
+                format_wins(e["wins"]),
+            ]
+            for s in sel
+            for v, e in s["variants"].items()
+        ]
+        lines += text_table(_COLUMNS, cells, sep=[" "] * 9 + ["  "])
         for set_name, by_units in result["headline"].get(cname, {}).items():
             lines.append(f"average over {set_name}, {REFERENCE} lower than greedy_tokens with:")
             for units, h in by_units.items():

@@ -50,7 +50,6 @@ picks the scale that maps the workload's longest sequence to ``max_len`` tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from dtarl.bench.replay.results import (
     ReplayConfig,
@@ -101,49 +100,17 @@ from dtarl.engines.base import split_model
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import init_model
 from dtarl.timing import QuietGate, TimedRuns, load_avg, machine_info
-from dtarl.traces.workload import ToolLatencySampler, Workload
+from dtarl.traces.workload import Workload
 
 
-def _setup(config: ReplayConfig, model, params, loss):
-    if model is None:
-        model = init_model(config.model, config.model_seed)
-    if params is None:
-        _, params = split_model(model)
-    loss = ClippedSurrogateLoss.grpo() if loss is None else loss
-    return model, params, loss
+def _setup(config: ReplayConfig):
+    model = init_model(config.model, config.model_seed)
+    _, params = split_model(model)
+    return model, params, ClippedSurrogateLoss.grpo()
 
 
 def _gate(config: ReplayConfig) -> QuietGate:
     return QuietGate(cores=config.quiet_cores, budget_s=config.quiet_budget_s)
-
-
-def _stages(
-    workload: Workload, config: ReplayConfig, spec: WorkloadSpec, model, params, sampler, gate
-):
-    """The rollout and tool stages of one workload (timed on their own)."""
-    if sampler is None:
-        sampler = default_tool_sampler(config.tool_latency_source or spec.source)
-    rollout = (
-        rollout_phase(
-            workload, model, params, repeats=config.rollout_repeats, seed=spec.seed, gate=gate
-        )
-        if config.rollout
-        else RolloutPhase(status="skipped (ReplayConfig.rollout=False)")
-    )
-    tool = tool_phase(
-        workload,
-        sampler,
-        clock=config.tool_clock,
-        time_scale=config.tool_time_scale,
-        seed=spec.seed,
-    )
-    reward = _reward(workload, config, spec)
-    inference = InferencePhase(status="skipped (ReplayConfig.inference_passes=0)")
-    if config.inference_passes:
-        run = InferenceRun.warm(model, params, workload)
-        (timed,) = replay_rounds([run.call], repeats=config.rollout_repeats, gate=gate)
-        inference = run.phase(timed, config.inference_passes)
-    return rollout, tool, reward, inference
 
 
 def _reward(workload: Workload, config: ReplayConfig, spec: WorkloadSpec) -> RewardPhase:
@@ -173,37 +140,6 @@ def _assemble(
     )
 
 
-def replay_workload(
-    workload: Workload,
-    config: ReplayConfig,
-    *,
-    spec: WorkloadSpec | None = None,
-    model=None,
-    params=None,
-    loss=None,
-    sampler: ToolLatencySampler | None = None,
-    engine_kwargs: dict[str, dict[str, Any]] | None = None,
-) -> WorkloadReplay:
-    """Replays one generated workload: rollout (if available), tool, then every engine
-    (timed interleaved, ``time_engines``)."""
-    model, params, loss = _setup(config, model, params, loss)
-    info = workload.info
-    spec = spec or WorkloadSpec(name=info.source, source=info.source, batch_size=1)
-    gate = _gate(config)
-    rollout, tool, reward, inference = _stages(workload, config, spec, model, params, sampler, gate)
-    jobs = [
-        TimingJob(
-            kind=k, batch=workload.batch, engine_kwargs=dict((engine_kwargs or {}).get(k) or {})
-        )
-        for k in config.engines
-    ]
-    ts = time_engines(
-        jobs, model, params, loss, repeats=config.repeats, warmup=config.warmup, gate=gate
-    )
-    timings = dict(zip(config.engines, ts, strict=True))
-    return _assemble(workload, spec, rollout, tool, timings, reward, inference)
-
-
 def replay(
     specs: Sequence[WorkloadSpec],
     config: ReplayConfig | None = None,
@@ -225,7 +161,7 @@ def replay(
     if not specs:
         raise ValueError("specs: empty; pass at least one WorkloadSpec (see default_suite)")
     load_start = load_avg()
-    model, params, loss = _setup(config, None, None, None)
+    model, params, loss = _setup(config)
     gate = _gate(config)
     built, jobs = [], []
     for spec in specs:
@@ -332,7 +268,6 @@ __all__ = [
     "reward_phase",
     "replay",
     "replay_rounds",
-    "replay_workload",
     "rollout_calls",
     "rollout_phase",
     "rollout_sampler",

@@ -20,6 +20,7 @@ from dtarl.bench.replay.stages import (
 )
 from dtarl.bench.replay.suite import WorkloadSpec, jsonable, model_config_to_dict
 from dtarl.bench.replay.train_stage import EngineTiming
+from dtarl.bench.report import save_figure, write_json
 from dtarl.model.config import ModelConfig
 from dtarl.timing import TimedRuns
 
@@ -233,10 +234,7 @@ class ReplayResult:
         )
 
     def save(self, path: str | os.PathLike) -> Path:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_dict(), indent=1))
-        return p
+        return write_json(path, self.to_dict())
 
     def table(self) -> str:
         """A plain-text summary: one row per (workload, engine)."""
@@ -290,12 +288,7 @@ class ReplayResult:
         ax1.axhline(1.0, color="k", lw=0.8)
         ax1.set_ylabel("speedup over dense")
         ax1.set_title("speedup on the real length distribution")
-        fig.tight_layout()
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        return p
+        return save_figure(fig, path, dpi=110)
 
 
 def plot_stages(results: list[ReplayResult] | ReplayResult, path, *, kind: str = "dense"):
@@ -343,12 +336,7 @@ def plot_stages(results: list[ReplayResult] | ReplayResult, path, *, kind: str =
         ax.set_xticks(x)
         ax.set_xticklabels(names, rotation=20, fontsize=8)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save_figure(fig, path, dpi=110)
 
 
 def load_replay_json(path: str | os.PathLike) -> dict[str, Any]:

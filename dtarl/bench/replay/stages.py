@@ -26,8 +26,9 @@ from dtarl.bench.replay.suite import RLLM_RELPATH, SEARCH_R1_RELPATH
 from dtarl.bench.replay.train_stage import replay_rounds
 from dtarl.rl.episodes import Scorer
 from dtarl.timing import QuietGate, TimedRuns
+from dtarl.traces.latency import RewardTimeSampler, ToolLatencySampler
 from dtarl.traces.loaders import RunKind, RunTrace, default_polytrace_root, load_trace
-from dtarl.traces.workload import RewardTimeSampler, ToolLatencySampler, Workload
+from dtarl.traces.workload import Workload
 from dtarl.tree.plan import bucket
 
 ROLLOUT_UNAVAILABLE = "unavailable (sampler not built)"

@@ -42,7 +42,8 @@ from dtarl.bench.simulate.fit import (
     fit_engine_costs,
 )
 from dtarl.engines.base import split_model
-from dtarl.engines.cost import ENGINES, nnls
+from dtarl.engines.config import EngineKind
+from dtarl.engines.cost import nnls
 from dtarl.model import init_model
 from dtarl.model.config import ModelConfig
 from dtarl.testing import grpo_groups
@@ -87,6 +88,28 @@ def multi_turn_batch(
     )
 
 
+def _suite(prefix: str, grpo_shapes, make_grpo, make_multi_turn, seed: int) -> list:
+    """Named calibration items: one per (groups, group size, prompt, response range) in
+    ``grpo_shapes`` from ``make_grpo``, then one multi-turn item (2 x 4, 3 turns)."""
+    out = [
+        (
+            f"{prefix}g{g}x{n}_p{p}_r{r[0]}-{r[1]}",
+            make_grpo(num_groups=g, group_size=n, prompt_len=p, response_len=r, seed=seed + i),
+        )
+        for i, (g, n, p, r) in enumerate(grpo_shapes)
+    ]
+    multi_turn = make_multi_turn(
+        num_groups=2,
+        group_size=4,
+        turns=3,
+        prompt_len=40,
+        turn_len=(10, 40),
+        tool_len=(20, 50),
+        seed=seed + 100,
+    )
+    return out + [(f"{prefix}multiturn_g2x4_t3", multi_turn)]
+
+
 def calibration_batches(*, seed: int = 0, size: str = "default") -> list[tuple[str, RolloutBatch]]:
     """Synthetic training batches spanning the replay suite's regime (module docstring).
 
@@ -118,28 +141,7 @@ def calibration_batches(*, seed: int = 0, size: str = "default") -> list[tuple[s
         (4, 8, 56, (150, 250)),
         (6, 8, 40, (30, 200)),
     ]
-    out = [
-        (
-            f"g{g}x{n}_p{p}_r{r[0]}-{r[1]}",
-            grpo_groups(num_groups=g, group_size=n, prompt_len=p, response_len=r, seed=seed + i),
-        )
-        for i, (g, n, p, r) in enumerate(grpo)
-    ]
-    out.append(
-        (
-            "multiturn_g2x4_t3",
-            multi_turn_batch(
-                num_groups=2,
-                group_size=4,
-                turns=3,
-                prompt_len=40,
-                turn_len=(10, 40),
-                tool_len=(20, 50),
-                seed=seed + 100,
-            ),
-        )
-    )
-    return out
+    return _suite("", grpo, grpo_groups, multi_turn_batch, seed)
 
 
 def _grpo_calls(
@@ -209,28 +211,7 @@ def calibration_rollouts(*, seed: int = 0, size: str = "default") -> list[tuple[
         (4, 8, 200, (4, 56)),
         (8, 4, 24, (100, 240)),
     ]
-    out = [
-        (
-            f"roll_g{g}x{n}_p{p}_r{r[0]}-{r[1]}",
-            _grpo_calls(num_groups=g, group_size=n, prompt_len=p, response_len=r, seed=seed + i),
-        )
-        for i, (g, n, p, r) in enumerate(grpo)
-    ]
-    out.append(
-        (
-            "roll_multiturn_g2x4_t3",
-            _multi_turn_calls(
-                num_groups=2,
-                group_size=4,
-                turns=3,
-                prompt_len=40,
-                turn_len=(10, 40),
-                tool_len=(20, 50),
-                seed=seed + 100,
-            ),
-        )
-    )
-    return out
+    return _suite("roll_", grpo, _grpo_calls, _multi_turn_calls, seed)
 
 
 def _time_rollouts(model, params, rollouts, *, repeats: int, seed: int, gate, log=None):
@@ -297,7 +278,10 @@ def calibration_kinds(kinds: Sequence[str]) -> tuple[list[str], bool]:
     auto = AUTO in want
     out = [k for k in want if k != AUTO]
     if auto:
-        out += [k for k in engine_default(AUTO, "candidates") or ENGINES if k not in out]
+        kinds = engine_default(AUTO, "candidates") or [
+            k.value for k in EngineKind.auto_candidates()
+        ]
+        out += [k for k in kinds if k not in out]
     return list(dict.fromkeys(out)), auto
 
 

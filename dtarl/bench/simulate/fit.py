@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from dtarl.bench.replay import model_config_from_dict, model_config_to_dict
+from dtarl.bench.report import write_json
 from dtarl.bench.simulate.features import (
     AUTO,
     FEATURE_NAMES,
@@ -347,10 +348,7 @@ class CostProfile:
         )
 
     def save(self, path: str | os.PathLike) -> Path:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_dict(), indent=1))
-        return p
+        return write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CostProfile:

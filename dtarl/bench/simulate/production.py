@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dtarl.bench.report import save_figure
 from dtarl.engines.cost import nnls
 from dtarl.traces.loaders import RunKind, RunTrace, default_polytrace_root, load_trace
 from dtarl.traces.records import RewardTiming, Trajectory
@@ -474,12 +475,7 @@ class ProductionReport:
             ax.set_xlabel("real (s)")
             ax.set_ylabel("predicted (s)")
             ax.set_title(f"{title}\naccuracy {acc:.1%} (held-out steps)", fontsize=10)
-        fig.tight_layout()
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=110)
-        plt.close(fig)
-        return out
+        return save_figure(fig, path, dpi=110)
 
 
 # ----------------------------------------------------------------------------- validation

@@ -18,6 +18,7 @@ from dtarl.bench.replay import (
     model_config_from_dict,
     tool_phase,
 )
+from dtarl.bench.report import save_figure
 from dtarl.bench.simulate.features import AUTO
 from dtarl.bench.simulate.fit import CostProfile
 from dtarl.bench.simulate.predict import predict_inference, predict_rollout, predict_step
@@ -206,12 +207,15 @@ class ValidationReport:
         ax.set_ylabel("predicted (s)")
         ax.set_title(f"simulator vs replay: mean |err| {self.mean_abs_pct_error:.1f}%")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        return p
+        return save_figure(fig, path, dpi=110)
+
+
+def _fastest_background(timed: dict) -> float | None:
+    """The background cores measured during the fastest of ``timed``'s runs (None: not
+    recorded)."""
+    if timed.get("background_cores") and timed.get("runs_s"):
+        return timed["background_cores"][int(np.argmin(timed["runs_s"]))]
+    return None
 
 
 def validate(
@@ -259,9 +263,7 @@ def validate(
             if k == AUTO:
                 ran = (e.get("stats") or {}).get("chosen_engine")
                 note = f"picks {pred.engines[k].program} (replay: {ran})"
-            bg = None
-            if e.get("background_cores") and e.get("runs_s"):
-                bg = e["background_cores"][int(np.argmin(e["runs_s"]))]
+            bg = _fastest_background(e)
             rows.append(
                 ValidationRow(
                     workload=spec.name,
@@ -318,9 +320,7 @@ def validate(
         if roll.get("seconds") is not None and rp is not None:  # rollout row; step rows below
             mn = float(roll.get("min_seconds") or roll["seconds"])
             detail = roll.get("detail") or {}
-            bg = None
-            if detail.get("background_cores") and detail.get("runs_s"):
-                bg = detail["background_cores"][int(np.argmin(detail["runs_s"]))]
+            bg = _fastest_background(detail)
             rows.append(
                 ValidationRow(
                     workload=spec.name,
