@@ -20,6 +20,7 @@ from dtarl.rollout.engine import (
     fold_seed,
     seed_key,
 )
+from dtarl.rollout.protocol import Feature
 from dtarl.rollout.sampler import SampleResult, SamplingParams
 from dtarl.tree.plan import bucket
 
@@ -65,6 +66,12 @@ class ContinuousSampler:
             stop_sequences=tuple(tuple(s) for s in stop_sequences),
         )
         self.max_new_tokens = int(max_new_tokens)
+
+    features = frozenset(Feature)  # ``Rollout.features``: switch, share, candidates, ...
+
+    def reserve(self, *, prompts: int, rows: int, prompt_len: int, response: int) -> None:
+        """``Rollout.reserve``: nothing (the engine is sized by its ``ContinuousConfig``;
+        ``ensure`` grows it)."""
 
     @property
     def trace_count(self) -> int:

@@ -384,6 +384,11 @@ class Sampler:
         self._prefill_fns: dict[tuple, Any] = {}
         self._decode_fn = None
 
+    features: frozenset = frozenset()  # ``Rollout.features``: plain ``generate`` only
+
+    def warmup(self, weights, *, extend: bool = False) -> None:
+        """``Rollout.warmup``: nothing (the static sampler's buckets compile on demand)."""
+
     def reserve(
         self, *, prompts: int = 1, rows: int = 1, prompt_len: int = 8, response: int = 8
     ) -> Sampler:
