@@ -1,8 +1,8 @@
 """What one update minimises and how: the loss of each algorithm, AdamW with its
 learning-rate schedule, and ``update`` (one engine gradient + one optimiser step).
 
-    loss = make_loss(cfg, max_response)
-    opt = make_optimizer(lr=1e-3, warmup=0, total=100, schedule=Schedule.CONSTANT, cfg=cfg.optim)
+    loss = cfg.algo.build_loss(max_response)      # AlgoSection.build_loss
+    opt = cfg.optim.build(total=100)              # OptimSection.build -> make_optimizer
     state = opt.tx.init(params)
     u = update(params, state, batch, engine=engine, loss=loss, optimizer=opt)
     params, state = u.params, u.opt_state         # unchanged when ``not u.applied``
@@ -20,11 +20,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dtarl.batch import LossNorm, RolloutBatch
+from dtarl.batch import RolloutBatch
 from dtarl.engines import EngineAux
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.parallel.mesh import global_array
-from dtarl.rl.config import Algorithm, OptimSection, Schedule, TrainerConfig
+from dtarl.rl.config import OptimSection, Schedule, TrainerConfig
 
 # optax >= 0.2.5 renamed tree_l2_norm to tree_norm (the old name warns).
 _tree_norm = getattr(optax.tree_utils, "tree_norm", None) or optax.tree_utils.tree_l2_norm
@@ -37,23 +37,8 @@ grad_norm = jax.jit(_tree_norm)
 
 
 def make_loss(cfg: TrainerConfig, max_response: int) -> ClippedSurrogateLoss:
-    """The policy loss of ``cfg.algo.algorithm``, aggregated by ``cfg.algo.agg_mode``.
-
-    GRPO: per-sequence mean; DAPO: token-level mean; Dr.GRPO: the token sum over
-    N * ``max_response`` (also the constant of ``seq-mean-token-sum-norm`` under any
-    algorithm); PPO: token-level, GAE advantages in the batch's ``token_advantages``
-    and the KL in the reward instead of the loss.
-    """
-    a = cfg.algo
-    norm = a.agg_mode.norm
-    return ClippedSurrogateLoss(
-        eps_low=a.clip_eps,
-        eps_high=a.eps_high,
-        kl_coef=0.0 if a.algorithm is Algorithm.PPO else a.kl_coef,
-        entropy_coef=a.entropy_coef,
-        norm=norm,
-        norm_constant=float(max_response) if norm is LossNorm.CONSTANT else None,
-    )
+    """``cfg.algo.build_loss(max_response)`` (``AlgoSection.build_loss``)."""
+    return cfg.algo.build_loss(max_response)
 
 
 # --------------------------------------------------------------- optimiser

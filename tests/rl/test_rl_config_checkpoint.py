@@ -205,14 +205,14 @@ def test_exponent_floats_parse_as_numbers(tmp_path):
 def test_bad_values_exit_2_before_any_model(assignment, message, capsys, monkeypatch):
     """Every range check runs at config load: one line naming key, value and range,
     exit code 2, and no model is built."""
-    import dtarl.rl.trainer as trainer_mod
+    import dtarl.model as model_mod
     from dtarl import cli
 
     def no_model(*a, **k):
         raise AssertionError("a model was built for a bad config")
 
-    monkeypatch.setattr(trainer_mod, "init_model", no_model)
-    monkeypatch.setattr(trainer_mod, "load_hf", no_model)
+    monkeypatch.setattr(model_mod, "init_model", no_model)  # ModelSection.build's
+    monkeypatch.setattr(model_mod, "load_hf", no_model)
     quickstart = os.path.join(ROOT, "configs", "quickstart.yaml")
     assert cli.main(["train", quickstart, "--set", assignment]) == 2
     err = capsys.readouterr().err

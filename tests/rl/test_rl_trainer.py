@@ -17,7 +17,7 @@ from dtarl.rl.hooks import Phase
 from dtarl.rl.metrics import read_metrics
 from dtarl.rl.rewards import RewardError, RewardErrorPolicy
 from dtarl.rl.tasks import CalculatorTask, Problem, safe_eval
-from dtarl.rl.trainer import Trainer, build_model
+from dtarl.rl.trainer import Trainer
 from dtarl.rollout.sampler import FinishReason, SampleResult
 from dtarl.tree import build_tree
 
@@ -348,7 +348,7 @@ def test_hf_checkpoint_with_ppo_and_kl(tmp_path):
         "algo.algorithm=ppo",
         "algo.kl_coef=0.05",
     )
-    model, tok = build_model(cfg)
+    model, tok = cfg.model.build()
     assert isinstance(tok, ByteTokenizer) and model.cfg.vocab_size == 256
     res = Trainer(cfg).run()
     rec = res.history[-1]
