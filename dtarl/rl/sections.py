@@ -605,7 +605,8 @@ class AlgoSection:
     grad_accum: int = 1  # > 1: each step's gradient summed in fp32 over this many parts
     # True: the ratio's old-policy logprobs are the training engine's at the params
     # before the step's first update (no gradient through them), not the sampler's;
-    # needed when the two differ (bf16, another sampler's kernels). See ``Trainer._update``.
+    # needed when the two differ (bf16, another sampler's kernels). See
+    # ``dtarl.rl.update.run_updates``.
     recompute_old_logprobs: bool = False
     engine: EngineKind = EngineKind.AUTO  # its settings: the ``engine:`` section
     darts: DartsSection = dataclasses.field(default_factory=DartsSection)

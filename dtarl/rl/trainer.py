@@ -4,25 +4,22 @@
     trainer.add_hook(fn, every=10)     # fn(StepInfo) after every 10th global step
     result = trainer.run()             # SFT warm-up, then RL steps
 
-The run's arrays are one ``TrainState`` (``dtarl.rl.state``: params, optimiser state,
-reference policy, value model, step, key) in ``trainer.state``; its objects (model,
-samplers, engines, losses, optimisers, scorers) are ``trainer.parts``
-(``dtarl.rl.build.RunParts``, each built by its config section). A step reads top to
-bottom in three plain functions: ``rl_batch`` (rollout -> rewards -> advantages ->
-``RolloutBatch``, ``dtarl.rl.episodes``), ``run_updates`` (engine gradients +
-optimiser steps, ``dtarl.rl.update``) and ``step_metrics`` (``dtarl.rl.metrics``).
-Evaluation, logging, checkpoints and the export are hooks (``dtarl.rl.hooks``) the
-trainer adds to itself; ``run`` also evaluates before training and after the SFT
-warm-up (own ``phase="eval"`` records).
+The run's arrays are one ``TrainState`` (``dtarl.rl.state``) in ``trainer.state``; its
+objects (model, samplers, engines, losses, optimisers, scorers) are ``trainer.parts``
+(``dtarl.rl.build.RunParts``, each built by its config section; on a mesh and across
+processes, see there). A step reads top to bottom in three plain functions:
+``rl_batch`` (rollout -> rewards -> advantages -> ``RolloutBatch``,
+``dtarl.rl.episodes``), ``run_updates`` (``dtarl.rl.update``) and ``step_metrics``
+(``dtarl.rl.metrics``). Evaluation, logging, checkpoints and the export are hooks
+(``dtarl.rl.hooks.trainer_hooks``); ``run`` also evaluates before training and after
+the SFT warm-up (own ``phase="eval"`` records).
 
 Every step is a deterministic function of (config, step, state): prompts come from
 ``np.random.default_rng([seed, phase, step])``, sampling keys from
-``fold_in(state.key, step)``. A checkpoint is the whole ``TrainState`` plus the
-``HostRecord`` (data cursor, skipped count, DARTS' statistics, config), one Orbax
-step (``CheckpointManager.save_state``), so a resumed run reproduces the
-uninterrupted one bit for bit. Checkpoints hold the sharded arrays (every process
-writes its own shards) and restore onto the run's mesh. Metric logs of process i > 0
-go to ``out_dir/process_i``. Mesh and multi-process layout: ``dtarl.rl.build``.
+``fold_in(state.key, step)``. A checkpoint is the ``TrainState`` plus the
+``HostRecord`` (data cursor, skipped count, DARTS, config) in one Orbax step
+(``CheckpointManager.save_state``; every process writes its shards), so a resumed run
+reproduces the uninterrupted one bit for bit. Logs of process i > 0: ``out_dir/process_i``.
 """
 
 from __future__ import annotations
@@ -97,9 +94,8 @@ class Trainer:
         self.parts, params = build_parts(cfg, reward_fn=reward_fn, task=task)
         # The phase's optimiser state comes with ``run`` (or a resume).
         self.state = TrainState.create(params=params, seed=cfg.seed, value=self.parts.value)
-        self.ckpt = CheckpointManager(
-            os.path.join(cfg.out_dir, "checkpoints"), keep=cfg.keep_checkpoints
-        )
+        ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
+        self.ckpt = CheckpointManager(ckpt_dir, keep=cfg.keep_checkpoints)
         self.darts = cfg.algo.darts.build()  # checkpointed (the host record)
         self.data_cursor = 0  # problems consumed
         self.skipped = 0
@@ -312,14 +308,8 @@ class Trainer:
         params = rollout_params(self.params, self.mesh, self.rollout_mesh)
         if self.eval_problems:
             self._warm(self.eval_sampler, params)
-        return greedy_success_rate(
-            self.eval_sampler,
-            params,
-            self.tokenizer,
-            self.task,
-            self.eval_problems,
-            processes=self.multiprocess,
-        )
+        args = (self.eval_sampler, params, self.tokenizer, self.task, self.eval_problems)
+        return greedy_success_rate(*args, processes=self.multiprocess)
 
     # ---------------------------------------------------------------- hooks
 
@@ -331,10 +321,8 @@ class Trainer:
     def eval_record(self, step: int, **extra) -> float:
         """Evaluates and logs a ``phase="eval"`` record (no progress-bar step)."""
         rate = self.evaluate()
-        self.log(
-            dict(phase="eval", step=step, global_step=step, eval_success_rate=rate, **extra),
-            advance=False,
-        )
+        rec = dict(phase="eval", step=step, global_step=step, eval_success_rate=rate, **extra)
+        self.log(rec, advance=False)
         return rate
 
     # ---------------------------------------------------------- checkpoints
