@@ -10,6 +10,10 @@ before any model is built.
 
 ``algo.engine`` picks the training engine (an ``EngineKind``); the ``engine:``
 section holds every engine's settings (``dtarl.engines.EngineConfig``).
+
+The sections (with the ``build`` methods that make the run's objects from them) live
+in ``dtarl.rl.sections``, the YAML/dict parsing in ``dtarl.rl.config_io``; every name
+is importable from here.
 """
 
 from __future__ import annotations

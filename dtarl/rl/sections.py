@@ -28,6 +28,7 @@ from dtarl.batch import LossNorm
 from dtarl.engines.config import EngineConfig, EngineKind
 from dtarl.errors import ConfigError
 from dtarl.model.config import ModelConfig
+from dtarl.rl.schedule import Schedule
 from dtarl.rl.tasks import TaskKind
 
 
@@ -76,12 +77,6 @@ class StreamedModel(enum.Enum):
 
     REF = "ref"  # the reference policy's logprobs (the KL term; algo.kl_coef > 0)
     CRITIC = "critic"  # the PPO value model's values (GAE; algo.algorithm=ppo)
-
-
-class Schedule(enum.Enum):
-    CONSTANT = "constant"  # linear warm-up then constant
-    COSINE = "cosine"  # linear warm-up then cosine decay to 0.1 x lr
-    LINEAR = "linear"  # linear warm-up then linear decay to 0
 
 
 def _key(obj, name: str) -> str:
