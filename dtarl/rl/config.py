@@ -12,8 +12,8 @@ before any model is built.
 section holds every engine's settings (``dtarl.engines.EngineConfig``).
 
 The sections (with the ``build`` methods that make the run's objects from them) live
-in ``dtarl.rl.sections``, the YAML/dict parsing in ``dtarl.rl.config_io``; every name
-is importable from here.
+in ``dtarl.rl.sections`` and ``dtarl.rl.rollout_sections``, the YAML/dict parsing in
+``dtarl.rl.config_io``; every name is importable from here.
 """
 
 from __future__ import annotations
@@ -27,6 +27,14 @@ from dtarl.engines.config import EngineConfig
 from dtarl.errors import ConfigError
 from dtarl.rl.config_io import apply_override, from_dict, read_yaml, to_dict
 from dtarl.rl.rewards import RewardErrorPolicy
+from dtarl.rl.rollout_sections import (
+    PatSection,
+    RolloutEngineKind,
+    RolloutSection,
+    StreamedModel,
+    StreamingSection,
+)
+from dtarl.rl.schedule import Schedule
 from dtarl.rl.sections import (
     Algorithm,
     AlgoSection,
@@ -37,14 +45,8 @@ from dtarl.rl.sections import (
     MeshSection,
     ModelSection,
     OptimSection,
-    PatSection,
     ResumeSection,
-    RolloutEngineKind,
-    RolloutSection,
-    Schedule,
     SFTSection,
-    StreamedModel,
-    StreamingSection,
     TaskSection,
     nonneg,
     positive,
