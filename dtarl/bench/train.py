@@ -39,7 +39,7 @@ which rank the step waits for. The ranks run one program at one padded shape, so
 for an engine whose work does not depend on the data (dense) the measured spread
 is timing noise; a DFS plan's push/pop steps do depend on it.
 
-Every engine is reserved as ``dtarl train`` reserves its engines (``Trainer._reserve``)
+Every engine is reserved as ``dtarl train`` reserves its engines (``dtarl.rl.capacity``)
 for a run whose largest batch is the workload (``workload_capacity``: its sequences,
 longest sequence, groups, largest group, longest prompt and response; on a mesh a
 dp rank's share), so each column is the program a run would time: dense pads rows to
@@ -83,6 +83,7 @@ from dtarl.model import ModelConfig, init_model
 from dtarl.parallel import mesh as mesh_lib
 from dtarl.parallel.partition import FlopCost
 from dtarl.parallel.sharded import ShardedEngine
+from dtarl.rl import capacity as capacity_lib
 from dtarl.testing import grpo_groups
 from dtarl.timing import Rounds, Settle, alternating, interleaved_rounds, shuffled
 from dtarl.traces import default_polytrace_root, sample_workload
@@ -202,10 +203,10 @@ def calibration_batches(quick: bool = False) -> list[RolloutBatch]:
 
 
 def workload_capacity(batch: RolloutBatch, dp: int = 1) -> Capacity:
-    """The ``Capacity`` a run whose largest batch is ``batch`` reserves, as
-    ``Trainer._reserve`` does from its config's maxima: the sequences, the longest
-    sequence, the groups and the largest group (each over ``dp`` ranks, rounded up),
-    the longest prompt and the longest response; ``turns`` 2 when some group
+    """The ``Capacity`` a run whose largest batch is ``batch`` reserves
+    (``dtarl.rl.capacity.capacity``, as ``dtarl train`` from its config's maxima): the
+    sequences, the longest sequence, the groups and the largest group (each over ``dp``
+    ranks, rounded up), the longest prompt and the longest response; ``turns`` 2 when some group
     branches deep below its prompt (a run with tool turns reserves prefix_reuse's
     two-program form and buckets auto's depth from it), else 1."""
     lengths = batch.lengths
@@ -214,14 +215,15 @@ def workload_capacity(batch: RolloutBatch, dp: int = 1) -> Capacity:
     )
     _, sizes = np.unique(batch.group_ids, return_counts=True)
     deep = bool(deep_sequences(batch.prefix_tree()).any())
-    return Capacity(
-        sequences=-(-batch.num_sequences // dp),
+    return capacity_lib.capacity(
+        sequences=batch.num_sequences,
+        groups=len(sizes),
         length=int(lengths.max()),
         group_size=int(sizes.max()),
-        groups=-(-len(sizes) // dp),
         prompt_len=max(1, int(prompts.max())),
         response_len=max(1, int((lengths - prompts).max())),
         turns=2 if deep else 1,
+        dp=dp,
     )
 
 

@@ -6,7 +6,7 @@ directory; without ``--step`` the latest step is exported (a step directory name
 its own). The model, optimizers and checkpoint structure are rebuilt from the
 config saved in the step's metadata (a ``Trainer`` built from it, as a resume
 does; a run from ``model.hf_path`` needs that directory to still exist), the
-step is restored through ``CheckpointManager.restore`` and the policy is written
+step is restored through ``CheckpointManager.restore_state`` and the policy is written
 with ``save_hf`` (atomic: a temporary directory renamed into place), plus the
 run's tokenizer files when its tokenizer came from a HF directory. The step is
 verified against its manifest first (``dtarl.rl.integrity``): a corrupt step is
@@ -34,6 +34,7 @@ from dtarl.model.hf import EXPORT_MARKER, SAVE_DTYPES, save_hf, tokenizer_files
 from dtarl.rl import integrity
 from dtarl.rl.checkpoint import CheckpointError, CheckpointManager, leaf_names
 from dtarl.rl.config import ExportSection, TrainerConfig, from_dict
+from dtarl.rl.state import HostRecord
 from dtarl.rl.trainer import Trainer
 
 
@@ -186,14 +187,12 @@ def export_checkpoint(
         trainer = Trainer(cfg)
     except ValueError as e:
         raise ExportError(f"{where} cannot rebuild the model ({e})") from None
-    # The optimizer state saved after global step s belongs to the phase of step s - 1.
-    trainer.opt_state = trainer._phase_opt(step - 1).init(trainer.params)
-    trainer.ref_params = trainer.params if meta.get("has_ref") else None
     try:
-        tree, _ = mgr.restore(step, trainer.state_tree())
+        host = HostRecord.from_dict(mgr.read_host(step), where=mgr.path(step))
+        state, _ = mgr.restore_state(step, trainer.restore_target(step, host))
     except CheckpointError as e:
         raise ExportError(str(e)) from None
-    params = tree["params"]
+    params = state.params
     bad = integrity.nonfinite_leaf(leaf_names(params), jax.tree.leaves(params))
     if bad is not None:
         raise ExportError(f"{mgr.path(step)}: parameter {bad!r} holds NaN or inf; not exported")

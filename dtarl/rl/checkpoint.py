@@ -6,7 +6,8 @@ Layout under ``directory`` (Orbax's own)::
       state/                              the pytree (Orbax PyTree/OCDBT), leaves named
                                           by their paths: params/layers/0/self_attn/q_proj,
                                           opt_state/0/mu/embed_tokens, ...
-      meta/metadata                       JSON: step, data cursor, config, fingerprint, user data
+      meta/metadata                       JSON: step, layout, fingerprint, user data (a
+                                          trainer's: its host record, ``contents``)
     step_00000012.orbax-checkpoint-tmp/   a save in progress, or one a crash interrupted
     .deleted/                             steps dropped by keep-N, being deleted
 
@@ -24,6 +25,13 @@ Every process writes its own shards of the (possibly multi-process, sharded)
 reads the arrays into ``target``'s structure and shardings (any mesh: a
 checkpoint saved at dp=4, tp=2 restores at dp=8 or on one device), after
 checking the saved leaves' names, shapes and dtypes against the target.
+
+A trainer saves its whole state in one step (``save_state`` / ``restore_state``):
+the ``TrainState`` pytree (``dtarl.rl.state``) as ``state`` (leaves ``params/...``,
+``opt_state/...``, ``ref_params/...``, ``value_params/...``, ``value_opt_state/...``,
+``step``, ``key``) and its ``HostRecord`` fields as ``meta`` (with ``contents`` =
+``TRAIN_STATE``), so one commit covers both. A trainer checkpoint of an earlier
+dtarl (no ``contents``) is refused by ``read_host``, naming its path.
 
 Leaf names come from ``jax.tree_util`` key paths: dict keys and sequence indices
 as written, NamedTuple fields (optax states) by name, and an ``nnx.Variable``'s
@@ -46,6 +54,8 @@ from dtarl.errors import CheckpointError
 from dtarl.rl import integrity
 
 LAYOUT = "dtarl-orbax-1"
+# A trainer's step: the TrainState pytree as ``state``, the host record as ``meta``.
+TRAIN_STATE = "dtarl-train-state-1"
 _STATE, _META = "state", "meta"
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 _TRASH = ".deleted"  # Orbax renames dropped steps here (atomic); dtarl empties it
@@ -267,6 +277,11 @@ class CheckpointManager:
         self._integrity.watch(mgr.wait_until_finished)  # writes the manifest once committed
         return final
 
+    def save_state(self, state, host: dict[str, Any]) -> str:
+        """Starts writing a trainer's step ``state.step``: the ``TrainState`` ``state``
+        (named leaves) and its host record ``host`` (JSON), committed together."""
+        return self.save(int(state.step), state, {**host, "contents": TRAIN_STATE})
+
     def wait(self) -> None:
         """Blocks until the pending async save is committed (no-op when none is)."""
         if self._mgr is None or self._pending is None:
@@ -334,6 +349,25 @@ class CheckpointManager:
             raise CheckpointError(f"{fp}: not {LAYOUT} metadata")
         return meta
 
+    def read_host(self, step: int) -> dict[str, Any]:
+        """The host record of trainer checkpoint ``step`` (``save_state``); a checkpoint
+        of an earlier dtarl trainer is refused with its path."""
+        meta = self.read_meta(step)
+        if meta.get("contents") != TRAIN_STATE:
+            raise CheckpointError(
+                f"{self.path(step)}: trainer checkpoint in an old layout (no {TRAIN_STATE} "
+                "train state); this dtarl resumes only checkpoints it wrote: use a fresh "
+                "out_dir, or the dtarl version that wrote it"
+            )
+        return {k: v for k, v in meta.items() if k not in ("contents", "fingerprint", "layout")}
+
+    def restore_state(self, step: int, target) -> tuple[Any, dict[str, Any]]:
+        """(``TrainState`` shaped and sharded like ``target``, host record) of trainer
+        checkpoint ``step`` (``save_state``)."""
+        host = self.read_host(step)
+        state, _ = self.restore(step, target)
+        return state, host
+
     def restore(self, step: int, target) -> tuple[Any, dict[str, Any]]:
         """Returns (tree with ``target``'s structure and shardings, meta) of checkpoint ``step``.
 
@@ -390,4 +424,4 @@ class CheckpointManager:
         )
 
 
-__all__ = ["LAYOUT", "CheckpointError", "CheckpointManager", "leaf_names"]
+__all__ = ["LAYOUT", "TRAIN_STATE", "CheckpointError", "CheckpointManager", "leaf_names"]

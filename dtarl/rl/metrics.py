@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -23,6 +24,7 @@ from dtarl.advantages import token_kl
 from dtarl.batch import RolloutBatch
 from dtarl.rl.config import AlgoSection
 from dtarl.rl.optim import UpdateResult
+from dtarl.timing import compile_seconds
 
 
 def length_stats(lengths: Sequence[int], prefix: str = "response_len") -> dict[str, float]:
@@ -234,6 +236,20 @@ class MetricsLogger:
         if self._console is not None:
             self._console.print(text)
 
+    @classmethod
+    def for_process(
+        cls, out_dir: str, *, total_steps: int, console: bool, tensorboard: bool
+    ) -> MetricsLogger:
+        """This process's logger: ``out_dir`` for process 0, ``out_dir/process_i`` with
+        no console and no TensorBoard for process i > 0."""
+        me = jax.process_index()
+        return cls(
+            out_dir if me == 0 else os.path.join(out_dir, f"process_{me}"),
+            total_steps=total_steps,
+            console=console and me == 0,
+            tensorboard=tensorboard and me == 0,
+        )
+
     def log(self, metrics: dict[str, Any], *, advance: bool = True) -> None:
         rec = {k: _jsonable(v) for k, v in metrics.items()}
         self._file.write(json.dumps(rec) + "\n")
@@ -317,11 +333,76 @@ def truncate_metrics(path: str, step: int) -> None:
     os.replace(tmp, path)
 
 
+def mesh_metrics(stats: dict[str, Any]) -> dict[str, Any]:
+    """A sharded update's layout (``ShardedEngine`` stats): ``dp``, ``tp``, the
+    partition method, the candidate that won (``partition_winner``: the balanced cut's
+    order or the baseline with the lower makespan), the cost model it was priced with
+    (``partition_cost_model``: the running engine's kind, or "fallback:FlopCost"), and
+    the rank loads under that cost model (FLOPs, not measured time): ``rank_load_max``
+    (the makespan), ``rank_load_mean`` and ``load_balance`` = max / mean.
+    ``work_balance``: max / mean of the ranks' padded work as the engine counts it
+    (``features``), when this process prepared every rank. Empty for a single-device
+    update."""
+    if "rank_loads" not in stats:
+        return {}
+    loads = np.asarray(stats["rank_loads"], np.float64)
+    out = dict(
+        dp=int(stats["dp"]),
+        tp=int(stats["tp"]),
+        partition_method=stats["partition_method"],
+        partition_winner=stats.get("partition_winner", ""),
+        partition_cost_model=stats.get("partition_cost_model", ""),
+        rank_load_max=float(loads.max()),
+        rank_load_mean=float(loads.mean()),
+        load_balance=float(stats["load_balance"]),
+    )
+    work = np.asarray(stats.get("rank_work_flops", []), np.float64)
+    if work.size == int(stats["dp"]) and work.mean() > 0:
+        out["work_balance"] = float(work.max() / work.mean())
+    return out
+
+
+def pat_metrics(timeline: list[dict[str, Any]], start_tp: int) -> dict[str, Any]:
+    """A rollout's PAT switches (``PatController.timeline``, from tp ``start_tp``):
+    ``pat_switches``, ``pat_switch_seconds`` and ``pat_final_tp``."""
+    return dict(
+        pat_switches=len(timeline),
+        pat_switch_seconds=float(sum(e["seconds"] for e in timeline)),
+        pat_final_tp=timeline[-1]["dst"][1] if timeline else start_tp,
+    )
+
+
+class CompileTotals:
+    """A step's ``compile_seconds`` (what JAX spent tracing, lowering and compiling during
+    it: every program, ``dtarl.timing.compile_seconds``) and ``autotune_seconds`` (auto's
+    tuning in it; its timed calls include compiling the candidates, so the two overlap),
+    and both summed over the steps of this process (``*_total``)."""
+
+    def __init__(self):
+        self.compile = self.autotune = 0.0
+        compile_seconds()  # starts JAX's compile-time events
+
+    def start(self) -> float:
+        return compile_seconds()
+
+    def add(self, m: dict[str, Any], start: float) -> None:
+        """Adds the step's (begun at ``start``) to its metrics ``m``."""
+        m["compile_seconds"] = compile_seconds() - start
+        m.setdefault("autotune_seconds", 0.0)
+        self.compile += m["compile_seconds"]
+        self.autotune += m["autotune_seconds"]
+        m["compile_seconds_total"] = self.compile
+        m["autotune_seconds_total"] = self.autotune
+
+
 __all__ = [
+    "CompileTotals",
     "MetricsLogger",
     "engine_metrics",
     "format_line",
     "length_stats",
+    "mesh_metrics",
+    "pat_metrics",
     "ratio_stats",
     "read_metrics",
     "step_metrics",

@@ -1,8 +1,8 @@
 """What one update minimises and how: the loss of each algorithm, AdamW with its
 learning-rate schedule, and ``update`` (one engine gradient + one optimiser step).
 
-    loss = make_loss(cfg, max_response)
-    opt = make_optimizer(lr=1e-3, warmup=0, total=100, schedule=Schedule.CONSTANT, cfg=cfg.optim)
+    loss = cfg.algo.build_loss(max_response)      # AlgoSection.build_loss
+    opt = cfg.optim.build(total=100)              # OptimSection.build -> make_optimizer
     state = opt.tx.init(params)
     u = update(params, state, batch, engine=engine, loss=loss, optimizer=opt)
     params, state = u.params, u.opt_state         # unchanged when ``not u.applied``
@@ -20,11 +20,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dtarl.batch import LossNorm, RolloutBatch
+from dtarl.batch import RolloutBatch
 from dtarl.engines import EngineAux
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.parallel.mesh import global_array
-from dtarl.rl.config import Algorithm, OptimSection, Schedule, TrainerConfig
+from dtarl.rl.schedule import Schedule, make_schedule
 
 # optax >= 0.2.5 renamed tree_l2_norm to tree_norm (the old name warns).
 _tree_norm = getattr(optax.tree_utils, "tree_norm", None) or optax.tree_utils.tree_l2_norm
@@ -36,41 +36,12 @@ grad_norm = jax.jit(_tree_norm)
 # ------------------------------------------------------------------ losses
 
 
-def make_loss(cfg: TrainerConfig, max_response: int) -> ClippedSurrogateLoss:
-    """The policy loss of ``cfg.algo.algorithm``, aggregated by ``cfg.algo.agg_mode``.
-
-    GRPO: per-sequence mean; DAPO: token-level mean; Dr.GRPO: the token sum over
-    N * ``max_response`` (also the constant of ``seq-mean-token-sum-norm`` under any
-    algorithm); PPO: token-level, GAE advantages in the batch's ``token_advantages``
-    and the KL in the reward instead of the loss.
-    """
-    a = cfg.algo
-    norm = a.agg_mode.norm
-    return ClippedSurrogateLoss(
-        eps_low=a.clip_eps,
-        eps_high=a.eps_high,
-        kl_coef=0.0 if a.algorithm is Algorithm.PPO else a.kl_coef,
-        entropy_coef=a.entropy_coef,
-        norm=norm,
-        norm_constant=float(max_response) if norm is LossNorm.CONSTANT else None,
-    )
+def make_loss(cfg, max_response: int) -> ClippedSurrogateLoss:
+    """``cfg.algo.build_loss(max_response)`` of a ``TrainerConfig`` (``AlgoSection.build_loss``)."""
+    return cfg.algo.build_loss(max_response)
 
 
 # --------------------------------------------------------------- optimiser
-
-
-def make_schedule(lr: float, warmup: int, total: int, kind: Schedule) -> optax.Schedule:
-    """Linear warm-up over ``warmup`` steps, then ``kind`` over the remaining ones."""
-    decay = max(total - warmup, 1)
-    if kind is Schedule.CONSTANT:
-        main = optax.constant_schedule(lr)
-    elif kind is Schedule.COSINE:
-        main = optax.cosine_decay_schedule(lr, decay, alpha=0.1)
-    else:
-        main = optax.linear_schedule(lr, 0.0, decay)
-    if warmup <= 0:
-        return main
-    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), main], [warmup])
 
 
 def _on_mesh(params) -> bool:
@@ -169,10 +140,9 @@ class Optimizer:
         return float(self.schedule(int(state.count)))
 
 
-def make_optimizer(
-    *, lr: float, warmup: int, total: int, schedule: Schedule, cfg: OptimSection
-) -> Optimizer:
-    """AdamW behind global-norm clipping, on ``make_schedule(lr, warmup, total, schedule)``."""
+def make_optimizer(*, lr: float, warmup: int, total: int, schedule: Schedule, cfg) -> Optimizer:
+    """AdamW behind global-norm clipping, on ``make_schedule(lr, warmup, total, schedule)``;
+    ``cfg``: the ``OptimSection`` (b1, b2, eps, weight_decay, max_grad_norm)."""
     sched = make_schedule(lr, warmup, total, schedule)
     tx = optax.chain(
         optax.clip_by_global_norm(cfg.max_grad_norm),

@@ -22,6 +22,7 @@ from dtarl.model import Decoder
 from dtarl.parallel import launch as launch_lib
 from dtarl.parallel.mesh import make_mesh, shard_params
 from dtarl.rl.checkpoint import CheckpointError, CheckpointManager, leaf_names
+from dtarl.rl.state import HostRecord, TrainState
 from dtarl.testing import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,6 +66,39 @@ def test_saved_leaves_are_named_by_their_paths(tmp_path, params):
         leaf_names({"a": {"b": 1}, "a/b": 2})
     with pytest.raises(CheckpointError, match=r"'x\.y'.*cannot be stored"):
         mgr.save(8, {"x.y": jnp.zeros(2)})
+
+
+def test_train_state_is_one_step_of_named_leaves_and_a_host_record(tmp_path, params):
+    """A trainer's step: the TrainState's leaves named by field (no reference policy or
+    value model when the run has none) and the host record in the same committed step;
+    restored bit for bit into a template. A trainer step of an earlier layout (no train
+    state) is refused naming its path."""
+    opt = optax.adamw(1e-3)
+    state = TrainState.create(params=params, seed=3, opt_state=opt.init(params))
+    state = state.replace(step=4)
+    host = HostRecord(phase="rl", data_cursor=12, skipped=1, seed=3, config={"steps": 5})
+    mgr = CheckpointManager(tmp_path)
+    assert mgr.save_state(state, host.to_dict()) == mgr.path(4)
+    mgr.wait()
+    saved = ocp.StandardCheckpointer().metadata(os.path.join(mgr.path(4), "state")).item_metadata
+    names = _flat_names(dict(saved))
+    assert {"step", "key", "params/norm/weight", "opt_state/0/count"} <= set(names)
+    assert not any(n.startswith(("ref_params", "value_")) for n in names)
+    got = HostRecord.from_dict(mgr.read_host(4), where=mgr.path(4))
+    assert got == host
+    target = TrainState.create(params=params, seed=0, opt_state=opt.init(params))
+    restored, _ = mgr.restore_state(4, target)
+    assert restored.global_step == 4
+    np.testing.assert_array_equal(restored.key, np.asarray(jax.random.PRNGKey(3)))
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    mgr.save(5, {"params": params}, {"data_cursor": 1})  # a pre-TrainState trainer step
+    with pytest.raises(CheckpointError, match=r"step_00000005: trainer checkpoint in an old"):
+        mgr.read_host(5)
+    with pytest.raises(CheckpointError, match=r"step_00000004: .* lacks \['seed'\]"):
+        HostRecord.from_dict(
+            {"phase": "rl", "data_cursor": 0, "skipped": 0, "config": {}}, where=mgr.path(4)
+        )
 
 
 def test_save_returns_before_the_commit_and_keeps_n(tmp_path, monkeypatch):

@@ -11,10 +11,12 @@ import pytest
 from orbax.checkpoint._src.checkpointers import async_checkpointer
 
 from dtarl.engines import EngineConfig, EngineKind
+from dtarl.rl.capacity import TOOL_TOKENS, capacity, response_budget
 from dtarl.rl.checkpoint import CheckpointError, CheckpointManager
 from dtarl.rl.config import (
     Algorithm,
     ConfigError,
+    MeshSection,
     TrainerConfig,
     from_dict,
     load_config,
@@ -205,14 +207,14 @@ def test_exponent_floats_parse_as_numbers(tmp_path):
 def test_bad_values_exit_2_before_any_model(assignment, message, capsys, monkeypatch):
     """Every range check runs at config load: one line naming key, value and range,
     exit code 2, and no model is built."""
-    import dtarl.rl.trainer as trainer_mod
+    import dtarl.model as model_mod
     from dtarl import cli
 
     def no_model(*a, **k):
         raise AssertionError("a model was built for a bad config")
 
-    monkeypatch.setattr(trainer_mod, "init_model", no_model)
-    monkeypatch.setattr(trainer_mod, "load_hf", no_model)
+    monkeypatch.setattr(model_mod, "init_model", no_model)  # ModelSection.build's
+    monkeypatch.setattr(model_mod, "load_hf", no_model)
     quickstart = os.path.join(ROOT, "configs", "quickstart.yaml")
     assert cli.main(["train", quickstart, "--set", assignment]) == 2
     err = capsys.readouterr().err
@@ -223,3 +225,30 @@ def test_calculator_turns_are_checked():
     assert load_config(None, ["task.kind=calculator", "task.max_turns=3"]).task.max_turns == 3
     with pytest.raises(ConfigError, match=r"task.max_turns=1 must be >= 2 \(calculator\)"):
         load_config(None, ["task.kind=calculator", "task.max_turns=1"])
+
+
+def test_sections_build_their_objects():
+    """Each section builds its own object; the run's capacity is computed in one place."""
+    cfg = load_config(None, ["optim.lr=0.5", "optim.warmup_steps=2", "sft.lr=0.25"])
+    opt = cfg.optim.build(total=8)
+    assert [float(opt.schedule(s)) for s in (0, 1, 2, 7)] == [0.0, 0.25, 0.5, 0.5]
+    sft = cfg.sft.build_optimizer(cfg.optim)
+    assert float(sft.schedule(0)) == 0.25  # no warm-up, constant
+    assert MeshSection(dp=1, tp=1).build() is None  # one device: no mesh
+    algo = load_config(None, ["algo.autotune_budget_seconds=7", "algo.darts.enabled=true"]).algo
+    assert algo.engine_config(EngineConfig()).auto.budget_seconds == 7
+    assert algo.darts.candidates(4) == 8 and cfg.algo.darts.candidates(4) == 4
+    assert cfg.algo.build_loss(32) == make_loss(cfg, 32)
+    assert cfg.algo.build_value(None, seed=0) is None  # GRPO: no value model
+    assert response_budget(8, 1) == 8 and response_budget(8, 3) == 8 * 3 + 2 * TOOL_TOKENS
+    cap = capacity(
+        sequences=9,
+        groups=3,
+        length=40,
+        group_size=3,
+        prompt_len=8,
+        response_len=32,
+        turns=1,
+        dp=2,
+    )
+    assert (cap.sequences, cap.groups, cap.length, cap.group_size) == (5, 2, 40, 3)

@@ -8,16 +8,19 @@ import jax
 import numpy as np
 import pytest
 
+from dtarl.cli import main as dtarl_main
 from dtarl.commands.train import main as cli_main
 from dtarl.engines.config import EngineKind
 from dtarl.model.tokenizer import ByteTokenizer
+from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import ConfigError, load_config
 from dtarl.rl.episodes import encode_prompt, rollout, tool_stop_sequences
 from dtarl.rl.hooks import Phase
 from dtarl.rl.metrics import read_metrics
 from dtarl.rl.rewards import RewardError, RewardErrorPolicy
+from dtarl.rl.state import HostRecord
 from dtarl.rl.tasks import CalculatorTask, Problem, safe_eval
-from dtarl.rl.trainer import Trainer, build_model
+from dtarl.rl.trainer import Trainer
 from dtarl.rollout.sampler import FinishReason, SampleResult
 from dtarl.tree import build_tree
 
@@ -134,6 +137,27 @@ def test_resume_reproduces_the_uninterrupted_run(runs):
     for x, y in zip(leaves(a.opt_state), leaves(b.opt_state), strict=True):
         np.testing.assert_array_equal(x, y)
     assert a.data_cursor == b.data_cursor
+
+
+def test_checkpoint_is_the_train_state_and_host_record(runs, tmp_path, capsys):
+    """A step holds the whole TrainState (named leaves) and the host record; a trainer
+    checkpoint of the earlier layout is refused in one line naming its path."""
+    a, _, _, _ = runs
+    host = a.ckpt.read_host(3)
+    assert (host["phase"], host["data_cursor"], host["seed"]) == ("rl", a.data_cursor, 0)
+    assert host["has_ref"] is False and host["config"]["steps"] == 2
+    target = a.restore_target(3, HostRecord.from_dict(host, where="a"))
+    state, _ = a.ckpt.restore_state(3, target)
+    assert state.global_step == 3
+    for x, y in zip(leaves(state), leaves(a.state), strict=True):
+        np.testing.assert_array_equal(x, y)
+    old = CheckpointManager(tmp_path / "checkpoints")
+    old.save(2, {"params": a.params}, {"data_cursor": 4, "config": {}})  # no train state
+    old.wait()
+    args = [*TINY, f"out_dir={tmp_path}", "algo.engine=dfs"]
+    assert dtarl_main(["train", *sum((["--set", x] for x in args), [])]) == 2
+    err = capsys.readouterr().err
+    assert "step_00000002: trainer checkpoint in an old layout" in err and err.count("\n") == 1
 
 
 class NaNEngine:
@@ -348,7 +372,7 @@ def test_hf_checkpoint_with_ppo_and_kl(tmp_path):
         "algo.algorithm=ppo",
         "algo.kl_coef=0.05",
     )
-    model, tok = build_model(cfg)
+    model, tok = cfg.model.build()
     assert isinstance(tok, ByteTokenizer) and model.cfg.vocab_size == 256
     res = Trainer(cfg).run()
     rec = res.history[-1]

@@ -35,6 +35,7 @@ from dtarl.parallel.sharded import allgather_objects
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import ConfigError, MeshSection, load_config
 from dtarl.rl.episodes import encode_prompt, process_rollout, process_share, rollout
+from dtarl.rl.state import HostRecord
 from dtarl.rl.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -252,7 +253,8 @@ def test_two_process_run_equals_one_process(tmp_path):
     ref = one.run()
     ckpt = CheckpointManager(str(tmp_path / "two" / "checkpoints"))
     assert ckpt.latest_step() == 2
-    tree, _ = ckpt.restore(2, one.state_tree())
+    host = HostRecord.from_dict(ckpt.read_host(2), where=ckpt.path(2))
+    state, _ = ckpt.restore_state(2, one.restore_target(2, host))
     logs = [tmp_path / "two" / "metrics.jsonl", tmp_path / "two" / "process_1" / "metrics.jsonl"]
     two = [[json.loads(line) for line in open(f)] for f in logs]
     # The greedy evaluations (before and after training) too, on both processes.
@@ -275,7 +277,7 @@ def test_two_process_run_equals_one_process(tmp_path):
         for key in ("grad_norm", "loss", "kl"):
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-9, err_msg=key)
             np.testing.assert_allclose(b1[key], a[key], rtol=1e-5, atol=1e-9, err_msg=key)
-    for s0, a, b in zip(start, _leaves(ref.params), _leaves(tree["params"]), strict=True):
+    for s0, a, b in zip(start, _leaves(ref.params), _leaves(state.params), strict=True):
         ulp = np.spacing(np.abs(a).max())
         assert np.abs(a - s0).max() > 0
         assert np.abs((b - s0) - (a - s0)).max() <= 1e-5 * np.abs(a - s0).max() + 2 * ulp
