@@ -157,10 +157,10 @@ def test_trainer_resumes_from_the_newest_intact_step(tmp_path, caplog):
     t = Trainer(load_config(None, [*TINY_TRAINER, f"out_dir={tmp_path}"]))
     t.opt_state = t.sft_opt.init(t.params)
     for step in (1, 2):
-        t.step = step
+        t.state = t.state.replace(step=np.asarray(step, np.int64))
         t.save_checkpoint()
     t.ckpt.wait()
     flip(data_files(step_dir(tmp_path / "checkpoints", 2))[0], 8, offset=16)
-    t.step = 0
+    t.state = t.state.replace(step=np.asarray(0, np.int64))
     assert t.try_resume() and t.step == 1
     assert "skipping checkpoint" in caplog.text and "step_00000002" in caplog.text
