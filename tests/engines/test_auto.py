@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference_math
 from test_equivalence import _engine, _model, reference, rel_errors
 from test_prefix_reuse import pr_engine
 
@@ -152,6 +153,9 @@ def _check_reference(model, params, batch, loss, got_loss, got_grads, aux):
     assert max(rel_errors(got_grads, want_grads)) <= 1e-5
     for a, b in zip(aux.logprobs, want_logp, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    reference_math.check(
+        model.cfg, params, batch, loss, got_loss, got_grads, aux.logprobs, name="auto"
+    )
 
 
 class FakeTimer:

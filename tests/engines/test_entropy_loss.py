@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference_math
 from flax import nnx
 from test_equivalence import rel_errors, with_logprob_data
 
@@ -167,6 +168,18 @@ def check(engine, batch: RolloutBatch, loss, temperature=1.0):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
     worst = max(rel_errors(got_grads, want_grads))
     assert worst <= RTOL, f"{engine.name}: worst per-tensor relative grad error {worst:.2e}"
+    cfg = _model()[0].cfg
+    reference_math.check(
+        cfg,
+        params,
+        batch,
+        loss,
+        got_loss,
+        got_grads,
+        aux.logprobs,
+        name=engine.name,
+        temperature=temperature,
+    )
 
 
 # ------------------------------------------------------------------ the loss
