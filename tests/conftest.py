@@ -1,5 +1,15 @@
-"""Suite-wide setup: 8 fake CPU devices (must be set before jax is imported) and a
-persistent XLA compilation cache shared by the pytest-xdist workers of one run.
+"""Suite-wide setup: 8 fake CPU devices (must be set before jax is imported), a
+persistent XLA compilation cache shared by the pytest-xdist workers of one run, the
+hypothesis profiles, and the ``gpu`` marker's skip.
+
+Hypothesis: the ``ci`` profile (chosen when ``$CI`` is set) is ``derandomize=True``:
+every run draws the same examples, so a CI failure reproduces anywhere. The ``dev``
+profile (otherwise) draws new examples each run and keeps the failing ones in
+``.hypothesis/`` (replayed first next time); both print the ``@reproduce_failure``
+blob of a failure. ``HYPOTHESIS_PROFILE`` picks one explicitly.
+
+``@pytest.mark.gpu`` tests need JAX's GPU backend; they are skipped on any other
+(the suite defaults ``JAX_PLATFORMS=cpu``: set ``JAX_PLATFORMS=cuda`` to run them).
 
 The cache directory is ``$DTARL_TEST_JAX_CACHE`` when set (kept after the run, so
 it also serves later runs), else a fresh temporary directory that the controller
@@ -23,6 +33,11 @@ import shutil
 import tempfile
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, print_blob=True, database=None)
+settings.register_profile("dev", print_blob=True)  # default database: .hypothesis/
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 # LLVM's optimisation level 0: the suite's programs are tiny and compile-bound (a DFS
 # program compiled in half the time, ran no slower, and gave bit-identical values).
@@ -51,6 +66,21 @@ def pytest_configure(config):
     # Tiny CPU programs compile in well under the default 1 s threshold.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import jax
+
+    if jax.default_backend() != "gpu":
+        skip = pytest.mark.skip(
+            reason=f"needs a CUDA GPU (JAX backend is {jax.default_backend()!r}; "
+            "set JAX_PLATFORMS=cuda on a GPU machine)"
+        )
+        for item in gpu:
+            item.add_marker(skip)
 
 
 def pytest_unconfigure(config):

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference_math
 from test_equivalence import _engine, _model, reference, rel_errors
 from test_prefix_reuse import pr_engine
 
@@ -152,6 +153,9 @@ def _check_reference(model, params, batch, loss, got_loss, got_grads, aux):
     assert max(rel_errors(got_grads, want_grads)) <= 1e-5
     for a, b in zip(aux.logprobs, want_logp, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    reference_math.check(
+        model.cfg, params, batch, loss, got_loss, got_grads, aux.logprobs, name="auto"
+    )
 
 
 class FakeTimer:
@@ -375,15 +379,33 @@ def test_autotune_margin():
         AutoEngine(model, tune_all_below=-1)
 
 
-def test_time_program_warms_up_then_takes_the_median():
+def test_time_program_warms_up_then_takes_the_median(monkeypatch):
+    """A fake clock: the warm-up call takes 100 s (compilation: not timed), the timed
+    calls 1, 9 and 2 s in two orders. The time is their median, 2 s: not the mean (4),
+    the minimum (1), the warm-up (100) nor the last call (9 in the second order)."""
+    now = [0.0]
     calls = []
+
+    def program(durations):
+        def run():
+            now[0] += durations[len(calls)]
+            calls.append(1)
+            return jnp.zeros(())
+
+        return run
+
+    monkeypatch.setattr(auto_lib.time, "perf_counter", lambda: now[0])
+    seconds = time_program("dense", program([100.0, 1.0, 9.0, 2.0]), repeats=3, min_seconds=0.0)
+    assert len(calls) == 4 and seconds == 2.0
+    calls.clear()
+    seconds = time_program("dense", program([100.0, 2.0, 1.0, 9.0]), repeats=3, min_seconds=0.0)
+    assert len(calls) == 4 and seconds == 2.0
+    monkeypatch.undo()
 
     def run():
         calls.append(1)
         return jnp.zeros(())
 
-    seconds = time_program("dense", run, repeats=3, min_seconds=0.0)
-    assert len(calls) == 4 and 0 <= seconds < float("inf")
     # A program far shorter than min_seconds is repeated, at most 50 timed calls.
     calls.clear()
     time_program("dense", run, repeats=3, min_seconds=60.0)

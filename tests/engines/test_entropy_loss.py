@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference_math
 from flax import nnx
 from test_equivalence import rel_errors, with_logprob_data
 
@@ -167,6 +168,18 @@ def check(engine, batch: RolloutBatch, loss, temperature=1.0):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
     worst = max(rel_errors(got_grads, want_grads))
     assert worst <= RTOL, f"{engine.name}: worst per-tensor relative grad error {worst:.2e}"
+    cfg = _model()[0].cfg
+    reference_math.check(
+        cfg,
+        params,
+        batch,
+        loss,
+        got_loss,
+        got_grads,
+        aux.logprobs,
+        name=engine.name,
+        temperature=temperature,
+    )
 
 
 # ------------------------------------------------------------------ the loss
@@ -274,15 +287,19 @@ def test_entropy_dfs(loss_name, batch_name):
     assert engine.buckets == reserved, f"batch outgrew the reserve: {engine.buckets}"
 
 
-@pytest.mark.parametrize("kind", ["dense"])
+@pytest.mark.parametrize("kind", ["dense", "dfs", "prefix_reuse"])
 def test_entropy_at_a_sampling_temperature(kind):
-    """At T = 0.7 the entropy bonus is that of softmax(logits / T), like the logprobs."""
+    """At T = 0.7 the entropy bonus is that of softmax(logits / T), like the logprobs,
+    in every engine (the tree batch has deep groups: prefix_reuse's inner DFS too)."""
     model, _ = _model()
     t = 0.7
     if kind == "dense":
         engine = DenseEngine(model, microbatch=4, temperature=t)
-    else:
+    elif kind == "dfs":
         engine = DFSEngine(model, chunk_len=8, temperature=t)
+    else:
+        engine = PrefixReuseEngine(model, microbatch=4, offload_on_cpu=True, temperature=t)
+    assert engine.temperature == t
     check(engine, tree_batch(), LOSSES["grpo"], temperature=t)
     _, at_t, _ = reference(tree_batch(), LOSSES["grpo"], t)
     _, at_one, _ = reference(tree_batch(), LOSSES["grpo"])

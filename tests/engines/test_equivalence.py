@@ -1,7 +1,10 @@
 """The contract: every engine equals jax.grad of the dense per-sequence loss.
 
-Reference = an independent jnp implementation (full forward per sequence, no
-padding tricks shared with the engines), differentiated with jax.grad.
+Two references, each differentiated with jax.grad one sequence at a time: the
+library's own dense forward (``Decoder.__call__``), loss objects and
+``RolloutBatch.sequence_weights`` (``reference``), and one written from the
+equations with plain jnp that shares none of them (``reference_math``). Every
+engine must match both.
 """
 
 import functools
@@ -10,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference_math
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -153,7 +157,7 @@ def check(
 
 
 def check_engine(engine, params, batch, loss, *, model, temperature=1.0):
-    """``engine`` (built at ``temperature``) against the jax.grad reference at it."""
+    """``engine`` (built at ``temperature``) against both jax.grad references at it."""
     want_loss, want_grads, want_logp = reference(model, params, batch, loss, temperature)
     got_loss, got_grads, aux = engine.value_and_grad(params, batch, loss)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=RTOL, atol=1e-7)
@@ -161,6 +165,17 @@ def check_engine(engine, params, batch, loss, *, model, temperature=1.0):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
     worst = max(rel_errors(got_grads, want_grads))
     assert worst <= RTOL, f"{engine.name}: worst per-tensor relative grad error {worst:.2e}"
+    reference_math.check(
+        model.cfg,
+        params,
+        batch,
+        loss,
+        got_loss,
+        got_grads,
+        aux.logprobs,
+        name=engine.name,
+        temperature=temperature,
+    )
     return aux
 
 
@@ -422,3 +437,24 @@ def test_bad_temperature_names_the_field(bad):
         DFSEngine(model, temperature=bad)
     with pytest.raises(ValueError, match=r"temperature="):
         make_engine("auto", model, temperature=bad)
+
+
+@pytest.mark.parametrize("kind", ["dfs", "prefix_reuse"])
+def test_logits_chunk_matches_dense_grad(kind):
+    """``ModelConfig.logits_chunk``: logprobs built 5 positions at a time under
+    jax.checkpoint, the last piece padded. The values and gradients are those of the
+    whole [T, V] logits (both references compute them at once). The tree engines call
+    it on chunks, fork entries and suffix rows; dense (its whole rows) is left out to
+    keep the suite's compile time down."""
+    cfg = ModelConfig.tiny(ModelFamily.QWEN3, logits_chunk=5)
+    model = init_model(cfg, seed=1)
+    _, params = nnx.split(model, nnx.Param)
+    batch = grpo_groups(num_groups=2, group_size=3, prompt_len=11, response_len=(1, 13), seed=3)
+    batch = with_logprob_data(batch)
+    loss = LOSSES["grpo_kl"]
+    engine = {
+        "dfs": lambda: DFSEngine(model, chunk_len=8),
+        "prefix_reuse": lambda: PrefixReuseEngine(model, microbatch=4, offload_on_cpu=True),
+    }[kind]()
+    assert engine.cfg.logits_chunk == 5
+    check_engine(engine, params, batch, loss, model=model)

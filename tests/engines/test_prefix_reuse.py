@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import reference_math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_equivalence import (
@@ -103,6 +104,9 @@ def check_pr(batch, loss, family=ModelFamily.QWEN3, split=None, **kw):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
     worst = max(rel_errors(got_grads, want_grads))
     assert worst <= RTOL, f"prefix_reuse: worst per-tensor relative grad error {worst:.2e}"
+    reference_math.check(
+        model.cfg, params, batch, loss, got_loss, got_grads, aux.logprobs, name="prefix_reuse"
+    )
     return got_grads, aux
 
 

@@ -128,6 +128,21 @@ def test_matches_reference_fp32(case):
             assert float(jnp.max(jnp.abs(g[..., :P, :, :]))) > 1e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_compiled_gpu_kernel_matches_reference_fp32(case):
+    """The Triton kernel compiled for the GPU (``interpret=None`` is False there), not
+    the interpreter the CPU runs: fp32 bound. The reference's products at "highest"
+    (the kernel's fp32 dots are full fp32), not the GPU's default TF32."""
+    assert jax.default_backend() == "gpu"
+    with jax.default_matmul_precision("highest"):
+        (out, lse, grads), (out_r, lse_r, grads_r) = _run_case(case, jnp.float32)
+    assert _rel_err(out, out_r) <= FP32_TOL
+    assert _rel_err(lse, lse_r) <= FP32_TOL
+    for name, g, g_r in zip("qkv", grads, grads_r, strict=True):
+        assert _rel_err(g, g_r) <= FP32_TOL, f"d{name}"
+
+
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[IDS[1], IDS[3]])
 def test_matches_reference_bf16(case):
     (out, lse, grads), (out_r, lse_r, grads_r) = _run_case(case, jnp.bfloat16, use_dlse=False)

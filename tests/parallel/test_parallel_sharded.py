@@ -12,6 +12,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+import reference_math
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -64,8 +65,11 @@ def _engine(kind: str):
 
 @functools.cache
 def _reference(kind: str):
-    _, params, batch = _problem()
+    """The engine on one device, itself checked against the equations (the engines'
+    contract, tests/reference_math.py) on this model and batch."""
+    model, params, batch = _problem()
     total, grads, aux = _engine(kind).value_and_grad(params, batch, LOSS)
+    reference_math.check(model.cfg, params, batch, LOSS, total, grads, aux.logprobs, name=kind)
     return float(total), jax.tree.map(np.asarray, grads), aux.logprobs
 
 

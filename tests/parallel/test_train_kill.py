@@ -1,6 +1,9 @@
 """``dtarl launch --nproc 2 -- train ...``: rank 1 killed (SIGKILL) mid-run after it has
 trained a step. The launcher names rank 1's death and exits non-zero, and rank 0 names
-the cause (``PeerLostError``) in its log, well within the heartbeat timeout.
+the cause (``PeerLostError``) in its log: its broken collective noticed the loss, not
+JAX's heartbeat (which would abort it with JAX's own message, and is set longer than
+the test waits). No wall-time assertion: the machine is shared; the structure (exit
+codes, messages) says what happened, and the timeouts only bound a hang.
 
 (``test_parallel_launch.test_mid_run_death_raises_peer_lost`` checks the same at the
 engine level, without the launcher, for either process dying.)
@@ -12,6 +15,10 @@ import signal
 import subprocess
 import sys
 import time
+
+import pytest
+
+pytestmark = pytest.mark.slow  # two training processes under the launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,7 +37,8 @@ SETS = [
     "resume=false",
     "checkpoint_every=0",
 ]
-HEARTBEAT = 10  # seconds
+HEARTBEAT = 200  # seconds: longer than the test waits after the kill (WAIT)
+WAIT = 120  # seconds the test waits for the launcher after the kill
 
 
 def _children(pid: int) -> dict[int, int]:
@@ -65,7 +73,7 @@ def test_killed_rank_is_named_and_the_survivor_names_the_lost_peer(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "dtarl.parallel.launch", "--nproc", "2"]
     cmd += ["--devices-per-proc", "1", "--init-timeout", "60"]
-    cmd += ["--heartbeat-timeout", str(HEARTBEAT), "--timeout", "150", "--", "train"]
+    cmd += ["--heartbeat-timeout", str(HEARTBEAT), "--timeout", "400", "--", "train"]
     cmd += [a for s in [*SETS, f"out_dir={tmp_path}"] for a in ("--set", s)]
     launcher = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path
@@ -82,9 +90,7 @@ def test_killed_rank_is_named_and_the_survivor_names_the_lost_peer(tmp_path):
         ranks = _children(launcher.pid)
         assert sorted(ranks) == [0, 1], ranks
         os.kill(ranks[1], signal.SIGKILL)
-        killed = time.monotonic()
-        out, err = launcher.communicate(timeout=60)
-        elapsed = time.monotonic() - killed
+        out, err = launcher.communicate(timeout=WAIT)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -94,5 +100,5 @@ def test_killed_rank_is_named_and_the_survivor_names_the_lost_peer(tmp_path):
     # Rank 0's broken collective names the lost peer before the launcher stops it.
     assert "[rank 0] " in err and "PeerLostError: process 0 of 2" in err, err[-3000:]
     assert "ranks [0] failed too" in err, err[-3000:]
-    assert elapsed < HEARTBEAT, elapsed
+    assert "detected fatal" not in err, err[-3000:]  # not JAX's heartbeat abort
     assert _steps_logged(tmp_path / "metrics.jsonl") >= 1  # rank 0 was training too

@@ -311,6 +311,21 @@ def test_shape_multi_process_cost_is_the_slowest_process():
         darts.step_cost(s.cost, [[1]], [calls0, calls1])
 
 
+class _RecordingEngine:
+    """The trainer's engine, recording every batch it trains on."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.batches = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def value_and_grad(self, params, batch, loss, **kw):
+        self.batches.append(batch)
+        return self.inner.value_and_grad(params, batch, loss, **kw)
+
+
 def test_trainer_runs_darts_and_resumes(tmp_path):
     """A short GRPO run with DARTS: groups of M, metrics, state saved and restored."""
     raw = dict(
@@ -331,14 +346,22 @@ def test_trainer_runs_darts_and_resumes(tmp_path):
     assert cfg.algo.darts.lambda_ == 0.6 and cfg.algo.darts.lambda_units.value == "relative"
     tr = Trainer(cfg)
     assert tr.sampler.engine.config.group_size == 8  # room for M_up = 2 M candidates
+    tr.engine = trained = _RecordingEngine(tr.engine)
     tr.run()
     rl = [h for h in tr.history if h.get("phase") == "rl"]
-    assert len(rl) == 4
-    for h in rl:
+    assert len(rl) == 4 and len(trained.batches) == 4  # one update per step
+    for h, batch in zip(rl, trained.batches, strict=True):
         assert 12 <= h["darts_m_total"] <= 24
         assert sum(h["darts_alloc_hist"]) == 3
-        assert h["darts_kept_len_mean"] <= h["darts_generated_len_mean"] + 6
-        assert h["num_sequences"] == 12 if "num_sequences" in h else True
+        # Whatever was generated (up to 2 M per prompt), the engine trains M = 4
+        # sequences per prompt: 3 groups of 4.
+        assert batch.num_sequences == 12
+        assert np.bincount(batch.group_ids).tolist() == [4, 4, 4]
+        # ... and the logged kept length is the trained responses' mean length.
+        kept = np.mean([m.sum() for m in batch.loss_mask])
+        assert h["darts_kept_len_mean"] == pytest.approx(kept, rel=1e-6)
+    # Some step had more candidates than it kept, so the selection was not the identity.
+    assert max(h["darts_m_total"] for h in rl) > 12
     # Decode calls that compiled are not cost observations; once two calls that
     # did not are recorded, the held-out prediction error is finite.
     fitted = [h for h in rl if h["darts_cost_error"] == h["darts_cost_error"]]

@@ -50,23 +50,33 @@ def leaves(params):
     return [np.asarray(x) for x in jax.tree.leaves(params)]
 
 
+def varied_reward(problem, completion) -> float:
+    """A reward that differs between completions (the task's is 0 for every completion
+    of this untrained model): nonzero advantages, so every RL step moves the parameters
+    and depends on what was sampled."""
+    return sum((i + 1) * ord(c) for i, c in enumerate(completion)) % 11 / 10
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """An uninterrupted 3-step run (A) and one resumed from A's step-2 checkpoint (B).
 
     A fixed engine: auto's pick is timed, so two runs may pick engines that agree
-    to fp32 tolerance but not bit for bit."""
+    to fp32 tolerance but not bit for bit. ``a.params_after[s]``: A's parameters
+    after global step s."""
     a_dir = tmp_path_factory.mktemp("a")
     b_dir = tmp_path_factory.mktemp("b")
-    a = Trainer(tiny_config(a_dir, "algo.engine=dfs"))
+    a = Trainer(tiny_config(a_dir, "algo.engine=dfs"), reward_fn=varied_reward)
     a.seen = {"every 2": [], "rl every 2": []}
+    a.params_after = {}
     a.add_hook(lambda i: a.seen["every 2"].append((i.step, i.phase, i.phase_step)), every=2)
     a.add_hook(lambda i: a.seen["rl every 2"].append(i), every=2, phase=Phase.RL)
+    a.add_hook(lambda i: a.params_after.__setitem__(i.step, leaves(a.params)), every=1)
     res_a = a.run()
     # "Kill after step 2": B starts from nothing but the checkpoint written after step 2.
     step2 = "checkpoints/step_00000002"
     shutil.copytree(a_dir / step2, b_dir / step2)
-    b = Trainer(tiny_config(b_dir, "algo.engine=dfs"))
+    b = Trainer(tiny_config(b_dir, "algo.engine=dfs"), reward_fn=varied_reward)
     res_b = b.run()
     return a, res_a, b, res_b
 
@@ -132,6 +142,15 @@ def test_engine_section_reaches_the_engine(tmp_path):
 def test_resume_reproduces_the_uninterrupted_run(runs):
     a, res_a, b, res_b = runs
     assert res_b.steps_done == 3
+    # The resumed step has something to reproduce: both RL steps had a gradient, and
+    # step 3 (the one B re-runs) moved the parameters, by an update that depends on the
+    # step's rollouts (its key, the data cursor) and on the restored optimizer state.
+    rl = [r for r in read_metrics(a.cfg.out_dir) if r["phase"] == "rl"]
+    assert len(rl) == 2 and all(r["grad_norm"] > 0 and r["reward_std"] > 0 for r in rl)
+    moved = max(
+        np.abs(x - y).max() for x, y in zip(a.params_after[2], a.params_after[3], strict=True)
+    )
+    assert moved > 1e-5
     for x, y in zip(leaves(res_a.params), leaves(res_b.params), strict=True):
         np.testing.assert_array_equal(x, y)
     for x, y in zip(leaves(a.opt_state), leaves(b.opt_state), strict=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -33,16 +34,48 @@ PPO = [
 ]
 
 
+def _reward(problem, completion) -> float:
+    """Rewards that differ between samples (the task's are all 0 for this untrained
+    model): nonzero advantages, so the step has a policy gradient."""
+    return float(sum(map(ord, completion)) % 3)
+
+
+def _perturbed(tree, seed: int, scale: float):
+    """Every leaf times (1 + scale * N(0, 1)), elementwise."""
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    noisy = [
+        x * (1 + scale * jax.random.normal(k, x.shape, x.dtype))
+        for x, k in zip(leaves, keys, strict=True)
+    ]
+    return treedef.unflatten(noisy)
+
+
+class _RefApart(Trainer):
+    """The reference policy starts a perturbation away from the policy (not as its
+    copy), so the KL term and the reference logprobs it reads are far from 0: a wrong
+    streamed reference logprob moves ``kl`` and ``loss``."""
+
+    def _start_rl(self):
+        super()._start_rl()
+        self.ref_params = _perturbed(self.ref_params, seed=1, scale=0.3)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One PPO + KL step run without and with rollout.streaming (ref and critic; the
-    scorers on device 1, beside the rollout's decode on device 0)."""
+    scorers on device 1, beside the rollout's decode on device 0). Varied rewards, a
+    reference apart from the policy and a nonzero critic head (it starts at 0, which
+    would make every value 0 in both runs), so every compared metric is far from 0."""
     out = {}
     for on in (False, True):
         d = tmp_path_factory.mktemp(f"stream_{on}")
         stream = f"rollout.streaming={{enabled: {on}, chunk: 4, device: 1}}"
         cfg = load_config(None, [*PPO, f"out_dir={d}", stream])
-        tr = Trainer(cfg)
+        tr = _RefApart(cfg, reward_fn=_reward)
+        e = tr.model.cfg.hidden_size
+        head = {"w": jax.random.normal(jax.random.PRNGKey(2), (e,)) / 4, "b": jnp.float32(0.5)}
+        tr.value.params = {**tr.value.params, "head": head}
         out[on] = (tr, tr.run().history[-1])
     return out
 
@@ -56,9 +89,16 @@ def test_ppo_step_streamed_equals_not_streamed(runs):
     assert all(sc.device == jax.devices()[1] for sc in streamed.streamers.values())
     assert not plain.streamers and "stream_tokens" not in a
     assert b["stream_tokens"] > 0 and b["stream_lag_tokens"] >= 0
-    for name in ("reward_mean", "num_tokens", "value_mean", "value_loss", "kl", "loss"):
+    names = ("reward_mean", "num_tokens", "value_mean", "value_loss", "kl", "loss", "grad_norm")
+    for name in names:
         assert name in a, name
         np.testing.assert_allclose(b[name], a[name], atol=1e-5, rtol=1e-5, err_msg=name)
+    # Values the comparison can tell apart: none is ~0, so a 1e-3 error in the streamed
+    # reference logprobs (the KL, and through the KL penalty the advantages and the
+    # gradient) or values (GAE) moves them past the 1e-5 tolerance. Not ``loss``: with
+    # whitened advantages and on-policy ratios it is -mean(A) = 0 up to rounding.
+    for name in ("reward_mean", "value_mean", "value_loss", "kl", "grad_norm"):
+        assert abs(a[name]) > 1e-3, (name, a[name])
     assert a["post_rollout_forward_seconds"] > 0 and b["post_rollout_forward_seconds"] >= 0
 
 
@@ -91,6 +131,7 @@ def test_streamed_batch_arrays_equal_not_streamed(runs):
     dense_v = tr.value.values([t.tokens for t in trajs])
     for t, v in zip(trajs, dense_v, strict=True):
         np.testing.assert_allclose(t.values[t.prompt_len :], v[t.prompt_len :], atol=1e-5)
+        assert np.abs(v[t.prompt_len :]).min() > 1e-2  # the fixture's critic head is not 0
     got, _ = rl_batch(tr.cfg, problems, stream=streams, **common)
     want, _ = rl_batch(
         tr.cfg, problems, reference=functools.partial(tr.scorer, tr.ref_params), **common

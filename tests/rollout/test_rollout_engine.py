@@ -214,9 +214,12 @@ def test_continuous_batching_refills_slots(model, weights):
     eng.run(weights)
     assert [len(r.tokens) for r in g.requests + h.requests] == lengths
     st = eng.stats()
-    # Static batches of 4 would run 40 + 3 steps; the engine admits the second group
-    # as soon as slots free up and runs alongside the long request.
-    assert st.decode_steps <= 40 + 8
+    # Static batches of 4 (or the groups one after the other) would run 40 + 3 steps;
+    # the engine admits the second group as soon as slots free up (at the next call of
+    # steps_per_call steps) and runs it alongside the long request, so the whole run
+    # takes exactly the long request's 40 steps, every step-slot a generated token.
+    assert st.decode_steps == max(lengths)
+    assert st.active_per_step.sum() == sum(lengths) == st.generated_tokens
     assert st.active_per_step.max() <= SMALL.slots
 
 
@@ -370,12 +373,17 @@ def test_bad_input_names_the_field(engine, kwargs, match):
 
 
 def test_unknown_handle_and_bad_extend(model, weights, engine):
+    """A handle from another engine is refused whatever its ids (the other engine's
+    first group has id 0, like a group of the shared engine), and stays untouched."""
     other = RolloutEngine(model, SMALL)
     g = other.submit([1, 2, 3], n=1)
     with pytest.raises(EngineError, match="unknown request"):
         engine.cancel(g.requests[0])  # submitted to another engine
+    with pytest.raises(EngineError, match="unknown group handle"):
+        engine.cancel(g)
     with pytest.raises(EngineError, match="unknown request"):
         engine.cancel(object())
+    assert g.requests[0].status is Status.WAITING and other.pending()
     h = engine.submit([1, 2, 3], n=1, max_new_tokens=2)
     engine.run(weights)
     with pytest.raises(EngineError, match="hold=True"):
