@@ -162,6 +162,13 @@ class BucketState:
         for k, v in buckets.sizes:
             self._min[k] = max(self._min[k], v)
 
+    def loss_fn(self, loss, *, has_aux: bool = False):
+        """``f(params, prepared)``: this engine's loss as a ``jax.custom_vjp`` function
+        of the parameters (``dtarl.engines.function.TreeLoss``)."""
+        from dtarl.engines.function import TreeLoss  # function.py imports this module
+
+        return TreeLoss(self, loss, has_aux=has_aux)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Prepared:
@@ -177,6 +184,17 @@ class Prepared:
     args: tuple
     host: Any
     stats: dict[str, Any]
+
+
+# Prepared is a pytree (for ``engine.loss_fn``: ``dtarl.engines.function``): its leaves
+# are ``args``, its structure holds ``static``; ``host`` and ``stats`` stay on the
+# Python object (an unflattened copy has host=None), so they are never traced and
+# two batches of one bucket have one structure.
+jax.tree_util.register_pytree_node(
+    Prepared,
+    lambda p: ((p.args,), p.static),
+    lambda static, children: Prepared(static=static, args=children[0], host=None, stats={}),
+)
 
 
 class Engine(Protocol):
