@@ -99,7 +99,9 @@ def _engine(kind: str):
     if kind == "auto":  # shares the other engines' compiled programs
         engines = {k: _engine(k) for k in ("dense", "dfs", "prefix_reuse")}
         return AutoEngine(model, engines=engines, autotune=False)
-    return ShardedEngine(engine=DFSEngine(model, chunk_len=8), mesh=make_mesh(dp=2, tp=1))
+    # dp=2 over 2 of the 8 fake CPU devices (tests/conftest.py), a dense engine per rank
+    mesh = make_mesh(dp=2, tp=1, devices=jax.devices()[:2])
+    return ShardedEngine(engine=DenseEngine(model, microbatch=4), mesh=mesh)
 
 
 def l2(params) -> jax.Array:
