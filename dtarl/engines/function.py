@@ -127,7 +127,8 @@ class TreeLoss:
         not travel through JAX transformations."""
         if not isinstance(aux, LossAux):
             raise TypeError(f"logprobs: aux must be the LossAux f returned, got {type(aux)}")
-        if getattr(prepared, "host", None) is None and not hasattr(prepared, "ranks"):
+        kept = getattr(prepared, "host", None) is not None or getattr(prepared, "ranks", ())
+        if not kept:
             raise ValueError(
                 "logprobs: prepared has no host metadata; pass the object engine.prepare "
                 "returned (host metadata does not travel through jax transformations)"
