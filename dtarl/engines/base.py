@@ -231,6 +231,10 @@ class Engine(Protocol):
         self, params: nnx.State, batch: RolloutBatch, loss, *, weights: np.ndarray | None = None
     ) -> tuple[jax.Array, nnx.State, EngineAux]: ...
 
+    def loss_fn(self, loss, *, has_aux: bool = False):
+        """``f(params, prepared)``, differentiable (``dtarl.engines.function.TreeLoss``)."""
+        ...
+
 
 class JitCache:
     """``jax.jit`` of an engine's device function per (loss, static), with a trace count.

@@ -151,6 +151,8 @@ class TreeLoss:
     def _run(self, static, params, args):
         traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, args)))
         total, grads, out = self._program(static, params, args, traced)
+        if not self.has_aux:  # nobody reads it
+            return total, grads, out, jnp.zeros((), jnp.float32)
         gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         return total, grads, out, gnorm
 

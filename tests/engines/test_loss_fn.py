@@ -237,3 +237,30 @@ def test_custom_step_example_runs():
     out = runpy.run_path(path, run_name="example")
     losses = out["run"](steps=3)
     assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_gspo_and_cispo_hand_computed():
+    """GSPO's and CISPO's value and d/dlogp against their formulas (no model)."""
+    logp = jnp.array([0.0, -1.0, -2.0, -0.5, -3.0])
+    old = jnp.array([0.0, -1.2, -1.9, -0.7, -9.0])
+    mask = jnp.array([0.0, 1.0, 1.0, 1.0, 0.0])  # the last token's huge ratio is masked
+    tok = TokenData(mask, old, jnp.full(5, jnp.nan), jnp.full(5, jnp.nan))
+    seq = SequenceData(advantage=jnp.float32(1.5), weight=jnp.float32(0.25))
+    s = np.exp(np.sum(np.asarray(mask * (logp - old))) / 3)  # exp(0.1): 1.105
+    for eps_high, clipped in ((0.2, False), (0.05, True)):
+        loss = GSPOLoss(eps_low=0.2, eps_high=eps_high)
+        value, grad = jax.value_and_grad(loss)(logp, tok, seq)
+        ratio = min(s, 1 + eps_high)
+        np.testing.assert_allclose(float(value), -0.25 * 3 * ratio * 1.5, rtol=1e-6)
+        want = np.zeros(5) if clipped else -0.25 * 1.5 * s * np.asarray(mask)
+        np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-6, atol=1e-7)
+    loss = CISPOLoss(eps_low=0.1, eps_high=0.1)
+    r = np.clip(np.exp(np.asarray(logp - old)), 0.9, 1.1)  # 1.1, 0.9, 1.1 on the mask
+    value, grad = jax.value_and_grad(loss)(logp, tok, seq)
+    want = -0.25 * np.sum(np.asarray(mask) * r * 1.5 * np.asarray(logp))
+    np.testing.assert_allclose(float(value), want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), -0.25 * np.asarray(mask) * r * 1.5, rtol=1e-6)
+    with pytest.raises(ValueError, match="eps_low=1.5 must be in"):
+        CISPOLoss(eps_low=1.5)
+    with pytest.raises(ValueError, match="norm_constant must be > 0"):
+        GSPOLoss(norm=LossNorm.CONSTANT)
