@@ -169,7 +169,7 @@ class TreeLoss:
         params = jax.tree.map(lambda x: x.value, params, is_leaf=_is_primal)
         args = jax.tree.map(lambda x: x.value, args, is_leaf=_is_primal)
         total, grads, out, gnorm = self._run(static, params, args)
-        grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grads, params)
+        grads = jax.tree.map(_cast_like, grads, params)
         return (total, out, gnorm), grads
 
     def _bwd(self, static, grads, cts):
@@ -181,7 +181,18 @@ class TreeLoss:
             )
         if isinstance(ct_loss, SymbolicZero):
             return None, None
-        return jax.tree.map(lambda g: (ct_loss * g).astype(g.dtype), grads), None
+        return _scale(ct_loss, grads), None
+
+
+@jax.jit
+def _scale(ct, grads):
+    """(1): ct * dL/dtheta in each gradient's dtype (one dispatch when run eagerly)."""
+    return jax.tree.map(lambda g: (ct * g).astype(g.dtype), grads)
+
+
+def _cast_like(g, p):
+    dtype = jnp.result_type(p)
+    return g if g.dtype == dtype else g.astype(dtype)
 
 
 def _is_primal(x) -> bool:
