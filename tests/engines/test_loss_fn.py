@@ -96,9 +96,11 @@ def _engine(kind: str):
         return DFSEngine(model, chunk_len=8)
     if kind == "prefix_reuse":
         return PrefixReuseEngine(model, microbatch=4)
-    if kind == "auto":  # shares the other engines' compiled programs
+    if kind == "auto":  # shares the other engines' compiled programs; picks a tree engine
         engines = {k: _engine(k) for k in ("dense", "dfs", "prefix_reuse")}
-        return AutoEngine(model, engines=engines, autotune=False)
+        return AutoEngine(
+            model, engines=engines, candidates=("dfs", "prefix_reuse"), autotune=False
+        )
     # dp=2 over 2 of the 8 fake CPU devices (tests/conftest.py), a dense engine per rank
     mesh = make_mesh(dp=2, tp=1, devices=jax.devices()[:2])
     return ShardedEngine(engine=DenseEngine(model, microbatch=4), mesh=mesh)
@@ -149,6 +151,8 @@ def test_regularised_grad_matches_dense(kind, loss_name):
     assert isinstance(aux, LossAux)
     worst = _check(value, grads, f.logprobs(prepared, aux), _expected(params, batch, loss))
     print(f"loss_fn {kind} {loss_name}: worst relative grad error {worst:.2e}")  # -s shows it
+    if kind == "auto":
+        assert prepared.stats["chosen_engine"] in ("dfs", "prefix_reuse")
     traces = engine.trace_count
     engine.value_and_grad(params, batch, loss)
     assert engine.trace_count == traces  # the same compiled program
