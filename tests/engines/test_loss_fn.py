@@ -22,6 +22,7 @@ import optax
 import pytest
 from flax import nnx
 
+from dtarl import aot
 from dtarl.batch import LossNorm, RolloutBatch
 from dtarl.engines import AutoEngine, DenseEngine, DFSEngine, PrefixReuseEngine
 from dtarl.engines.function import LossAux, TreeLoss
@@ -267,3 +268,29 @@ def test_gspo_and_cispo_hand_computed():
         CISPOLoss(eps_low=1.5)
     with pytest.raises(ValueError, match="norm_constant must be > 0"):
         GSPOLoss(norm=LossNorm.CONSTANT)
+
+
+@pytest.fixture
+def store(tmp_path):
+    """The program store enabled for the test only (the process-wide one is restored)."""
+    before = aot.program_store()
+    yield aot.enable_program_store(tmp_path / "programs")
+    if before is None:
+        aot.disable_program_store()
+    else:
+        aot.enable_program_store(before.path)
+
+
+def test_program_store_eager_and_jit(store):
+    """With the program store on (the trainer's compile cache), the eager path runs the
+    stored program and a jitted step traces the engine's device function instead."""
+    model, params = _model()
+    engine, loss = DenseEngine(model, microbatch=4), LOSSES["user"]
+    f = engine.loss_fn(loss)
+    prepared = f.prepare(_batch(3))
+    want = jax.value_and_grad(lambda p: A * f(p, prepared) + l2(p))
+    got = jax.jit(jax.value_and_grad(lambda p, prep: A * f(p, prep) + l2(p)))(params, prepared)
+    eager = want(params)
+    assert any(name.startswith("dense_engine") for name in os.listdir(store.path))
+    np.testing.assert_allclose(float(got[0]), float(eager[0]), rtol=RTOL)
+    assert max(rel_errors(got[1], eager[1])) <= RTOL
