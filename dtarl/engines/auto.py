@@ -615,6 +615,10 @@ class AutoEngine:
         kind, inner = prepared.host
         return self.engines[kind].features(inner)
 
+    def loss_fn(self, loss, *, has_aux: bool = False):
+        """The picked engine's loss as a ``jax.custom_vjp`` function (``TreeLoss``)."""
+        return base.BucketState.loss_fn(self, loss, has_aux=has_aux)
+
     def value_and_grad(self, params, batch: RolloutBatch, loss, *, weights=None):
         """Prepares every candidate, autotunes the new buckets in margin, runs the pick.
 

@@ -173,6 +173,13 @@ class BucketState:
         self.cfg = model.cfg
         self.jit = JitCache(self)
 
+    def loss_fn(self, loss, *, has_aux: bool = False):
+        """``f(params, prepared)``: this engine's loss as a ``jax.custom_vjp`` function
+        of the parameters (``dtarl.engines.function.TreeLoss``)."""
+        from dtarl.engines.function import TreeLoss  # function.py imports this module
+
+        return TreeLoss(self, loss, has_aux=has_aux)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Prepared:
@@ -188,6 +195,17 @@ class Prepared:
     args: tuple
     host: Any
     stats: dict[str, Any]
+
+
+# Prepared is a pytree (for ``engine.loss_fn``: ``dtarl.engines.function``): its leaves
+# are ``args``, its structure holds ``static``; ``host`` and ``stats`` stay on the
+# Python object (an unflattened copy has host=None), so they are never traced and
+# two batches of one bucket have one structure.
+jax.tree_util.register_pytree_node(
+    Prepared,
+    lambda p: ((p.args,), p.static),
+    lambda static, children: Prepared(static=static, args=children[0], host=None, stats={}),
+)
 
 
 class Engine(Protocol):
@@ -223,6 +241,10 @@ class Engine(Protocol):
     def value_and_grad(
         self, params: nnx.State, batch: RolloutBatch, loss, *, weights: np.ndarray | None = None
     ) -> tuple[jax.Array, nnx.State, EngineAux]: ...
+
+    def loss_fn(self, loss, *, has_aux: bool = False):
+        """``f(params, prepared)``, differentiable (``dtarl.engines.function.TreeLoss``)."""
+        ...
 
 
 class JitCache:

@@ -159,6 +159,23 @@ class ShardedPrepared:
     cost_model: str = ""
 
 
+# A pytree like ``Prepared`` (``dtarl.engines.base``): leaves ``args``, structure
+# ``static``; the host fields stay on the object (an unflattened copy has none).
+jax.tree_util.register_pytree_node(
+    ShardedPrepared,
+    lambda p: ((p.args,), p.static),
+    lambda static, children: ShardedPrepared(
+        static=static,
+        args=children[0],
+        ranks=(),
+        partition=None,
+        dummy=(),
+        num_sequences=0,
+        host_seconds=0.0,
+    ),
+)
+
+
 def _shapes(tree) -> list:
     return [(np.shape(x), np.asarray(x).dtype) for x in jax.tree.leaves(tree)]
 
@@ -540,6 +557,12 @@ class ShardedEngine:
         if local != tuple(range(self.dp)):
             logps = _gather_logprobs(logps)
         return tuple(logps)
+
+    def loss_fn(self, loss, *, has_aux: bool = False):
+        """``f(params, prepared)``, a ``jax.custom_vjp`` function (``dtarl.parallel.function``)."""
+        from dtarl.parallel.function import sharded_loss_fn  # it imports this module
+
+        return sharded_loss_fn(self, loss, has_aux=has_aux)
 
     def value_and_grad(self, params, batch: RolloutBatch, loss, *, weights=None):
         """Like ``engine.value_and_grad`` but split over the mesh.
