@@ -176,9 +176,9 @@ class BucketState:
     def loss_fn(self, loss, *, has_aux: bool = False):
         """``f(params, prepared)``: this engine's loss as a ``jax.custom_vjp`` function
         of the parameters (``dtarl.engines.function.TreeLoss``)."""
-        from dtarl.engines.function import TreeLoss  # function.py imports this module
+        from dtarl.engines.function import TreeLoss  # engines -> base -> function, no cycle
 
-        return TreeLoss(self, loss, has_aux=has_aux)
+        return TreeLoss(self, loss, has_aux=has_aux, prepared_type=Prepared)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)

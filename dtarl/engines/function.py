@@ -42,7 +42,6 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from dtarl import aot
-from dtarl.engines import base
 from dtarl.losses import check_sequence_loss
 
 __all__ = ["LossAux", "TreeLoss", "loss_fn"]
@@ -95,8 +94,8 @@ class TreeLoss:
         loss,
         *,
         has_aux: bool = False,
+        prepared_type: type,
         program: Program | None = None,
-        prepared_type: type = base.Prepared,
     ):
         check_sequence_loss(loss)
         if not isinstance(has_aux, bool):
@@ -202,4 +201,4 @@ def _is_primal(x) -> bool:
 def loss_fn(engine, loss, *, has_aux: bool = False) -> TreeLoss:
     """``engine.loss_fn(loss, has_aux=...)`` for any engine with ``prepare`` /
     ``jit`` / ``finish`` (dense, dfs, prefix_reuse, auto)."""
-    return TreeLoss(engine, loss, has_aux=has_aux)
+    return engine.loss_fn(loss, has_aux=has_aux)

@@ -16,7 +16,7 @@ ranks' arrays, which a traced argument cannot gather (use ``value_and_grad``).
 from __future__ import annotations
 
 from dtarl.engines.function import TreeLoss
-from dtarl.parallel.sharded import ShardedEngine, ShardedPrepared, ShardingError
+from dtarl.parallel.prepared import ShardedPrepared, ShardingError
 
 __all__ = ["ShardedTreeLoss", "sharded_loss_fn"]
 
@@ -25,7 +25,7 @@ class ShardedTreeLoss(TreeLoss):
     """``TreeLoss`` of a ``ShardedEngine`` (module docstring); ``prepared`` is the
     ``ShardedPrepared`` that ``engine.prepare`` returns, in a one-process run."""
 
-    def __init__(self, engine: ShardedEngine, loss, *, has_aux: bool = False):
+    def __init__(self, engine, loss, *, has_aux: bool = False):
         def program(static, params, args, traced: bool):
             view = ShardedPrepared(
                 static=static,
@@ -58,6 +58,6 @@ class ShardedTreeLoss(TreeLoss):
         return super().__call__(params, prepared)
 
 
-def sharded_loss_fn(engine: ShardedEngine, loss, *, has_aux: bool = False) -> ShardedTreeLoss:
+def sharded_loss_fn(engine, loss, *, has_aux: bool = False) -> ShardedTreeLoss:
     """``engine.loss_fn(loss, has_aux=...)`` for a ``ShardedEngine`` (module docstring)."""
     return ShardedTreeLoss(engine, loss, has_aux=has_aux)
