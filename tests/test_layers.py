@@ -174,3 +174,15 @@ def test_data_packages_import_no_jax(package):
         "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+MAX_MODULE_LINES = 700  # issue #33: a module past this splits along a responsibility
+
+
+def test_no_library_module_is_over_700_lines():
+    long = {
+        name: n
+        for name, path in _modules().items()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"

@@ -24,11 +24,10 @@ auto's step includes its host work: the chosen engine's prepare, and every
 candidate's on a batch whose choice is not reused (about 1 ms per step on the
 tiny workloads).
 
-``mesh=(dp, tp)`` (``--mesh dp=4,tp=2``): every engine runs through
-``ShardedEngine`` on a ('dp', 'tp') mesh of the first dp x tp devices (params
-split over tp by the rule table), each batch cut over dp by the balanced
-partition priced by the engine's own work counts (``partition_cost``; the model's
-``FlopCost`` only as the fallback for an engine without one), as ``dtarl train``
+``mesh=(dp, tp)`` (``--mesh dp=4,tp=2``): every engine runs through ``ShardedEngine``
+on a ('dp', 'tp') mesh of the first dp x tp devices (params split over tp by the rule
+table), each batch cut over dp by the balanced partition priced by the engine's own
+work counts (``partition_cost``; ``FlopCost`` only as the fallback), as ``dtarl train``
 does on a mesh. Workloads with fewer sequences than dp ranks are skipped (said so). Per
 engine the bench adds the partition's makespan balance twice: ``cost_balance``,
 max / mean rank load under the cost model, and ``measured_balance``, max / mean
