@@ -1,5 +1,5 @@
 """``dtarl bench pat``: static tensor parallelism against PAT's adaptive TP during one
-generation (papers/003; ``dtarl.rollout.pat``).
+generation (PAT, arXiv 2605.23945; ``dtarl.rollout.pat``).
 
 The D devices (8 simulated CPU devices by default: the command sets
 ``--xla_force_host_platform_device_count=8`` when XLA_FLAGS does not choose) run the

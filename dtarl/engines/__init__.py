@@ -1,5 +1,5 @@
 """Training engines behind one interface: dense (baseline), dfs (AREAL-DTA),
-prefix_reuse (schedule-level, papers/001) and auto (cost-model choice per batch).
+prefix_reuse (schedule-level, the shared-prefix reuse paper) and auto (cost-model choice per batch).
 
     engine = make_engine(EngineKind.DFS, model, EngineConfig(dfs=DFSConfig(chunk_len=64)))
     engine.reserve(Capacity(sequences=64, length=512))   # optional: no recompiles below

@@ -27,7 +27,7 @@ class EngineKind(enum.Enum):
     DENSE = "dense"  # padded per-sequence baseline
     DENSE_REMAT = "dense_remat"  # dense with per-layer rematerialisation
     DFS = "dfs"  # AREAL-DTA depth-first tree training
-    PREFIX_REUSE = "prefix_reuse"  # schedule-level prefix reuse (papers/001)
+    PREFIX_REUSE = "prefix_reuse"  # schedule-level prefix reuse (the shared-prefix reuse paper)
     AUTO = "auto"  # cost model + autotuning over the three above
 
     @classmethod

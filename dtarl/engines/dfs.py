@@ -1,4 +1,4 @@
-"""The DFS tree-training engine (AREAL-DTA, papers/000 §3).
+"""The DFS tree-training engine (AREAL-DTA §3).
 
 The batch's sequences become a prefix tree (``dtarl.tree``); a host-side
 compiler turns it into a bucketed push/pop plan (``dtarl.tree.plan``), and one

@@ -1,4 +1,4 @@
-"""Schedule-level shared-prefix reuse (papers/001): prefix once, suffixes batched.
+"""Schedule-level shared-prefix reuse (docs/papers.md): prefix once, suffixes batched.
 
 For every *group* of sequences sharing a prefix, one ``jit``-compiled program runs
 

@@ -1,4 +1,4 @@
-"""DARTS: distribution-aware rollout trajectory shaping (papers/002, §4 and App. B-D).
+"""DARTS: distribution-aware rollout trajectory shaping (arXiv 2605.30859, §4 and App. B-D).
 
 Per RL step, for N prompts and a training group size M::
 

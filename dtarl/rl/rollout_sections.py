@@ -35,7 +35,7 @@ class StreamedModel(enum.Enum):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StreamingSection:
     """``rollout.streaming``: score generated tokens with the step's forward-only models
-    every ``chunk`` tokens while decoding goes on (papers/002 §4.3; dtarl.rollout.stream),
+    every ``chunk`` tokens while decoding goes on (DARTS §4.3; dtarl.rollout.stream),
     instead of one forward over the finished batch. ``models``: which ones, from
     ``ref`` (needs ``algo.kl_coef > 0``) and ``critic`` (needs ``algo.algorithm: ppo``);
     empty = every one the algorithm has. Needs ``rollout.engine: continuous``. The
@@ -100,7 +100,7 @@ class StreamingSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PatSection:
-    """``rollout.pat``: adaptive tensor parallelism during generation (papers/003;
+    """``rollout.pat``: adaptive tensor parallelism during generation (PAT, arXiv 2605.23945;
     dtarl.rollout.pat). The rollout engine starts on the run's mesh and, every
     ``check_every`` decode calls once no request waits, switches to the TP of
     ``tp_candidates`` (with the live requests merged into fewer slots) whose predicted

@@ -249,7 +249,7 @@ class LambdaUnits(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DartsSection:
-    """``algo.darts``: distribution-aware rollout shaping (papers/002; dtarl.rl.darts).
+    """``algo.darts``: distribution-aware rollout shaping (DARTS, arXiv 2605.30859; dtarl.rl.darts).
 
     enabled: needs ``rollout.engine: continuous``. short_k: K shortest candidates per
     group (0 = group_size - 1, i.e. L = 1 longest). up_factor: M_up = up_factor x M

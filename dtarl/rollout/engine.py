@@ -53,7 +53,7 @@ tokens generated past a match (at most ``steps_per_call - 1``) are dropped and
 the slot's K/V length is rolled back, so a continuation sees exactly the kept
 tokens.
 
-*PAT switching* (papers/003: adaptive tensor parallelism during generation). An
+*PAT switching* (PAT, arXiv 2605.23945: adaptive tensor parallelism during generation). An
 engine built on a ('dp', 'tp') mesh can change its mesh shape and its slot count
 between two decode calls::
 

@@ -1,4 +1,4 @@
-"""PAT: adaptive tensor parallelism during generation (papers/003 §4.2-4.3).
+"""PAT: adaptive tensor parallelism during generation (arXiv 2605.23945 §4.2-4.3).
 
 The rollout engine (``dtarl.rollout.engine``) decodes on a ('dp', 'tp') mesh of D
 devices; ``RolloutEngine.reshard`` changes the mesh shape (and compacts the live

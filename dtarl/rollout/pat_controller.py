@@ -1,4 +1,4 @@
-"""PAT's controller (papers/003; the model is described in ``dtarl.rollout.pat``): the
+"""PAT's controller (PAT, arXiv 2605.23945; the model is described in ``dtarl.rollout.pat``): the
 engine's state as the predictor sees it (``EngineState``), the switch decision
 (``decide``), the ``on_call`` hook that switches a running engine
 (``PatController``), and ``replay`` of a recorded generation under a profile."""

@@ -1,4 +1,4 @@
-"""PAT's offline profile and its predictor (papers/003; the model is described in
+"""PAT's offline profile and its predictor (PAT, arXiv 2605.23945; the model is described in
 ``dtarl.rollout.pat``): ``Profile`` (the profiler's measurements, saved as JSON),
 ``Predictor`` (decode-step, prefill and recompute-call seconds from it) and the cost of
 a switch (``switch_cost``)."""

@@ -1,4 +1,4 @@
-"""PAT's resharder (papers/003): the moves behind ``RolloutEngine.reshard``.
+"""PAT's resharder (PAT, arXiv 2605.23945): the moves behind ``RolloutEngine.reshard``.
 
 *Targets.* An engine built on a ('dp', 'tp') mesh may switch to any (dp, tp) with
 dp * tp = its device count and tp dividing num_kv_heads (``switch_targets``); the

@@ -1,4 +1,4 @@
-"""Token-level streaming: forward-only scoring while generation goes on (papers/002 §4.3, App. E).
+"""Token-level streaming: forward-only scoring while generation goes on (DARTS §4.3, App. E).
 
 A ``StreamingScorer`` keeps, for another model's weights (the reference policy,
 or the PPO critic), the same prompt-shared K/V layout as the rollout engine: each

@@ -1,4 +1,4 @@
-"""DARTS pieces (papers/002): selection, allocation, budget, cost model, state."""
+"""DARTS pieces (DARTS, arXiv 2605.30859): selection, allocation, budget, cost model, state."""
 
 from __future__ import annotations
 
