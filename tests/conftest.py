@@ -96,6 +96,20 @@ def _maps() -> int:
         return 0
 
 
+@pytest.fixture
+def store(tmp_path):
+    """dtarl's program store enabled for one test only (the process-wide one is
+    restored after)."""
+    from dtarl import aot
+
+    before = aot.program_store()
+    yield aot.enable_program_store(tmp_path / "programs")
+    if before is None:
+        aot.disable_program_store()
+    else:
+        aot.enable_program_store(before.path)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _bounded_compiled_programs():
     """After each test file: drop the compiled programs when the process holds more

@@ -24,17 +24,6 @@ from dtarl.model.decoder import Decoder
 from dtarl.rollout.engine import ContinuousConfig, RolloutEngine
 
 
-@pytest.fixture
-def store(tmp_path):
-    """A store enabled for the test only (the process-wide one is restored after)."""
-    before = aot.program_store()
-    yield aot.enable_program_store(tmp_path / "programs")
-    if before is None:
-        aot.disable_program_store()
-    else:
-        aot.enable_program_store(before.path)
-
-
 def counted(fn):
     """``fn`` and a list that grows by one each time it is traced."""
     traces = []

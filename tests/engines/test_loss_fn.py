@@ -22,7 +22,6 @@ import optax
 import pytest
 from flax import nnx
 
-from dtarl import aot
 from dtarl.batch import LossNorm, RolloutBatch
 from dtarl.engines import AutoEngine, DenseEngine, DFSEngine, PrefixReuseEngine
 from dtarl.engines.function import LossAux, TreeLoss
@@ -268,17 +267,6 @@ def test_gspo_and_cispo_hand_computed():
         CISPOLoss(eps_low=1.5)
     with pytest.raises(ValueError, match="norm_constant must be > 0"):
         GSPOLoss(norm=LossNorm.CONSTANT)
-
-
-@pytest.fixture
-def store(tmp_path):
-    """The program store enabled for the test only (the process-wide one is restored)."""
-    before = aot.program_store()
-    yield aot.enable_program_store(tmp_path / "programs")
-    if before is None:
-        aot.disable_program_store()
-    else:
-        aot.enable_program_store(before.path)
 
 
 def test_program_store_eager_and_jit(store):

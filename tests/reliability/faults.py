@@ -5,6 +5,8 @@ import os
 
 import numpy as np
 
+from tests.rl.test_rl_trainer import TINY
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -43,19 +45,5 @@ def restored_w(mgr, step) -> np.ndarray:
     return np.asarray(tree["params"]["w"])
 
 
-# The tiniest trainer (as tests/rl/test_rl_trainer.py's TINY): 1 layer, 2 prompts x 2.
-TINY_TRAINER = [
-    "model.overrides={num_layers: 1}",
-    "task.max_operand=5",
-    "sft.steps=1",
-    "sft.batch_size=4",
-    "steps=2",
-    "rollout.prompts_per_step=2",
-    "rollout.group_size=2",
-    "rollout.max_new_tokens=3",
-    "eval_problems=0",
-    "console=false",
-    "tensorboard=false",
-    "keep_checkpoints=5",
-    "mesh.dp=1",
-]
+# The tiniest trainer: tests/rl/test_rl_trainer.py's, checkpoints only when asked.
+TINY_TRAINER = [o for o in TINY if not o.startswith("checkpoint_every=")]

@@ -12,16 +12,6 @@ import pytest
 from dtarl import aot, aotfile
 
 
-@pytest.fixture
-def store(tmp_path):
-    before = aot.program_store()
-    yield aot.enable_program_store(tmp_path / "programs")
-    if before is None:
-        aot.disable_program_store()
-    else:
-        aot.enable_program_store(before.path)
-
-
 def axpy(a, x):
     return a * x + 1.0
 
