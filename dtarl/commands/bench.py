@@ -19,7 +19,7 @@ from dtarl.bench import report
 from dtarl.bench import stalls as bench_stalls
 from dtarl.bench import stream as bench_stream
 from dtarl.bench import train as bench_train
-from dtarl.commands import bench_generation
+from dtarl.commands import bench_device, bench_generation
 from dtarl.commands.bench_generation import simulated_devices
 from dtarl.model import ModelConfig
 from dtarl.parallel.partition import FlopCost
@@ -487,4 +487,5 @@ def register(subparsers) -> argparse.ArgumentParser:
     bench_generation.add_pat(sub)
     _add_stream(sub)
     _add_stalls(sub)
+    bench_device.add_device(sub)
     return bench
