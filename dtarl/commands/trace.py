@@ -51,8 +51,8 @@ from dtarl.bench.simulate import (
 from dtarl.bench.simulate.production import validate_production
 from dtarl.model import ModelConfig
 from dtarl.timing import QuietGate
-from dtarl.traces.loaders import find_traces
-from dtarl.traces.report import write_report
+from dtarl.traces.loaders import RunKind, RunTrace, find_traces
+from dtarl.traces.report import ReplayError, write_report
 from dtarl.traces.workload import generate_workload
 
 _TRACES = "a trace file, a run directory or a folder of traces"
@@ -72,10 +72,46 @@ def check_report_path(path: str) -> None:
                 raise ValueError(f"{fp}: empty trace file (no records); remove it or re-export it")
 
 
+def replay_error(path: str) -> ReplayError | None:
+    """The end-to-end latency error of ``dtarl trace validate`` on the first multi-turn run
+    below ``path`` (held-out steps; the rollout makespan, tools on each trajectory's
+    timeline), with the per-turn error and the fit-mean baseline in ``source``; None
+    without a multi-turn run, an uncomputed error (``source`` says why) when it has too
+    few steps."""
+    runs = [t for t in find_traces(path) if isinstance(t, RunTrace)]
+    run = next((t for t in runs if t.kind is RunKind.MULTI_TURN and t.step_files), None)
+    if run is None:
+        return None
+    try:
+        rep = validate_production(run.path, reward=False)
+    except ValueError as e:
+        return ReplayError(error_pct=None, source=f"`dtarl trace validate` on {run.name}: {e}")
+    span = next(k for k in rep.skill if k.figure == "step makespan")
+    return ReplayError(
+        error_pct=100.0 * (1.0 - rep.makespan_accuracy),
+        source=(
+            f"`dtarl trace validate` on {run.name}: held-out steps {list(rep.test_steps)} "
+            f"(fit {list(rep.fit_steps)}); rollout makespan error "
+            f"{100 * (1 - rep.makespan_accuracy):.1f}%, per-turn "
+            f"{100 * (1 - rep.turn_accuracy):.1f}%; predicting the fit steps' mean "
+            "makespan errs by "
+            f"{100 * (1 - span.baseline):.1f}% ("
+            + ("the model carries skill" if span.carries_skill else "no skill over it")
+            + ")"
+        ),
+    )
+
+
 def _report(args: argparse.Namespace) -> int:
     check_report_path(args.path)
     try:
-        res = write_report(args.path, args.out, steps=args.steps, html_output=not args.no_html)
+        res = write_report(
+            args.path,
+            args.out,
+            steps=args.steps,
+            html_output=not args.no_html,
+            replay_error=replay_error(args.path),
+        )
     except UnicodeDecodeError as e:
         raise ValueError(
             f"{args.path}: a trace file is not UTF-8 text (byte {e.start}: {e.reason}); "
