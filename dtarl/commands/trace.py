@@ -6,6 +6,7 @@ The lead wires ``register(subparsers)`` into ``dtarl``'s argparse parser:
     dtarl trace sample SOURCE --batch-size B [--n-sampling G] [--step K] [--seed S]
                        [--length-scale X] [--mode trajectory|per_turn]
     dtarl trace replay [SOURCE ...] [--engines dense dfs] [--repeats 7] [--max-len 256]
+                       [--rollout-engine continuous|static] [--reward-times RUN]
                        [--tool-clock simulated|sleep] [--tool-time-scale X]
                        [--inference-passes 0|1|2] [--no-reward]
                        [--batch-sizes 2 4 8] [--max-response-lens 1000 3000]
@@ -209,6 +210,8 @@ def _replay(args: argparse.Namespace) -> int:
         quiet_budget_s=args.quiet_budget,
         inference_passes=args.inference_passes,
         reward=not args.no_reward,
+        reward_source=args.reward_times,
+        rollout_engine=args.rollout_engine,
     )
     specs = sweep_specs(_workload_specs(args), args.batch_sizes, args.max_response_lens, args.steps)
     res = replay(specs, cfg, log=print)
@@ -229,10 +232,23 @@ def _replay(args: argparse.Namespace) -> int:
         )
         step = w.rollout_step_s()
         timeline = "" if step is None else f"; rollout with tools (slowest trajectory) {step:.2f}s"
+        d = r.detail
+        if d.get("engine") == "continuous":
+            roll += (
+                f" [continuous engine: {d['decode_calls']} decode calls, {d['extends']} tool "
+                f"turns extended in place, {d['engine_s']:.3f}s in the engine, "
+                f"{d['idle_s']:.3f}s idle waiting for tools]"
+            )
+        rew = w.reward
+        reward = (
+            f"{rew.seconds:.2f} {rew.units} over {rew.ranks} ranks ({rew.source})"
+            if rew.status == "ok"
+            else rew.status
+        )
         print(
             f"{w.spec.name}: rollout {roll}; tool ({w.tool.clock} clock) "
             f"{w.tool.seconds:.2f} {w.tool.units} over {w.tool.calls} calls ({w.tool.status})"
-            f"{timeline}"
+            f"{timeline}; reward {reward}"
         )
     print(f"wrote {js}, {png} and {stages_png}")
     return 0
@@ -498,6 +514,19 @@ def register(subparsers) -> argparse.ArgumentParser:
         help="forward-only logprob passes per step (old / reference policy)",
     )
     rpl.add_argument("--no-reward", action="store_true", help="skip the sampled reward stage")
+    rpl.add_argument(
+        "--reward-times",
+        default=None,
+        help="run whose reward_timings_step_<k>.jsonl to draw from (default: the workload's "
+        "own run; a workload without them reports none)",
+    )
+    rpl.add_argument(
+        "--rollout-engine",
+        choices=("continuous", "static"),
+        default="continuous",
+        help="continuous: the RolloutEngine, each trajectory continuing after its own tool "
+        "wait; static: the reference Sampler, one generate call per turn",
+    )
     rpl.add_argument(
         "--batch-sizes", type=int, nargs="+", default=None, help="sweep: prompt groups"
     )
