@@ -329,7 +329,8 @@ def test_replay_end_to_end_tiny(multi_run, tmp_path):
     assert w.inference.status == "ok" and w.inference.passes == 1
     assert 0 < w.inference.min_seconds <= w.inference.seconds
     assert w.inference.tokens == w.dense_tokens
-    assert w.reward.units == "production s"  # sampled rllm timings, when the data is there
+    # This run records no reward times: the stage says so (nothing borrowed from rllm).
+    assert w.reward.status.startswith(f"no reward timings in {multi_run}")
     assert w.speedup("dense") == 1.0
     assert w.speedup("dfs") == pytest.approx(w.engines["dense"].step_s / w.engines["dfs"].step_s)
     js = res.save(tmp_path / "r" / "replay.json")

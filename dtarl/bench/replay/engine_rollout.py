@@ -47,6 +47,7 @@ class TrajectoryPlan:
     turns: tuple[int, ...]
     tools: tuple[np.ndarray, ...]  # len(turns) - 1 tool outputs
     waits_s: tuple[float, ...]  # len(turns) - 1 tool waits
+    tail_s: float = 0.0  # a tool call after the last turn (a truncated trajectory)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -80,9 +81,10 @@ def engine_plan(workload: Workload, waits_s: Mapping[int, np.ndarray] | None = N
     """The workload's trajectories as engine requests.
 
     ``waits_s[t]``: trajectory t's tool latencies in replay seconds, one per tool output
-    (its runs of non-model tokens, ``tool_calls_per_trajectory``: a trailing one after
-    the last turn is not waited for); None: no waits. A trajectory's prompt is its row
-    up to its first model run; trajectories of one group share it.
+    (its runs of non-model tokens, ``tool_calls_per_trajectory``; a trailing one after
+    the last turn, whose output was cut by the length budget, only delays the
+    trajectory's end); None: no waits. A trajectory's prompt is its row up to its first
+    model run; trajectories of one group share it.
     """
     b, info = workload.batch, workload.info
     groups: dict[int, list[TrajectoryPlan]] = {}
@@ -97,6 +99,7 @@ def engine_plan(workload: Workload, waits_s: Mapping[int, np.ndarray] | None = N
         w = np.zeros(len(tools)) if waits_s is None else np.asarray(waits_s[t], np.float64)
         if w.size < len(tools):
             raise ValueError(f"waits_s[{t}]: {w.size} tool latencies for {len(tools)} tool outputs")
+        tail = float(w[len(tools)]) if w.size > len(tools) else 0.0
         order = list(prompts).index(g)
         groups.setdefault(g, []).append(
             TrajectoryPlan(
@@ -105,6 +108,7 @@ def engine_plan(workload: Workload, waits_s: Mapping[int, np.ndarray] | None = N
                 turns=tuple(int(n) for _, n in runs),
                 tools=tools,
                 waits_s=tuple(float(x) for x in w[: len(tools)]),
+                tail_s=tail,
             )
         )
     if not groups:
@@ -192,7 +196,7 @@ def run_engine_plan(
                 tie += 1
             else:
                 engine.release(r)
-                done_at[m.trajectory] = now
+                done_at[m.trajectory] = now + m.tail_s
     engine.reset()
     traj = tuple(done_at[t.trajectory] for t in plan.trajectories)
     return EngineRun(
@@ -266,7 +270,7 @@ class EngineRolloutRun:
             generated_tokens=self.first.generated,
             tokens_per_s=self.first.generated / med if med > 0 else None,
             trajectory_seconds=fastest.trajectory_s,
-            tool_waits=any(w > 0 for t in self.plan.trajectories for w in t.waits_s),
+            tool_waits=any(w > 0 for t in self.plan.trajectories for w in (*t.waits_s, t.tail_s)),
             detail=dict(
                 sampler=ENGINE_NAME,
                 engine="continuous",
