@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import matplotlib.axes
 import numpy as np
 import pytest
 
@@ -152,3 +153,32 @@ def test_end_to_end_error_says_why_with_one_step(multi_run, tmp_path):
     run = _search_like_run(multi_run, tmp_path / "data", steps=(0,))
     e = replay_error(str(run))
     assert e.error_pct is None and "need >= 2" in e.source
+
+
+def test_report_draws_long_tailed_output_cdf_on_a_log_axis(tmp_path, monkeypatch):
+    d = tmp_path / "tail" / "profile" / "packed_length_log" / "run"
+    d.mkdir(parents=True)
+    outs = [[3, 4, 5, 4], [5, 4, 3, 400]]  # max 400 >= 5 x median 4
+    rows = [
+        dict(
+            step=0,
+            rank=0,
+            dp_rank=0,
+            tp_rank=0,
+            local_index=i,
+            input=7 + i,
+            output=o,
+            n_sampling=4,
+            validate=False,
+        )
+        for i, o in enumerate(outs)
+    ]
+    (d / "packed_lengths_step_0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    scales = []
+    real = matplotlib.axes.Axes.set_xscale
+    monkeypatch.setattr(
+        matplotlib.axes.Axes, "set_xscale", lambda ax, v, **k: (scales.append(v), real(ax, v, **k))
+    )
+    md = write_report(d, tmp_path / "rep", html_output=False).markdown.read_text()
+    assert "input on a linear axis, output on a log axis" in md
+    assert scales[:2] == ["linear", "log"]  # the CDF plot's two panels
