@@ -382,6 +382,15 @@ def test_cli_registers_replay_and_simulate():
     a = parser.parse_args(["trace", "replay", "fitted:math", "--engines", "dense", "dfs"])
     assert a.sources == ["fitted:math"] and a.engines == ["dense", "dfs"]
     assert a.tool_clock == "simulated"
+    assert a.rollout_engine == "continuous" and a.reward_times is None
+    a = parser.parse_args(
+        ["trace", "replay", "--rollout-engine", "static", "--reward-times", "run"]
+    )
+    assert a.rollout_engine == "static" and a.reward_times == "run"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["trace", "replay", "--rollout-engine", "lockstep"])
+    with pytest.raises(ValueError, match=r"rollout_engine='lockstep'; accepted: \['continuous'"):
+        ReplayConfig(rollout_engine="lockstep")
     a = parser.parse_args(["trace", "simulate", "--profile", "p.json", "--dp", "2", "--tp", "2"])
     assert a.profile == "p.json" and a.dp == 2 and a.tp == 2 and a.calibrate is False
     assert a.engines is None and a.target == 0.10 and a.no_rollout is False
