@@ -199,6 +199,8 @@ def run_engine_plan(
                 done_at[m.trajectory] = now + m.tail_s
     engine.reset()
     traj = tuple(done_at[t.trajectory] for t in plan.trajectories)
+    if clock is ToolClock.SLEEP and max(traj) > now:  # trailing tool calls, really waited
+        time.sleep(max(traj) - now)
     return EngineRun(
         makespan_s=max(traj),
         trajectory_s=traj,
