@@ -6,6 +6,7 @@ The lead wires ``register(subparsers)`` into ``dtarl``'s argparse parser:
     dtarl trace sample SOURCE --batch-size B [--n-sampling G] [--step K] [--seed S]
                        [--length-scale X] [--mode trajectory|per_turn]
     dtarl trace replay [SOURCE ...] [--engines dense dfs] [--repeats 7] [--max-len 256]
+                       [--rollout-engine continuous|static] [--reward-times RUN]
                        [--tool-clock simulated|sleep] [--tool-time-scale X]
                        [--inference-passes 0|1|2] [--no-reward]
                        [--batch-sizes 2 4 8] [--max-response-lens 1000 3000]
@@ -51,8 +52,8 @@ from dtarl.bench.simulate import (
 from dtarl.bench.simulate.production import validate_production
 from dtarl.model import ModelConfig
 from dtarl.timing import QuietGate
-from dtarl.traces.loaders import find_traces
-from dtarl.traces.report import write_report
+from dtarl.traces.loaders import RunKind, RunTrace, find_traces
+from dtarl.traces.report import ReplayError, write_report
 from dtarl.traces.workload import generate_workload
 
 _TRACES = "a trace file, a run directory or a folder of traces"
@@ -72,10 +73,46 @@ def check_report_path(path: str) -> None:
                 raise ValueError(f"{fp}: empty trace file (no records); remove it or re-export it")
 
 
+def replay_error(path: str) -> ReplayError | None:
+    """The end-to-end latency error of ``dtarl trace validate`` on the first multi-turn run
+    below ``path`` (held-out steps; the rollout makespan, tools on each trajectory's
+    timeline), with the per-turn error and the fit-mean baseline in ``source``; None
+    without a multi-turn run, an uncomputed error (``source`` says why) when it has too
+    few steps."""
+    runs = [t for t in find_traces(path) if isinstance(t, RunTrace)]
+    run = next((t for t in runs if t.kind is RunKind.MULTI_TURN and t.step_files), None)
+    if run is None:
+        return None
+    try:
+        rep = validate_production(run.path, reward=False)
+    except ValueError as e:
+        return ReplayError(error_pct=None, source=f"`dtarl trace validate` on {run.name}: {e}")
+    span = next(k for k in rep.skill if k.figure == "step makespan")
+    return ReplayError(
+        error_pct=100.0 * (1.0 - rep.makespan_accuracy),
+        source=(
+            f"`dtarl trace validate` on {run.name}: held-out steps {list(rep.test_steps)} "
+            f"(fit {list(rep.fit_steps)}); rollout makespan error "
+            f"{100 * (1 - rep.makespan_accuracy):.1f}%, per-turn "
+            f"{100 * (1 - rep.turn_accuracy):.1f}%; predicting the fit steps' mean "
+            "makespan errs by "
+            f"{100 * (1 - span.baseline):.1f}% ("
+            + ("the model carries skill" if span.carries_skill else "no skill over it")
+            + ")"
+        ),
+    )
+
+
 def _report(args: argparse.Namespace) -> int:
     check_report_path(args.path)
     try:
-        res = write_report(args.path, args.out, steps=args.steps, html_output=not args.no_html)
+        res = write_report(
+            args.path,
+            args.out,
+            steps=args.steps,
+            html_output=not args.no_html,
+            replay_error=replay_error(args.path),
+        )
     except UnicodeDecodeError as e:
         raise ValueError(
             f"{args.path}: a trace file is not UTF-8 text (byte {e.start}: {e.reason}); "
@@ -173,6 +210,8 @@ def _replay(args: argparse.Namespace) -> int:
         quiet_budget_s=args.quiet_budget,
         inference_passes=args.inference_passes,
         reward=not args.no_reward,
+        reward_source=args.reward_times,
+        rollout_engine=args.rollout_engine,
     )
     specs = sweep_specs(_workload_specs(args), args.batch_sizes, args.max_response_lens, args.steps)
     res = replay(specs, cfg, log=print)
@@ -193,10 +232,23 @@ def _replay(args: argparse.Namespace) -> int:
         )
         step = w.rollout_step_s()
         timeline = "" if step is None else f"; rollout with tools (slowest trajectory) {step:.2f}s"
+        d = r.detail
+        if d.get("engine") == "continuous":
+            roll += (
+                f" [continuous engine: {d['decode_calls']} decode calls, {d['extends']} tool "
+                f"turns extended in place, {d['engine_s']:.3f}s in the engine, "
+                f"{d['idle_s']:.3f}s idle waiting for tools]"
+            )
+        rew = w.reward
+        reward = (
+            f"{rew.seconds:.2f} {rew.units} over {rew.ranks} ranks ({rew.source})"
+            if rew.status == "ok"
+            else rew.status
+        )
         print(
             f"{w.spec.name}: rollout {roll}; tool ({w.tool.clock} clock) "
             f"{w.tool.seconds:.2f} {w.tool.units} over {w.tool.calls} calls ({w.tool.status})"
-            f"{timeline}"
+            f"{timeline}; reward {reward}"
         )
     print(f"wrote {js}, {png} and {stages_png}")
     return 0
@@ -462,6 +514,19 @@ def register(subparsers) -> argparse.ArgumentParser:
         help="forward-only logprob passes per step (old / reference policy)",
     )
     rpl.add_argument("--no-reward", action="store_true", help="skip the sampled reward stage")
+    rpl.add_argument(
+        "--reward-times",
+        default=None,
+        help="run whose reward_timings_step_<k>.jsonl to draw from (default: the workload's "
+        "own run; a workload without them reports none)",
+    )
+    rpl.add_argument(
+        "--rollout-engine",
+        choices=("continuous", "static"),
+        default="continuous",
+        help="continuous: the RolloutEngine, each trajectory continuing after its own tool "
+        "wait; static: the reference Sampler, one generate call per turn",
+    )
     rpl.add_argument(
         "--batch-sizes", type=int, nargs="+", default=None, help="sweep: prompt groups"
     )

@@ -233,6 +233,11 @@ def _parse_turn(obj, where: str, i: int) -> Turn:
         finish_reason=_str(obj, "finish_reason", where, p),
         tool_call_count=_int(obj, "tool_call_count", where, p),
         engine_latency_s=_float(obj, "engine_latency_s", where, p),
+        generated_text_token_len=(
+            _int(obj, "generated_text_token_len", where, p)
+            if "generated_text_token_len" in obj
+            else None
+        ),
     )
 
 

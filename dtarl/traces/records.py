@@ -102,6 +102,9 @@ class Turn:
     finish_reason: str
     tool_call_count: int
     engine_latency_s: float
+    # Tokens of the turn's decoded text (the paper's "search output"); None when the
+    # trace does not record it. ``completion_tokens`` also counts the tool-call markup.
+    generated_text_token_len: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -55,6 +55,16 @@ class Headline:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayError:
+    """The end-to-end latency error of a replay, computed elsewhere (``dtarl trace report``
+    runs ``dtarl trace validate``'s held-out fit on the run's multi-turn trace): ``error_pct``
+    (None when it could not be computed; ``source`` then says why) and where it comes from."""
+
+    error_pct: float | None
+    source: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ReportResult:
     markdown: Path
     html: Path | None
@@ -101,8 +111,27 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+LONG_TAIL_RATIO = 5.0  # max / median at or above which a length CDF gets a log x axis
+
+
+def cdf_xscale(values) -> str:
+    """ "log" for long-tailed lengths (max >= ``LONG_TAIL_RATIO`` x median of the positive
+    values: the bulk and the tail would not both be readable on a linear axis), else
+    "linear"."""
+    v = np.asarray(values, np.float64)
+    v = v[v > 0]
+    if v.size == 0:
+        return "linear"
+    return "log" if v.max() >= LONG_TAIL_RATIO * np.median(v) else "linear"
+
+
+def _cdf_scales(rs: _RunSummary) -> dict[str, str]:
+    return {a: cdf_xscale(_pooled(rs, a)) for a in ("inputs", "outputs")}
+
+
 def _plot_cdfs(rs: _RunSummary, path: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    scales = _cdf_scales(rs)
     for ax, attr, label in (
         (axes[0], "inputs", "input (prompt) tokens"),
         (axes[1], "outputs", "output (response) tokens"),
@@ -111,6 +140,9 @@ def _plot_cdfs(rs: _RunSummary, path: Path) -> Path:
             v = np.sort(getattr(st, attr))
             if v.size:
                 ax.plot(v, np.arange(1, v.size + 1) / v.size, lw=1, label=f"step {st.step}")
+        ax.set_xscale(scales[attr])
+        if scales[attr] == "log":
+            label += " (log axis)"
         ax.set_xlabel(label)
         ax.set_ylabel("CDF")
         ax.grid(alpha=0.3)
@@ -219,9 +251,9 @@ def _length_table(rs: _RunSummary) -> list[str]:
 def _multiturn_table(rs: _RunSummary) -> list[str]:
     rows = [
         "| step | traj | turns mean | turns max | tool calls/traj | tool lat p50 (s) | p90 | p99 "
-        "| max | model tok/turn | request input p90 | request input max | per-turn dense "
-        "| per-turn tree | per-turn speedup |",
-        "|" + "---|" * 15,
+        "| max | model tok/turn | text tok/turn | request input p90 | request input max "
+        "| per-turn dense | per-turn tree | per-turn speedup |",
+        "|" + "---|" * 16,
     ]
     for st in rs.steps:
         lat = LengthStats.of(st.tool_latency_s)
@@ -231,7 +263,9 @@ def _multiturn_table(rs: _RunSummary) -> list[str]:
             f"| {st.step} | {st.turns.size} | {_fmt(float(st.turns.mean()), 2)} "
             f"| {_fmt(float(st.turns.max()), 0)} | {_fmt(float(st.tool_calls.mean()), 2)} "
             f"| {_fmt(lat.p50, 3)} | {_fmt(lat.p90, 3)} | {_fmt(lat.p99, 3)} | {_fmt(lat.max, 3)} "
-            f"| {_fmt(float(st.turn_completion.mean()))} | {_fmt(req.p90, 0)} | {_fmt(req.max, 0)} "
+            f"| {_fmt(float(st.turn_completion.mean()))} "
+            f"| {_fmt(LengthStats.of(st.turn_generated_text).mean)} "
+            f"| {_fmt(req.p90, 0)} | {_fmt(req.max, 0)} "
             f"| {pt.dense_tokens:,} | {pt.tree_tokens:,} | {pt.ideal_speedup:.2f}x |"
         )
     return rows
@@ -244,7 +278,9 @@ def _pooled(rs: _RunSummary, attr: str) -> np.ndarray:
 # ----------------------------------------------------------------------------- main
 
 
-def _headlines(summaries: list[_RunSummary], fitted_stats: dict | None) -> list[Headline]:
+def _headlines(
+    summaries: list[_RunSummary], fitted_stats: dict | None, replay_error: ReplayError | None
+) -> list[Headline]:
     by_task: dict[str, _RunSummary] = {}
     for rs in summaries:
         if rs.steps:
@@ -319,9 +355,10 @@ def _headlines(summaries: list[_RunSummary], fitted_stats: dict | None) -> list[
             "search output mean",
             48.7,
             "search_r1",
-            "turn_completion",
+            "turn_generated_text",
             np.mean,
-            "model tokens per turn",
+            "generated_text_token_len per turn (completion_tokens also counts the tool-call "
+            "markup)",
         ),
         ("coding output mean", 9329.0, "rllm", "outputs", np.mean, ""),
         (
@@ -340,12 +377,13 @@ def _headlines(summaries: list[_RunSummary], fitted_stats: dict | None) -> list[
         Headline(
             quantity="replay end-to-end latency error (%)",
             paper=5.3,
-            ours=None,
-            source="`dtarl trace validate`: held-out search_r1 steps (rollout makespan 3.6% "
-            "error, per-turn 8.6%); `dtarl trace replay` times dtarl's own stages",
+            ours=None if replay_error is None else replay_error.error_pct,
+            source="-" if replay_error is None else replay_error.source,
             note="the paper replays a verl video run end to end; the traces hold no such "
             "timings for it, so the numbers are not the same quantity",
-            missing="different run; see source",
+            missing="not computed (no multi-turn run with timings was reported on)"
+            if replay_error is None
+            else replay_error.source,
         )
     )
     return out
@@ -415,6 +453,7 @@ def write_report(
     *,
     html_output: bool = True,
     seed: int = 0,
+    replay_error: ReplayError | None = None,
 ) -> ReportResult:
     """Writes ``report.md`` (and ``report.html``) plus PNG plots into ``out_dir``.
 
@@ -424,6 +463,8 @@ def write_report(
       steps: only these steps of each run (default: all).
       html_output: also write a self-contained-ish HTML page next to the Markdown.
       seed: for the fitted-distribution draws.
+      replay_error: the replay end-to-end latency error to set beside the paper's (None:
+        reported as not computed).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -462,6 +503,12 @@ def write_report(
                 body += _multiturn_table(rs) + [""]
                 plots.append(_plot_tool(rs, out / f"{slug}_tool.png"))
                 body += [f"![tool]({plots[-1].name})", ""]
+            sc = _cdf_scales(rs)
+            body += [
+                f"Length CDFs: input on a {sc['inputs']} axis, output on a {sc['outputs']} "
+                f"axis (log where max >= {LONG_TAIL_RATIO:g} x median).",
+                "",
+            ]
             for fn, suffix in ((_plot_cdfs, "cdf"), (_plot_joint, "joint"), (_plot_box, "box")):
                 plots.append(fn(rs, out / f"{slug}_{suffix}.png"))
                 body += [f"![{suffix}]({plots[-1].name})", ""]
@@ -499,7 +546,7 @@ def write_report(
         lines, fitted_stats, ps = _fitted_section(fw, out, seed)
         body += lines
         plots += ps
-    heads = _headlines(summaries, fitted_stats)
+    heads = _headlines(summaries, fitted_stats, replay_error)
     top = [
         "# PolyTrace workload characterization",
         "",

@@ -82,6 +82,8 @@ class StepStats:
     tool_calls: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
     tool_latency_s: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
     turn_completion: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    # ``generated_text_token_len`` of the turns that record it (the paper's search output)
+    turn_generated_text: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
     turn_request_input: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
 
@@ -141,6 +143,15 @@ def multi_turn_step_stats(step: int, recs: Iterable[Trajectory]) -> StepStats:
         tool_calls=np.array([len(t.tool_calls) for t in recs], np.float64),
         tool_latency_s=np.array([c.latency_s for t in recs for c in t.tool_calls], np.float64),
         turn_completion=np.array([u.completion_tokens for t in recs for u in t.turns], np.float64),
+        turn_generated_text=np.array(
+            [
+                u.generated_text_token_len
+                for t in recs
+                for u in t.turns
+                if u.generated_text_token_len is not None
+            ],
+            np.float64,
+        ),
         turn_request_input=np.array(
             [u.generation_prompt_len for t in recs for u in t.turns], np.float64
         ),

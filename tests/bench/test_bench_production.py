@@ -19,6 +19,7 @@ from dtarl.bench.simulate.production import (
     split_steps,
     validate_production,
 )
+from dtarl.bench.simulate.skill import skill, skill_table
 from dtarl.cli import main
 from dtarl.traces.loaders import default_polytrace_root, load_trace
 from dtarl.traces.records import RewardTiming
@@ -215,6 +216,30 @@ def test_trace_validate_command_on_synthetic_runs(tmp_path, single_run, capsys):
     assert rep["reward_fit_steps"] == [0] and rep["reward_test_steps"] == [1]
     assert 0.0 < rep["reward_rank_accuracy"] <= 1.0
     assert (out / "production.png").stat().st_size > 0
+    # Every accuracy stands beside the fit-mean baseline; the exact model beats it per turn.
+    sk = {r["figure"]: r for r in rep["skill"]}
+    assert set(sk) == {
+        "engine latency per turn",
+        "trajectory total",
+        "step makespan",
+        "reward per rank",
+        "reward stage",
+    }
+    turn = sk["engine latency per turn"]
+    assert turn["model"] == pytest.approx(1.0) and turn["carries_skill"]
+    assert turn["baseline"] < 1.0 and "figures with skill: engine latency per turn" in text
+
+
+def test_skill_baseline_predicts_the_fit_mean_by_hand():
+    # fit mean 3; held-out real [3, 6]: relative errors 0 and 0.5 -> baseline 75%.
+    s = skill("x", 0.8, [2.0, 4.0], [3.0, 6.0])
+    assert s.baseline_value == 3.0 and s.baseline == pytest.approx(0.75)
+    assert s.carries_skill
+    worse = skill("x", 0.7, [2.0, 4.0], [3.0, 6.0])
+    assert not worse.carries_skill
+    assert "  figures with skill: none" in skill_table([worse])
+    with pytest.raises(ValueError, match="x: no fit-step values"):
+        skill("x", 0.7, [], [3.0])
 
 
 @pytest.mark.skipif(not SEARCH_R1.exists() or not RLLM.exists(), reason="no shared PolyTrace")

@@ -480,6 +480,11 @@ def test_validate_reports_relative_errors(single_run):
     assert "dfs" in rep.table()
     only = validate(prof, _fake_replay(spec, CFG, engines, rollout=rollout), engines=["dense"])
     assert {r.engine for r in only.rows if r.stage == "train"} == {"dense"}
+    # A rollout on the continuous engine is not what model (2) describes: no rollout row
+    # (nor the step rows built on it).
+    cont = dict(rollout, detail=dict(engine="continuous"))
+    rows = validate(prof, _fake_replay(spec, CFG, engines, rollout=cont)).rows
+    assert {r.stage for r in rows} == {"train"}
 
 
 def test_inference_prediction_by_hand_and_validated(single_run):

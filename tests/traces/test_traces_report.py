@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 
+import matplotlib.axes
 import numpy as np
 import pytest
 
-from dtarl.commands.trace import register
+from dtarl.bench.simulate.production import validate_production
+from dtarl.cli import main
+from dtarl.commands.trace import register, replay_error
 from dtarl.traces import load_trace
-from dtarl.traces.report import Headline, write_report
+from dtarl.traces.report import Headline, cdf_xscale, write_report
 from dtarl.traces.stats import LengthStats, multi_turn_step_stats, single_turn_step_stats
 
 
@@ -96,3 +100,85 @@ def test_cli_register(single_run, tmp_path, capsys):
     assert args.func(args) == 0
     assert (out / "report.md").exists() and not (out / "report.html").exists()
     assert "wrote" in capsys.readouterr().out
+
+
+def _search_like_run(multi_run, root, steps=(0, 1)):
+    """The ``multi_run`` trajectories as a search_r1-style run (task folder ``search_r1``)
+    whose turns record ``generated_text_token_len`` = completion - 1 (the tool-call
+    markup) and step-dependent engine latencies."""
+    d = root / "search_r1" / "profile" / "multiturn_workload_log" / "run3"
+    d.mkdir(parents=True)
+    src = (multi_run / "multiturn_workload_step_0.jsonl").read_text().splitlines()
+    for step in steps:
+        rows = []
+        for line in src:
+            row = json.loads(line)
+            row["step"] = step
+            for k, t in enumerate(row["turns"]):
+                t["generated_text_token_len"] = t["completion_tokens"] - 1
+                t["engine_latency_s"] = 0.2 + 0.05 * t["completion_tokens"] + 0.01 * k + step
+            rows.append(json.dumps(row))
+        (d / f"multiturn_workload_step_{step}.jsonl").write_text("\n".join(rows) + "\n")
+    return d
+
+
+def test_cdf_axis_is_log_for_long_tailed_lengths():
+    rng = np.random.default_rng(0)
+    assert cdf_xscale(rng.lognormal(6.0, 1.5, 2000)) == "log"
+    assert cdf_xscale(rng.uniform(100, 400, 2000)) == "linear"
+    assert cdf_xscale([0, 0]) == "linear"
+
+
+def test_report_search_output_is_generated_text_and_end_to_end_error_computed(
+    multi_run, tmp_path, capsys
+):
+    run = _search_like_run(multi_run, tmp_path / "data")
+    out = tmp_path / "rep"
+    rc = main(["trace", "report", str(run), "--out", str(out), "--no-html"])
+    assert rc == 0
+    md = (out / "report.md").read_text()
+    trajs = list(load_trace(run).iter_step(0))
+    comp = [t.completion_tokens for tr in trajs for t in tr.turns]
+    heads = {h.split(":")[0].strip(): h for h in capsys.readouterr().out.splitlines()}
+    # search output = generated_text_token_len (completion - 1), not completion_tokens
+    assert f"ours {np.mean(comp) - 1:,.1f}" in heads["search output mean"]
+    rep = validate_production(run, reward=False)
+    err = 100 * (1 - rep.makespan_accuracy)
+    assert f"ours {err:,.1f}" in heads["replay end-to-end latency error (%)"]
+    row = next(ln for ln in md.splitlines() if ln.startswith("| replay end-to-end"))
+    assert f"makespan error {err:.1f}%" in row and "fit steps' mean makespan" in row
+
+
+def test_end_to_end_error_says_why_with_one_step(multi_run, tmp_path):
+    run = _search_like_run(multi_run, tmp_path / "data", steps=(0,))
+    e = replay_error(str(run))
+    assert e.error_pct is None and "need >= 2" in e.source
+
+
+def test_report_draws_long_tailed_output_cdf_on_a_log_axis(tmp_path, monkeypatch):
+    d = tmp_path / "tail" / "profile" / "packed_length_log" / "run"
+    d.mkdir(parents=True)
+    outs = [[3, 4, 5, 4], [5, 4, 3, 400]]  # max 400 >= 5 x median 4
+    rows = [
+        dict(
+            step=0,
+            rank=0,
+            dp_rank=0,
+            tp_rank=0,
+            local_index=i,
+            input=7 + i,
+            output=o,
+            n_sampling=4,
+            validate=False,
+        )
+        for i, o in enumerate(outs)
+    ]
+    (d / "packed_lengths_step_0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    scales = []
+    real = matplotlib.axes.Axes.set_xscale
+    monkeypatch.setattr(
+        matplotlib.axes.Axes, "set_xscale", lambda ax, v, **k: (scales.append(v), real(ax, v, **k))
+    )
+    md = write_report(d, tmp_path / "rep", html_output=False).markdown.read_text()
+    assert "input on a linear axis, output on a log axis" in md
+    assert scales[:2] == ["linear", "log"]  # the CDF plot's two panels

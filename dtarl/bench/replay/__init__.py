@@ -1,23 +1,31 @@
 """Replay benchmark: drive dtarl on generated PolyTrace workloads and time every stage.
 
 One replayed RL step of a workload (a ``WorkloadSpec``: trace, step, seed, batch
-size, ``length_scale``) has three stages:
+size, ``length_scale``) has five stages:
 
-  rollout  dtarl's sampler generating every response with its *forced* trace
-           length (EOS ignored). Runs only when ``dtarl.rollout`` offers a
-           sampler with forced per-sequence lengths; otherwise the stage is
-           reported as "unavailable (sampler not built)" and nothing is faked.
-  tool     tool-call latencies drawn from the real search_r1 latencies
-           (``ToolLatencySampler``) for every tool output in the trajectories.
-           Trajectories run concurrently and their calls sequentially. The
-           latencies are production seconds; ``tool_time_scale`` converts them
-           to the replay's seconds. Without it they are reported apart and no
-           end-to-end total is formed. With it, each trajectory's calls sit on
-           its own timeline between its turns (``WorkloadReplay.
-           trajectory_timelines_s``) and the rollout stage is the slowest
-           trajectory. ``ToolClock.SLEEP`` really sleeps the critical path.
-  reward   per-rank reward times sampled from the rllm trace (production
-           seconds, converted by ``tool_time_scale`` like the tools);
+  rollout  the continuous engine (``RolloutEngine``, ``ReplayConfig.rollout_engine=
+           "continuous"``) generating every turn with its *forced* trace length
+           (EOS ignored): one request per trajectory, and each trajectory continues
+           on its own K/V after its own tool wait (``engine_rollout``) while the
+           others decode; the stage is the slowest trajectory on the replay clock.
+           ``rollout_engine="static"``: the reference ``Sampler``, one generate call
+           per turn (what the simulator's rollout model describes); it is reported
+           as "unavailable (sampler not built)" when ``dtarl.rollout`` offers no
+           forced-length sampler, and nothing is faked.
+  tool     tool-call latencies drawn from the latencies of the *replayed step* of the
+           workload's own multi-turn trace (``default_tool_sampler``; the shared
+           search_r1 run for other sources) for every tool output in the
+           trajectories. The latencies are production seconds; ``tool_time_scale``
+           converts them to the replay's seconds. Without it they are reported
+           apart, the engine runs without tool waits and no end-to-end total is
+           formed. With it, each trajectory's waits sit on its own timeline
+           between its turns (``WorkloadReplay.trajectory_timelines_s``).
+           ``ToolClock.SLEEP`` really sleeps.
+  reward   per-rank reward times sampled from the reward timings of the
+           workload's own run and step (``reward_sampler_for``: only the rllm run
+           records them; other workloads report that they have none unless
+           ``ReplayConfig.reward_source`` names a run), production seconds
+           converted by ``tool_time_scale`` like the tools;
   inference  ``inference_passes`` forward-only logprob passes (old / reference
            policy) with the trainer's dense ``Scorer``, timed like the rollout;
   train    ``engine.value_and_grad`` of the batch, for every engine kind asked
@@ -51,7 +59,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dtarl.bench.replay.engine_rollout import (
+    EnginePlan,
+    EngineRolloutRun,
+    EngineRun,
+    TrajectoryPlan,
+    engine_plan,
+    run_engine_plan,
+)
 from dtarl.bench.replay.results import (
+    ROLLOUT_ENGINES,
     ReplayConfig,
     ReplayResult,
     WorkloadReplay,
@@ -73,11 +90,13 @@ from dtarl.bench.replay.stages import (
     find_forced_length_sampler,
     model_turns,
     reward_phase,
+    reward_sampler_for,
     rollout_calls,
     rollout_phase,
     rollout_sampler,
     run_rollout_calls,
     tool_calls_per_trajectory,
+    tool_latencies,
     tool_phase,
     trajectory_masks,
 )
@@ -116,9 +135,29 @@ def _gate(config: ReplayConfig) -> QuietGate:
 def _reward(workload: Workload, config: ReplayConfig, spec: WorkloadSpec) -> RewardPhase:
     if not config.reward:
         return RewardPhase(status="skipped (ReplayConfig.reward=False)")
+    sampler, where = reward_sampler_for(spec.source, workload.info.step, config.reward_source)
     return reward_phase(
-        workload, default_reward_sampler(), time_scale=config.tool_time_scale, seed=spec.seed
+        workload,
+        sampler,
+        time_scale=config.tool_time_scale,
+        seed=spec.seed,
+        missing=where,
+        source=where,
     )
+
+
+def _rollout_run(model, params, workload: Workload, spec, config: ReplayConfig, sampler):
+    """The warmed-up rollout of one workload: on the continuous engine (each trajectory
+    waits for its own tools, scaled into replay seconds; no waits without a scale) or on
+    the static sampler (one generate call per turn)."""
+    if config.rollout_engine == "static":
+        return RolloutRun.warm(model, params, rollout_calls(workload), spec.seed)
+    waits = None
+    if sampler is not None and config.tool_time_scale is not None:
+        lat = tool_latencies(workload, sampler, seed=spec.seed)
+        waits = {t: v * config.tool_time_scale for t, v in lat.items()}
+    plan = engine_plan(workload, waits)
+    return EngineRolloutRun.warm(model, params, plan, spec.seed, clock=config.tool_clock)
 
 
 def _assemble(
@@ -166,13 +205,11 @@ def replay(
     built, jobs = [], []
     for spec in specs:
         w = spec.build(vocab_size=config.model.vocab_size)
-        sampler = default_tool_sampler(config.tool_latency_source or spec.source)
+        sampler = default_tool_sampler(config.tool_latency_source or spec.source, w.info.step)
         tool = tool_phase(
             w, sampler, clock=config.tool_clock, time_scale=config.tool_time_scale, seed=spec.seed
         )
-        run = (
-            RolloutRun.warm(model, params, rollout_calls(w), spec.seed) if config.rollout else None
-        )
+        run = _rollout_run(model, params, w, spec, config, sampler) if config.rollout else None
         inf = InferenceRun.warm(model, params, w) if config.inference_passes else None
         built.append((spec, w, run, tool, inf))
         jobs += [TimingJob(kind=k, batch=w.batch, label=spec.name) for k in config.engines]
@@ -236,6 +273,15 @@ def replay(
 
 __all__ = [
     "DEFAULT_SUITE",
+    "ROLLOUT_ENGINES",
+    "EnginePlan",
+    "EngineRolloutRun",
+    "EngineRun",
+    "TrajectoryPlan",
+    "engine_plan",
+    "reward_sampler_for",
+    "run_engine_plan",
+    "tool_latencies",
     "ROLLOUT_UNAVAILABLE",
     "EngineTiming",
     "InferencePhase",

@@ -24,6 +24,8 @@ from dtarl.bench.report import save_figure, write_json
 from dtarl.model.config import ModelConfig
 from dtarl.timing import TimedRuns
 
+ROLLOUT_ENGINES = ("continuous", "static")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReplayConfig:
@@ -43,8 +45,14 @@ class ReplayConfig:
     quiet_cores / quiet_budget_s: time calls when other processes use less than
     this many cores, waiting at most this long in all (``QuietGate``; None: off).
     inference_passes: forward-only logprob passes per step (old / reference
-    policy; 0 skips the stage). reward: sample the reward stage from the rllm
-    reward timings (production seconds; ``tool_time_scale`` converts them too).
+    policy; 0 skips the stage). reward: sample the reward stage from the reward
+    timings of the workload's own run (``reward_sampler_for``: production seconds;
+    ``tool_time_scale`` converts them too); reward_source: another run to draw them
+    from (None: the workload's own; a workload without timings reports none).
+    rollout_engine: "continuous" (``RolloutEngine``: each trajectory continues after its
+    own tool wait, ``dtarl.bench.replay.engine_rollout``) or "static" (the reference
+    ``Sampler``, one generate call per turn: what the simulator's rollout model (2)
+    describes, so ``dtarl trace simulate --joint`` replays with it).
     """
 
     engines: tuple[str, ...] = ("dense", "dfs")
@@ -61,8 +69,15 @@ class ReplayConfig:
     quiet_budget_s: float = 120.0
     inference_passes: int = 1
     reward: bool = True
+    reward_source: str | None = None
+    rollout_engine: str = "continuous"
 
     def __post_init__(self):
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            raise ValueError(
+                f"ReplayConfig.rollout_engine={self.rollout_engine!r}; accepted: "
+                f"{list(ROLLOUT_ENGINES)}"
+            )
         if self.inference_passes not in (0, 1, 2):
             raise ValueError(
                 f"ReplayConfig.inference_passes={self.inference_passes}: must be 0, 1 (old or "
@@ -111,12 +126,17 @@ class WorkloadReplay:
         return self.engines[baseline].step_s / self.engines[kind].step_s
 
     def trajectory_timelines_s(self) -> tuple[float, ...] | None:
-        """Each trajectory's rollout timeline in replay seconds: its turns' generate calls
-        (the fastest timed rollout's seconds of turn k, for k < its turns) plus its own tool
-        calls x ``tool.time_scale``, between its turns.
+        """Each trajectory's rollout timeline in replay seconds. On the continuous engine:
+        its measured finish on the replay clock (``RolloutPhase.trajectory_seconds``: its
+        turns interleaved with the other trajectories', its own tool waits between them).
+        On the static sampler: its turns' generate calls (the fastest timed rollout's
+        seconds of turn k, for k < its turns) plus its own tool calls x
+        ``tool.time_scale``, between its turns.
 
         None unless the rollout ran and the tool stage is in replay seconds.
         """
+        if self.rollout.trajectory_seconds and self.tool.time_scale is not None:
+            return tuple(self.rollout.trajectory_seconds)
         turn_s = self.rollout.turn_seconds
         if not turn_s or self.tool.time_scale is None or not self.turns_per_trajectory:
             return None

@@ -103,8 +103,14 @@ class ToolPhase:
         return "production s" if self.time_scale is None else "replay s"
 
 
-def default_tool_sampler(workload_source: str | None = None) -> ToolLatencySampler | None:
-    """Latencies of the workload's own multi-turn trace, else the shared search_r1 run."""
+def default_tool_sampler(
+    workload_source: str | None = None, step: int | None = None
+) -> ToolLatencySampler | None:
+    """The tool latencies a replayed step draws from: those of the replayed ``step`` of the
+    workload's own multi-turn trace (every step when ``step`` is None); for any other
+    source (a single-turn trace, ``fitted:tool``, an explicit latency trace without that
+    step), the shared search_r1 run's latencies of ``step`` when it has that step, else
+    of all its steps. None when no multi-turn trace is found."""
     cands = []
     if workload_source is not None and not str(workload_source).startswith("fitted:"):
         cands.append(Path(workload_source))
@@ -115,12 +121,29 @@ def default_tool_sampler(workload_source: str | None = None) -> ToolLatencySampl
         except (FileNotFoundError, ValueError, OSError):
             continue
         if isinstance(tr, RunTrace) and tr.kind is RunKind.MULTI_TURN:
-            steps = tr.steps[:1]
-            try:
-                return ToolLatencySampler.from_trace(tr, steps=steps)
-            except ValueError:
-                continue
+            for steps in ([step] if step in tr.steps else [], None):
+                if steps == []:
+                    continue
+                try:
+                    return ToolLatencySampler.from_trace(tr, steps=steps)
+                except ValueError:
+                    continue
     return None
+
+
+def tool_latencies(
+    workload: Workload, sampler: ToolLatencySampler, *, seed: int = 0
+) -> dict[int, np.ndarray]:
+    """Every trajectory's tool-call latencies (production seconds, one per tool output in
+    order; ``tool_calls_per_trajectory``), drawn from ``sampler`` (seeded). The tool stage
+    and the engine rollout draw the same latencies for the same seed."""
+    per_traj = tool_calls_per_trajectory(workload)
+    lat = sampler.sample(sum(per_traj.values()), seed=np.random.default_rng([seed, 7]))
+    out, k = {}, 0
+    for t in sorted(per_traj):
+        out[t] = lat[k : k + per_traj[t]]
+        k += per_traj[t]
+    return out
 
 
 def tool_phase(
@@ -159,13 +182,9 @@ def tool_phase(
             status="no tool-latency data (pass a multi-turn trace)",
             time_scale=time_scale,
         )
-    rng = np.random.default_rng([seed, 7])
-    lat = sampler.sample(n, seed=rng)
-    sums, k = [], 0
-    for t in sorted(per_traj):
-        c = per_traj[t]
-        sums.append(float(lat[k : k + c].sum()))
-        k += c
+    per = tool_latencies(workload, sampler, seed=seed)
+    lat = np.concatenate(list(per.values()))
+    sums = [float(per[t].sum()) for t in sorted(per)]
     crit = max(sums)
     wall = crit * (1.0 if time_scale is None else time_scale)
     if clock is ToolClock.SLEEP:
@@ -201,6 +220,7 @@ class RewardPhase:
     ranks: int = 0
     production_s: float = 0.0
     time_scale: float | None = None
+    source: str = ""  # the run (and step) the times were drawn from
 
     @property
     def units(self) -> str:
@@ -215,17 +235,62 @@ def default_reward_sampler() -> RewardTimeSampler | None:
         return None
 
 
+def reward_sampler_for(
+    workload_source: str, step: int | None = None, reward_source: str | None = None
+) -> tuple[RewardTimeSampler | None, str]:
+    """The reward times of the trace that matches the workload: ``(sampler, where)``, or
+    ``(None, why not)``.
+
+    Drawn from the workload's own run (``reward_timings_step_<k>.jsonl`` of the replayed
+    ``step``; every step when ``step`` is None), or from ``reward_source`` when given
+    (another run's timings, its ``step`` when it has it, else every step). A workload
+    whose trace records no reward times (verl math, search_r1, fitted distributions)
+    gets None and a reason naming the source: nothing is borrowed from another task.
+    """
+    src = workload_source if reward_source is None else reward_source
+    if str(src).startswith("fitted:"):
+        return None, (
+            f"no reward timings: {src} is a fitted distribution (pass a run with "
+            "reward_timings_step_<k>.jsonl as the reward source)"
+        )
+    try:
+        run = load_trace(Path(src))
+    except (FileNotFoundError, ValueError, OSError) as e:
+        return None, f"no reward timings: {src}: {e}"
+    files = getattr(run, "reward_files", {})
+    if not files:
+        return None, (
+            f"no reward timings in {src} (it has no reward_timings_step_<k>.jsonl; only the "
+            "rllm run records them; pass one as the reward source)"
+        )
+    if step is not None and step not in files and reward_source is None:
+        return None, (
+            f"no reward timings for step {step} in {src} (steps with timings: {sorted(files)})"
+        )
+    steps = [step] if step in files else None
+    try:
+        sampler = RewardTimeSampler.from_trace(run, steps=steps)
+    except ValueError as e:
+        return None, f"no reward timings: {e}"
+    where = f"{getattr(run, 'name', src)} step {step}" if steps else f"{src} (all steps)"
+    return sampler, where
+
+
 def reward_phase(
     workload: Workload,
     sampler: RewardTimeSampler | None,
     *,
     time_scale: float | None = None,
     seed: int = 0,
+    missing: str | None = None,
+    source: str = "",
 ) -> RewardPhase:
-    """Samples the reward stage of the workload's responses (seeded)."""
+    """Samples the reward stage of the workload's responses (seeded); ``missing``: the
+    status when ``sampler`` is None (why there are no timings), ``source``: where the
+    sampler's times come from (kept in the phase)."""
     if sampler is None:
         return RewardPhase(
-            status="no reward timings (pass a run with reward_timings_step_<k>.jsonl)",
+            status=missing or "no reward timings (pass a run with reward_timings_step_<k>.jsonl)",
             time_scale=time_scale,
         )
     n = len(np.unique(workload.info.trajectory_ids))
@@ -237,6 +302,7 @@ def reward_phase(
         ranks=ranks,
         production_s=prod,
         time_scale=time_scale,
+        source=source,
     )
 
 
@@ -312,6 +378,10 @@ class RolloutPhase:
     generated_tokens: int = 0
     tokens_per_s: float | None = None
     turn_seconds: tuple[float, ...] = ()  # per generate call (turn) of the fastest rollout
+    # The continuous engine: each trajectory's finish on the replay clock (the fastest
+    # rollout, trajectory-id order), tool waits included when ``tool_waits``.
+    trajectory_seconds: tuple[float, ...] = ()
+    tool_waits: bool = False
     detail: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 

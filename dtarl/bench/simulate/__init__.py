@@ -4,10 +4,12 @@ A replayed step (``dtarl.bench.replay``) has five stages; each has a model here:
 
   train    per engine, the linear cost model (1) over the features of the program
            the engine would compile for the batch;
-  rollout  the linear cost model (2) over the sampler's generate calls (one per turn);
+  rollout  the linear cost model (2) over the static sampler's generate calls (one
+           per turn; a replay on the continuous engine gets no rollout row);
   tool     the critical path of the workload's sampled tool latencies on the
            simulated clock (seeded like the replay; nothing is fitted);
-  reward   the replay's sampled rllm per-rank reward times (nothing is fitted);
+  reward   the replay's sampled per-rank reward times of the workload's own run
+           and step (only rllm records them; nothing is fitted);
   inference  forward-only logprob passes: the dense train coefficients applied
            to the scorer's forward FLOPs (``predict_inference``).
 Tool and reward are production seconds unless ``tool_time_scale`` converts

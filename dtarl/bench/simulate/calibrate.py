@@ -514,7 +514,10 @@ def calibrate_and_replay(
     ``config``: the ``ReplayConfig`` (its ``engines`` become ``kinds``).
     """
     config = ReplayConfig() if config is None else config
-    config = dataclasses.replace(config, engines=tuple(check_kind(k) for k in kinds))
+    # The rollout cost model (2) describes the static sampler's generate calls.
+    config = dataclasses.replace(
+        config, engines=tuple(check_kind(k) for k in kinds), rollout_engine="static"
+    )
     plan = calibration_plan(
         kinds,
         model=config.model,

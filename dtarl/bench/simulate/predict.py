@@ -13,10 +13,10 @@ from dtarl.batch import RolloutBatch
 from dtarl.bench.replay import (
     ToolClock,
     WorkloadSpec,
-    default_reward_sampler,
     default_tool_sampler,
     model_turns,
     reward_phase,
+    reward_sampler_for,
     rollout_calls,
     tool_phase,
 )
@@ -307,17 +307,18 @@ def predict_workload(
     w = spec.build(vocab_size=cfg.vocab_size)
     tool = tool_phase(
         w,
-        default_tool_sampler(spec.source),
+        default_tool_sampler(spec.source, w.info.step),
         clock=ToolClock.SIMULATED,
         time_scale=tool_time_scale,
         seed=spec.seed,
     )
     pred = predict_step(w, profile, cluster, engines=engines, model=cfg, tool_s=tool.seconds)
-    rew = (
-        reward_phase(w, default_reward_sampler(), time_scale=tool_time_scale, seed=spec.seed)
-        if reward
-        else None
-    )
+    rew = None
+    if reward:
+        sampler, where = reward_sampler_for(spec.source, w.info.step)
+        rew = reward_phase(
+            w, sampler, time_scale=tool_time_scale, seed=spec.seed, missing=where, source=where
+        )
     pred = dataclasses.replace(
         pred,
         tool_in_step_units=tool_time_scale is not None,

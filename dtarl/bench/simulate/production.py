@@ -53,6 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from dtarl.bench.report import save_figure
+from dtarl.bench.simulate.skill import Skill, accuracy, skill, skill_table
 from dtarl.engines.cost import nnls
 from dtarl.traces.loaders import RunKind, RunTrace, default_polytrace_root, load_trace
 from dtarl.traces.records import RewardTiming, Trajectory
@@ -319,16 +320,6 @@ class RewardTimeModel:
 # ----------------------------------------------------------------------------- report
 
 
-def accuracy(pred, real) -> float:
-    """1 - mean relative error (the paper's replay accuracy)."""
-    pred, real = np.asarray(pred, np.float64), np.asarray(real, np.float64)
-    if pred.shape != real.shape or real.size == 0:
-        raise ValueError(f"accuracy: shapes {pred.shape} vs {real.shape} (need equal, non-empty)")
-    if np.any(real <= 0):
-        raise ValueError("accuracy: real values must be > 0 (relative error)")
-    return float(1.0 - np.mean(np.abs(pred - real) / real))
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutStepRow:
     step: int
@@ -380,6 +371,8 @@ class ProductionReport:
     turn_pairs: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))
     trajectory_pairs: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))
     reward_pairs: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))
+    # every accuracy beside the fit-mean baseline's (``dtarl.bench.simulate.skill``)
+    skill: tuple[Skill, ...] = ()
 
     def table(self) -> str:
         e = self.engine
@@ -419,7 +412,7 @@ class ProductionReport:
                 f"  overall: per-rank {self.reward_rank_accuracy:.1%}, stage (slowest rank) "
                 f"{self.reward_stage_accuracy:.1%}"
             )
-        return "\n".join(lines)
+        return "\n".join(lines + skill_table(self.skill))
 
     def to_dict(self) -> dict:
         d = {
@@ -434,6 +427,7 @@ class ProductionReport:
             "turn_accuracy": self.turn_accuracy,
             "trajectory_accuracy": self.trajectory_accuracy,
             "makespan_accuracy": self.makespan_accuracy,
+            "skill": [k.to_dict() for k in self.skill],
         }
         if self.reward is not None:
             d.update(
@@ -579,7 +573,7 @@ def validate_production(
         jp.append(pred_tot)
         mr.append(real_tot.max())
         mp.append(pred_tot.max())
-    kw = {}
+    kw, reward_skill = {}, ()
     if reward:
         rrun = _run(reward_trace, RLLM_RELPATH, "reward_trace")
         if not rrun.reward_files:
@@ -606,6 +600,9 @@ def validate_production(
             rr.append(real)
             rp.append(pred)
         rr_all, rp_all = np.concatenate(rr), np.concatenate(rp)
+        fit_ranks = [[r.reward_time_s for r in recs[s]] for s in rfit]
+        stage_real = [r.stage_real_s for r in rrows]
+        stage_acc = accuracy([r.stage_pred_s for r in rrows], stage_real)
         kw = dict(
             reward_source=str(rrun.name),
             reward_fit_steps=rfit,
@@ -613,23 +610,38 @@ def validate_production(
             reward=model,
             reward_rows=tuple(rrows),
             reward_rank_accuracy=accuracy(rp_all, rr_all),
-            reward_stage_accuracy=accuracy(
-                [r.stage_pred_s for r in rrows], [r.stage_real_s for r in rrows]
-            ),
+            reward_stage_accuracy=stage_acc,
             reward_pairs=(rr_all, rp_all),
+        )
+        reward_skill = (
+            skill("reward per rank", kw["reward_rank_accuracy"], np.concatenate(fit_ranks), rr_all),
+            skill("reward stage", stage_acc, [max(v) for v in fit_ranks], stage_real),
         )
     turn_real, turn_pred = np.concatenate(tr), np.concatenate(tp)
     traj_real, traj_pred = np.concatenate(jr), np.concatenate(jp)
+    fit_totals = [tables[s].trajectory_totals(tables[s].latency) for s in fit]
+    acc = dict(
+        turn=accuracy(turn_pred, turn_real),
+        traj=accuracy(traj_pred, traj_real),
+        span=accuracy(mp, mr),
+    )
+    fit_turns = np.concatenate([tables[s].latency for s in fit])
+    rollout_skill = (
+        skill("engine latency per turn", acc["turn"], fit_turns, turn_real),
+        skill("trajectory total", acc["traj"], np.concatenate(fit_totals), traj_real),
+        skill("step makespan", acc["span"], [t.max() for t in fit_totals], mr),
+    )
     return ProductionReport(
         rollout_source=run.name,
         fit_steps=fit,
         test_steps=test,
         engine=engine,
         rollout_rows=tuple(rows),
-        turn_accuracy=accuracy(turn_pred, turn_real),
-        trajectory_accuracy=accuracy(traj_pred, traj_real),
-        makespan_accuracy=accuracy(mp, mr),
+        turn_accuracy=acc["turn"],
+        trajectory_accuracy=acc["traj"],
+        makespan_accuracy=acc["span"],
         turn_pairs=(turn_real, turn_pred),
         trajectory_pairs=(traj_real, traj_pred),
+        skill=rollout_skill + reward_skill,
         **kw,
     )

@@ -283,7 +283,7 @@ def validate(
             t = tool_phase(
                 wl,
                 default_tool_sampler(
-                    replay_json["config"].get("tool_latency_source") or spec.source
+                    replay_json["config"].get("tool_latency_source") or spec.source, wl.info.step
                 ),
                 clock=ToolClock.SIMULATED,
                 time_scale=scale,
@@ -317,6 +317,8 @@ def validate(
             )
         roll = stages.get("rollout", {})
         rp = predict_rollout(wl, profile, model=rcfg)
+        if (roll.get("detail") or {}).get("engine") == "continuous":
+            rp = None  # (2) models the static sampler's calls, not the continuous engine
         if roll.get("seconds") is not None and rp is not None:  # rollout row; step rows below
             mn = float(roll.get("min_seconds") or roll["seconds"])
             detail = roll.get("detail") or {}
