@@ -1,6 +1,6 @@
 """Writes a small GSM8K-format dataset of arithmetic word problems (generated, seeded).
 
-    python configs/examples/make_data.py                 # -> configs/examples/data/{train,val}.jsonl
+    python configs/examples/make_data.py     # -> configs/examples/data/{train,val}.jsonl
     python configs/examples/make_data.py --out DIR --train 400 --val 100 --seed 0
 
 Each line is ``{"question": ..., "answer": "<working> #### <number>", "data_source":

@@ -79,9 +79,7 @@ def _messages(value: list, where: str, key: str) -> tuple[dict[str, Any], ...]:
             if field not in m:
                 raise ConfigError(f"{at} has no '{field}' (a message is {{role, content}})")
             if not isinstance(m[field], str):
-                raise ConfigError(
-                    f"{at}.{field} must be a string, got {type(m[field]).__name__}"
-                )
+                raise ConfigError(f"{at}.{field} must be a string, got {type(m[field]).__name__}")
         if not m["role"]:
             raise ConfigError(f"{at}.role is empty")
         out.append(dict(m))

@@ -109,7 +109,9 @@ class ChatTemplate:
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as e:
-            raise ConfigError(f"{where}:{e.lineno}: chat template syntax error ({e.message})") from None
+            raise ConfigError(
+                f"{where}:{e.lineno}: chat template syntax error ({e.message})"
+            ) from None
 
     @classmethod
     def from_file(cls, path: str, *, special: Mapping[str, str] | None = None) -> ChatTemplate:

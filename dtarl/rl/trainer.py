@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from dtarl.errors import ConfigError
 from dtarl.parallel import mesh as mesh_lib
 from dtarl.parallel.launch import report_progress
 from dtarl.rl import darts, runlock
@@ -45,7 +46,6 @@ from dtarl.rl.build import (
     stop_sequences,
 )
 from dtarl.rl.checkpoint import CheckpointManager
-from dtarl.errors import ConfigError
 from dtarl.rl.config import StreamedModel, TrainerConfig, to_dict
 from dtarl.rl.datatask import DatasetTask
 from dtarl.rl.episodes import reference_batch, rl_batch
