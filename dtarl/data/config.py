@@ -55,9 +55,9 @@ class DataSection:
     SECTION: typing.ClassVar[str] = "data"
     # training rows: a path or a list of paths (.jsonl, .json, .parquet, a directory of
     # them, a datasets.save_to_disk folder); empty: the procedural task (task:)
-    train_files: Any = ()
+    train_files: str | tuple[str, ...] = ()
     # evaluation rows (held out); empty: evaluation draws from train_files
-    val_files: Any = ()
+    val_files: str | tuple[str, ...] = ()
     prompt_key: str = "prompt"  # column of the prompt: a string or a list of {role, content}
     answer_key: str = "answer"  # column of the ground truth handed to the reward (dots: nested)
     response_key: str | None = None  # column of a reference response (the SFT warm-up's target)
