@@ -303,3 +303,16 @@ def test_example_data_is_what_make_data_writes(tmp_path):
         expr, result = work.split("=")
         assert eval(expr) == int(result) == int(value)  # noqa: S307 (digits and one operator)
     assert os.path.basename(cfg.data.train_files[0]) == "train.jsonl"
+
+
+def test_load_from_disk_folder(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    ds = datasets.Dataset.from_list(rows)
+    ds.save_to_disk(str(tmp_path / "saved"))
+    got, _ = load([str(tmp_path / "saved")])
+    assert [p.row.answer for p in got] == ["2", "4"]
+    assert got[1].row.where == f"{tmp_path / 'saved'}:row 1"
+    datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(ConfigError, match=r"holds a DatasetDict \(splits \['train'\]\); name one"):
+        load([str(tmp_path / "dict")])
