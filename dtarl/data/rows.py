@@ -16,7 +16,7 @@ from typing import Any
 from dtarl.errors import ConfigError
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)  # compared (and hashed) by identity
 class Row:
     """A dataset row as the reward sees it (before rendering and tokenisation).
 

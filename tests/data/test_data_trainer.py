@@ -3,6 +3,7 @@ and a resumed run draws exactly the prompts of the uninterrupted one (bit for bi
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -121,3 +122,33 @@ def test_resume_refuses_changed_rows(runs, data_dir, tmp_path):
         assert Trainer(allowed).try_resume()
     finally:
         train.write_text(original)
+
+
+@pytest.mark.slow
+def test_example_config_trains_through_the_cli(tmp_path, monkeypatch, capsys):
+    """configs/examples/jsonl_tiny.yaml as `dtarl train` runs it (from the repository
+    root, its paths relative to it), cut to one SFT and one RL step."""
+    from dtarl.commands.train import main as cli_main
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    small = [
+        "sft.steps=1",
+        "steps=1",
+        "sft.batch_size=2",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=4",
+        "eval_problems=2",
+        "eval_every=0",
+        "model.overrides={num_layers: 1}",
+        "tensorboard=false",
+        f"out_dir={tmp_path}",
+    ]
+    argv = ["configs/examples/jsonl_tiny.yaml"] + [x for s in small for x in ("--set", s)]
+    assert cli_main(argv) == 0
+    recs = read_metrics(str(tmp_path))
+    assert [r["phase"] for r in recs if r["phase"] != "eval"] == ["sft", "rl"]
+    (rl,) = [r for r in recs if r["phase"] == "rl"]
+    assert rl["data/epoch"] == 0 and rl["data/dropped_rows"] == 0
+    assert "data: 400 training rows (400 read, 0 dropped" in capsys.readouterr().out
