@@ -14,8 +14,14 @@ from dtarl.rl.config import load_config
 transformers = pytest.importorskip("transformers")
 
 # Qwen2.5's template, shortened (no tool calls): a default system message, roles in
-# <|im_start|> ... <|im_end|> blocks, the generation prompt.
+# <|im_start|> ... <|im_end|> blocks, the generation prompt; plus Qwen3's namespace
+# bookkeeping (the last user turn, found walking messages[::-1]) and a tojson.
 QWEN_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}\n"
+    "{%- for m in messages[::-1] %}\n"
+    "    {%- if ns.last_user < 0 and m.role == 'user' %}"
+    "{%- set ns.last_user = messages|length - 1 - loop.index0 %}{%- endif %}\n"
+    "{%- endfor %}\n"
     "{%- if messages[0]['role'] == 'system' %}\n"
     "    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
     "{%- else %}\n"
@@ -24,6 +30,7 @@ QWEN_TEMPLATE = (
     "{%- for message in messages %}\n"
     "    {%- if message.role == 'system' and loop.first %}{% continue %}{% endif %}\n"
     "    {{- '<|im_start|>' + message.role + '\\n' + message.content | trim + '<|im_end|>\\n' }}\n"
+    "    {%- if loop.index0 == ns.last_user %}{{- {'last': loop.index0} | tojson }}{%- endif %}\n"
     "{%- endfor %}\n"
     "{%- if add_generation_prompt %}\n"
     "    {{- '<|im_start|>assistant\\n' }}\n"
