@@ -27,6 +27,7 @@ from dtarl.data.dataset import (
     Truncation,
     load_prompts,
 )
+from dtarl.data.files import expand
 from dtarl.data.rows import RowKeys
 from dtarl.data.template import ChatTemplate
 from dtarl.errors import ConfigError
@@ -99,6 +100,15 @@ class DataSection:
     @property
     def keys(self) -> RowKeys:
         return RowKeys(prompt=self.prompt_key, answer=self.answer_key, response=self.response_key)
+
+    def check_files(self) -> None:
+        """Raises the ``ConfigError`` of a missing or unreadable-kind path now (before a
+        model is loaded); the rows themselves are checked by ``build``."""
+        expand(self.train_files, "data.train_files")
+        if self.val_files:
+            expand(self.val_files, "data.val_files")
+        if self.chat_template not in (TEMPLATE_AUTO, TEMPLATE_NONE):
+            self.template(None)
 
     def template(self, tokenizer_dir: str | None) -> ChatTemplate | None:
         """The chat template prompts are rendered with (None: plain BOS + text)."""

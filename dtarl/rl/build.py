@@ -202,6 +202,8 @@ def build_parts(
         cache_dir = enable_compile_cache(cfg.compile_cache_dir)
         aot.enable_program_store(os.path.join(cache_dir, aot.STORE_SUBDIR))
     mesh = cfg.mesh.build()  # before the model: a bad mesh fails at once
+    if task is None and cfg.data.enabled:
+        cfg.data.check_files()  # ... and so do missing data files
     model, tokenizer = cfg.model.build()
     graphdef, params = nnx.split(model, nnx.Param)
     if mesh is not None:

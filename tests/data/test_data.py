@@ -316,3 +316,13 @@ def test_load_from_disk_folder(tmp_path):
     datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "dict"))
     with pytest.raises(ConfigError, match=r"holds a DatasetDict \(splits \['train'\]\); name one"):
         load([str(tmp_path / "dict")])
+
+
+def test_missing_files_fail_before_the_model_loads(tmp_path):
+    cfg = load_config(None, [f"data.train_files={tmp_path / 'nope.jsonl'}"])
+    with pytest.raises(ConfigError, match=r"data.train_files='.*nope.jsonl': no such file"):
+        cfg.data.check_files()
+    ok = write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a", "answer": "1"}])
+    cfg = load_config(None, [f"data.train_files={ok}", f"data.val_files={tmp_path / 'v'}"])
+    with pytest.raises(ConfigError, match=r"data.val_files='.*v': no such file"):
+        cfg.data.check_files()
