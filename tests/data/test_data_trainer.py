@@ -143,6 +143,8 @@ def test_example_config_trains_through_the_cli(tmp_path, monkeypatch, capsys):
         "eval_every=0",
         "model.overrides={num_layers: 1}",
         "tensorboard=false",
+        "mesh.dp=1",  # one device (the suite simulates 8)
+        "algo.engine=dfs",  # no timed engine tuning
         f"out_dir={tmp_path}",
     ]
     argv = ["configs/examples/jsonl_tiny.yaml"] + [x for s in small for x in ("--set", s)]
