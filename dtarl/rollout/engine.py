@@ -106,6 +106,7 @@ from jax.sharding import Mesh
 
 from dtarl.model.decoder import Decoder
 from dtarl.parallel.mesh import DEFAULT_RULES, Rules, param_shardings, shard_params
+from dtarl.rollout.compiles import compile_count
 from dtarl.rollout.config import (
     ContinuousConfig,
     EngineError,
@@ -358,7 +359,7 @@ class RolloutEngine:
 
     def _decode(self, weights) -> None:
         sched, st = self.scheduler, self._stats
-        traces = self.trace_count
+        compiles = compile_count()
         t0 = time.perf_counter()
         statics = self._decode_key()
         fn = self._program(ProgramKind.DECODE, **statics)
@@ -372,7 +373,10 @@ class RolloutEngine:
         st.decode_steps += steps
         st.active.extend(out.batch[:steps].tolist())
         st.context.extend(out.context[:steps].tolist())
-        if self.trace_count == traces:  # a call that compiled would price the compile
+        # A call during which XLA compiled (a new program, or a recompile without a
+        # retrace: e.g. weights committed to their device after an update) would price
+        # the compile: counted by what compiled, not by traces.
+        if compile_count() == compiles:
             st.calls.append((seconds, steps, int(out.batch[:steps].sum()), statics["window"]))
         arrays = (out.count, out.tokens, out.logprobs, out.finish)
         arrays += (new.length, new.token, new.budget)
