@@ -71,7 +71,7 @@ from dtarl.rollout.engine import ContinuousConfig
 from dtarl.timing import alternating, machine_info
 from dtarl.traces import default_polytrace_root
 
-CONFIGS = ("tp1", "tp2", "tp4", "tp8", "pat")
+CONFIGS = ("tp1", "tp2", "tp4", "tp8", "pat", "pat_oracle")
 
 
 def pat_tiny() -> ModelConfig:
@@ -291,12 +291,23 @@ def run(
         f"max {lengths.max()}"
     )
     kwargs = dict(num_samples=cfg.group_size, seed=cfg.seed, forced_lengths=lengths.tolist())
-    names = [f"tp{t}" for t in tps] + ["pat"]
-    controller = pat.PatController(
-        predictor, candidates=tps, check_every=cfg.check_every, compile_reuse=cfg.compile_reuse
-    )
-    controller.adopt(engine, compiled)
-    recorders = {n: CallRecorder(controller if n == "pat" else None) for n in names}
+    names = [f"tp{t}" for t in tps] + ["pat", "pat_oracle"]
+    # "pat": Alg. 1 as the paper runs it, knowing only L_max (max_new_tokens);
+    # "pat_oracle": reading each request's exact forced length (an upper bound).
+    controllers = {
+        n: pat.PatController(
+            predictor,
+            candidates=tps,
+            check_every=cfg.check_every,
+            compile_reuse=cfg.compile_reuse,
+            l_max=cfg.max_new_tokens,
+            oracle=n == "pat_oracle",
+        )
+        for n in ("pat", "pat_oracle")
+    }
+    for c in controllers.values():
+        c.adopt(engine, compiled)
+    recorders = {n: CallRecorder(controllers.get(n)) for n in names}
 
     def at(tp: int) -> None:
         """The idle engine onto (d / tp, tp) with every slot (moves the weights only)."""
@@ -308,14 +319,15 @@ def run(
     tokens: dict[str, Any] = {}
 
     def one(name: str) -> dict[str, Any]:
-        at(cfg.start_tp if name == "pat" else int(name[2:]))
-        if name == "pat":
+        controller = controllers.get(name)
+        at(cfg.start_tp if controller else int(name[2:]))
+        if controller:
             controller.begin()
         recorders[name].reset()
         traces = sampler.trace_count
         res = sampler.generate(weights, prompts, on_call=recorders[name], **kwargs)
         st = engine.stats()
-        tl = controller.timeline if name == "pat" else []
+        tl = controller.timeline if controller else []
         switch_s = sum(e["info"].get("weights_s", 0.0) for e in tl)
         kv_s = sum(e["info"].get("kv_s", 0.0) for e in tl)
         decode_s = float(sum(c[0] for c in st.calls))
@@ -355,13 +367,11 @@ def run(
             calls_s=float(sum(c["seconds"] for c in best["calls"])),
             calls_predicted_s=float(predict_calls(predictor, best["calls"], ccfg).sum()),
         )
-        if n == "pat":
+        if n in controllers:
             row["timeline"] = best["timeline"]
             row["tokens_match_tp1"] = bool(
                 "tp1" in tokens
-                and all(
-                    np.array_equal(a, b) for a, b in zip(tokens["pat"], tokens["tp1"], strict=True)
-                )
+                and all(np.array_equal(a, b) for a, b in zip(tokens[n], tokens["tp1"], strict=True))
             )
         rows.append(row)
     full, every, pat_errs, gens = [], [], [], []
@@ -373,7 +383,7 @@ def run(
                 gens.append(abs(pred - real) / max(real, 1e-12))
             errs = real_errors(predictor, x["calls"], ccfg)
             every += errs
-            if n == "pat":
+            if n in controllers:
                 pat_errs += errs
             else:
                 full += [
@@ -473,6 +483,14 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     ]
     out = "\n".join(report.markdown(header, cells, compact=True))
     patrow = next((r for r in rows if r["config"] == "pat"), None)
+    static = [r["latency_s"] for r in rows if r["config"].startswith("tp")]
+    for r in rows:
+        if r["config"] in ("pat", "pat_oracle") and static:
+            who = "knows L_max only" if r["config"] == "pat" else "reads the forced lengths"
+            out += (
+                f"\n{r['config']} ({who}): {r['latency_s'] / min(static):.3f}x the best "
+                f"static TP's latency (goal <= 1.02 for pat)"
+            )
     if patrow is not None:
         if patrow["switches"] == 0:
             out += "\nPAT: the controller did not switch (no candidate's predicted gain paid)."

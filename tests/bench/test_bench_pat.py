@@ -61,14 +61,16 @@ def test_bench_pat_cli_tiny(tmp_path, capsys):
     assert "| config | latency s |" in text and "PREDICTION" in text
     rows = json.loads(out.read_text())
     by = {r["config"]: r for r in rows}
-    assert set(by) == {"tp1", "tp2", "tp4", "tp8", "pat", "predictor", "replay"}
-    for name in ("tp1", "tp2", "tp4", "tp8", "pat"):
+    assert set(by) == {"tp1", "tp2", "tp4", "tp8", "pat", "pat_oracle", "predictor", "replay"}
+    for name in ("tp1", "tp2", "tp4", "tp8", "pat", "pat_oracle"):
         r = by[name]
         assert r["latency_s"] > 0 and r["decode_s"] > 0
-        assert r["switches"] == (0 if name != "pat" else len(r["timeline"]))
+        assert r["switches"] == (len(r["timeline"]) if name.startswith("pat") else 0)
         # Timed runs compile nothing: the warm-up run compiled every program, PAT's too.
         assert r["compiled_after_warmup"] == 0
     assert by["pat"]["switches"] >= 1 and by["pat"]["tokens_match_tp1"] is True
+    assert by["pat_oracle"]["tokens_match_tp1"] is True
+    assert "pat (knows L_max only)" in text and "pat_oracle (reads the forced" in text
     assert by["pat"]["timeline"][0]["src"][1] == 1
     p = by["predictor"]
     # The synthetic profile is linear in T per B (1e-9 s per token): held out inside the
