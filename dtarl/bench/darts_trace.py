@@ -190,7 +190,9 @@ def load_pool(
         lens = np.clip(np.round(g * scale).astype(np.int64), 1, cfg.max_new_tokens)
         plen = int(np.clip(round(s.prompt_len * scale), 4, cfg.prompt_len))
         prompt = tuple(int(t) for t in rng.integers(1, vocab, plen))
-        pool.append(PromptDist(f"{cfg.trace}/{i}", prompt, lens, trunc | (lens >= cfg.max_new_tokens)))
+        pool.append(
+            PromptDist(f"{cfg.trace}/{i}", prompt, lens, trunc | (lens >= cfg.max_new_tokens))
+        )
     mean = float(np.mean(np.concatenate([p.lengths for p in pool])))
     desc = (
         f"PolyTrace {label} step {step}: {cfg.pool} prompts, lengths x{scale:.4g} "
@@ -245,7 +247,9 @@ class TraceBench:
         eng, m = self.rollout, self.cfg.group_size
         groups = []
         t0 = time.perf_counter()
-        for i, ((p, lens, trunc), n, stop) in enumerate(zip(picks, counts, early_stop, strict=True)):
+        for i, ((p, lens, trunc), n, stop) in enumerate(
+            zip(picks, counts, early_stop, strict=True)
+        ):
             ok = ~trunc[:n]
 
             def until(g, ok=ok):  # M complete (forced, not truncated) candidates
@@ -278,7 +282,9 @@ class TraceBench:
                     resp, lp = np.zeros(1, np.int32), np.zeros(1, np.float32)
                 pr = np.asarray(p.prompt, np.int32)
                 toks.append(np.concatenate([pr, resp]))
-                masks.append(np.concatenate([np.zeros(pr.size, np.float32), np.ones(resp.size, np.float32)]))
+                masks.append(
+                    np.concatenate([np.zeros(pr.size, np.float32), np.ones(resp.size, np.float32)])
+                )
                 olds.append(np.concatenate([np.zeros(pr.size, np.float32), np.minimum(lp, 0.0)]))
                 gids.append(g)
         rng = np.random.default_rng(len(toks))
@@ -321,7 +327,9 @@ class TraceBench:
                 kept.append(darts.dual_end_select(lens, ok, m, min(k, m)))
             else:
                 kept.append(list(range(len(rs))))
-            update[p.key] = [x for x, r in zip(lens, rs, strict=True) if r.finish is not FinishReason.CANCELLED]
+            update[p.key] = [
+                x for x, r in zip(lens, rs, strict=True) if r.finish is not FinishReason.CANCELLED
+            ]
         if arm == "darts":
             self.state.update(update)
         train_s = self.train(picks, reqs, kept)
@@ -352,7 +360,8 @@ class TraceBench:
         say(f"darts trace bench: {desc}")
         say(
             f"  N={cfg.prompts} prompts x M={cfg.group_size} (M_up {cfg.m_up}), slots "
-            f"{self.rollout.config.slots}, lambda {cfg.lam} (relative), K={cfg.short_k or cfg.group_size - 1}"
+            f"{self.rollout.config.slots}, lambda {cfg.lam} (relative), "
+            f"K={cfg.short_k or cfg.group_size - 1}"
         )
         warm = []
         for s in range(cfg.warmup_steps):
@@ -390,7 +399,10 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out[arm] = dict(
             steps=len(clean),
             compiled_steps=len(mine) - len([r for r in mine if not r["compiled"]]),
-            **{k: float(np.median([r[k] for r in clean])) for k in ("rollout_s", "train_s", "step_s")},
+            **{
+                k: float(np.median([r[k] for r in clean]))
+                for k in ("rollout_s", "train_s", "step_s")
+            },
             generated_tokens=float(np.mean([r["generated_tokens"] for r in mine])),
             cancelled_tokens=float(np.mean([r["cancelled_tokens"] for r in mine])),
             candidates=float(np.mean([r["candidates"] for r in mine])),
