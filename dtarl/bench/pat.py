@@ -5,14 +5,17 @@ The D devices (8 simulated CPU devices by default: the command sets
 ``--xla_force_host_platform_device_count=8`` when XLA_FLAGS does not choose) run the
 continuous engine as a (D/tp, tp) mesh. One generation: ``prompts`` groups of
 ``group_size`` samples with forced response lengths from a PolyTrace long-tail
-distribution (the verl math run, scaled so the longest is ``max_new_tokens``;
-lognormal stand-ins without the traces), all admitted at once
+distribution (``--trace``: verl_math (default), rllm or search_r1; each prompt's
+lengths drawn from one trace group's own responses, scaled so the longest is
+``max_new_tokens``; lognormal stand-ins without the traces), all admitted at once
 (slots = prompts x G), greedy.
 
 Configurations, side by side: static ``tp1``, ``tp2``, ``tp4``, ``tp8`` (those
 dividing D and the kv heads) and ``pat``: starts at ``start_tp`` and lets the
 controller (Algorithm 1, every ``check_every`` decode calls) switch the mesh and
-compact the live requests. All of them run on ONE engine (built on the ``start_tp``
+compact the live requests, knowing only L_max = ``max_new_tokens`` as the paper's
+does; ``pat_oracle`` is the same controller reading each request's exact forced
+length (an upper bound, not a result). All of them run on ONE engine (built on the ``start_tp``
 mesh): a static ``tpN`` generation starts after an idle reshard onto (D/N, N), which
 moves nothing but the weights and compiles nothing. The profile is taken on that same
 engine first (``dtarl.bench.pat_profile.profile_engine(..., engine=...)``: the grid is
@@ -62,7 +65,9 @@ import numpy as np
 from flax import nnx
 
 from dtarl.bench import pat_profile, report
+from dtarl.bench.darts_trace import TRACES
 from dtarl.bench.rollout import synthetic_lengths, trace_lengths
+from dtarl.errors import ConfigError
 from dtarl.model import ModelConfig, init_model
 from dtarl.parallel.mesh import make_mesh
 from dtarl.rollout import pat
@@ -94,6 +99,7 @@ class PatBenchConfig:
     rounds: int = 3
     seed: int = 0
     compile_reuse: int = 100
+    trace: str = "verl_math"  # the PolyTrace run the lengths come from (TRACES)
     grid: pat_profile.ProfileGrid = dataclasses.field(default_factory=pat_profile.ProfileGrid)
 
     def __post_init__(self):
@@ -110,6 +116,10 @@ class PatBenchConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"PatBenchConfig.{name}={v!r}: must be an int >= 1")
+        if self.trace not in TRACES:
+            raise ConfigError(
+                f"PatBenchConfig.trace={self.trace!r}: accepted values {sorted(TRACES)}"
+            )
         if self.start_tp not in pat.TP_DEGREES:
             raise ValueError(f"PatBenchConfig.start_tp={self.start_tp}: one of {pat.TP_DEGREES}")
 
@@ -150,7 +160,7 @@ def workload_lengths(
     raw = None
     if not synthetic:
         raw = trace_lengths(
-            "math", root, prompts=cfg.prompts, group_size=cfg.group_size, seed=cfg.seed
+            TRACES[cfg.trace], root, prompts=cfg.prompts, group_size=cfg.group_size, seed=cfg.seed
         )
     if raw is None:
         n = cfg.prompts * cfg.group_size
@@ -158,7 +168,7 @@ def workload_lengths(
         return synthetic_lengths("math", n, cfg.max_new_tokens, cfg.seed), f"lognormal ({why})"
     scale = min(1.0, cfg.max_new_tokens / max(int(raw.max()), 1))
     lengths = np.clip(np.round(raw * scale).astype(np.int64), 1, cfg.max_new_tokens)
-    return lengths, f"PolyTrace verl math x{scale:.4g}"
+    return lengths, f"PolyTrace {cfg.trace} (each prompt's own group) x{scale:.4g}"
 
 
 class CallRecorder:
@@ -598,6 +608,7 @@ def json_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 __all__ = [
     "CONFIGS",
+    "TRACES",
     "CallRecorder",
     "PatBenchConfig",
     "format_replay",
