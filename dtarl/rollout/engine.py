@@ -359,8 +359,7 @@ class RolloutEngine:
 
     def _decode(self, weights) -> None:
         sched, st = self.scheduler, self._stats
-        compiles = compile_count()
-        t0 = time.perf_counter()
+        compiles, t0 = compile_count(), time.perf_counter()
         statics = self._decode_key()
         fn = self._program(ProgramKind.DECODE, **statics)
         slots = slot_arrays(sched.mirror, self._placement())
@@ -373,10 +372,7 @@ class RolloutEngine:
         st.decode_steps += steps
         st.active.extend(out.batch[:steps].tolist())
         st.context.extend(out.context[:steps].tolist())
-        # A call during which XLA compiled (a new program, or a recompile without a
-        # retrace: e.g. weights committed to their device after an update) would price
-        # the compile: counted by what compiled, not by traces.
-        if compile_count() == compiles:
+        if compile_count() == compiles:  # a compile (even one without a retrace) is no sample
             st.calls.append((seconds, steps, int(out.batch[:steps].sum()), statics["window"]))
         arrays = (out.count, out.tokens, out.logprobs, out.finish)
         arrays += (new.length, new.token, new.budget)

@@ -93,3 +93,11 @@ def test_bench_pat_refuses_a_profile_of_other_devices(tmp_path, capsys):
     path.write_text(json.dumps(d))
     assert cli.main(["bench", "pat", "--synthetic", "--profile", str(path)]) == 2
     assert "taken on 4 devices, this run has 8" in capsys.readouterr().err
+
+
+def test_bench_pat_trace_names_the_accepted_values():
+    from dtarl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trace='math': accepted values \['rllm', 'search_r1'"):
+        bench_pat.PatBenchConfig(trace="math")
+    assert bench_pat.PatBenchConfig(trace="rllm").trace == "rllm"
