@@ -64,7 +64,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dtarl.bench import pat_profile, report
+from dtarl.bench import pat_analytic, pat_profile, report
 from dtarl.bench.darts_trace import TRACES
 from dtarl.bench.rollout import synthetic_lengths, trace_lengths
 from dtarl.errors import ConfigError
@@ -235,6 +235,7 @@ def run(
     polytrace: str | os.PathLike | None = None,
     synthetic: bool = False,
     png: str | os.PathLike | None = None,
+    analytic: bool = False,
     verbose: bool = True,
 ) -> dict[str, Any]:
     """Runs the benchmark (module docstring); returns ``rows`` (one per configuration,
@@ -290,6 +291,16 @@ def run(
     if missing:
         raise pat.PatError(f"bench pat: profile lacks TP {missing} (has {list(predictor.tps)})")
 
+    checked = None  # --analytic: the noise-free predictor check (dtarl.bench.pat_analytic)
+    if analytic:
+        g = dataclasses.replace(cfg.grid, engine=ccfg, tps=tuple(tps))
+        checked = pat_analytic.check(pat_analytic.analytic_profile(model, weights, g, engine))
+        say(
+            f"  analytic profile (a PREDICTION: XLA cost analysis + alpha-beta all-reduce): "
+            f"held-out interpolation error {checked['mean_rel_error']:.2%} mean, "
+            f"{checked['max_rel_error']:.2%} max over {checked['held_out_points']} points "
+            "(goal <= 2%)"
+        )
     lengths, source = workload_lengths(cfg, polytrace=polytrace, synthetic=synthetic)
     rng = np.random.default_rng([cfg.seed, 11])
     prompts = [
@@ -436,6 +447,8 @@ def run(
             profile_s=profile_s,
         )
     )
+    if checked is not None:
+        rows.append(dict(config="analytic", **checked))
     result: dict[str, Any] = dict(
         rows=rows,
         config=dataclasses.asdict(cfg),
@@ -489,7 +502,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     cells = [
         (r["config"], *(f"{r[k]:.3f}" for k in _TIMES), r["switches"])
         for r in rows
-        if r["config"] != "predictor"
+        if r["config"] not in ("predictor", "analytic")
     ]
     out = "\n".join(report.markdown(header, cells, compact=True))
     patrow = next((r for r in rows if r["config"] == "pat"), None)
@@ -554,7 +567,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in rows if r["config"] != "predictor"]
+    runs = [r for r in rows if r["config"] not in ("predictor", "analytic")]
     patrow = next(r for r in runs if r["config"] == "pat")
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 3.6))
     tl = patrow.get("timeline", [])

@@ -213,6 +213,12 @@ def add_pat(sub) -> None:
         "generation's (B, T) trajectory (a prediction, labelled so)",
     )
     p.add_argument("--quick", action="store_true", help="small run (under 5 minutes on 2 cores)")
+    p.add_argument(
+        "--analytic",
+        action="store_true",
+        help="also the noise-free predictor check: an analytic profile (XLA cost analysis + "
+        "alpha-beta all-reduces, a PREDICTION) and the interpolation's held-out error on it",
+    )
     p.add_argument("--png", default="bench_out/pat.png", help="timeline plot (%(default)s)")
     p.add_argument(
         "--json",
@@ -235,6 +241,7 @@ def _pat(args: argparse.Namespace) -> int:
         polytrace=args.polytrace,
         synthetic=args.synthetic,
         png=args.png,
+        analytic=args.analytic,
     )
     print(f"total {time.perf_counter() - t0:.1f} s")
     if args.json:

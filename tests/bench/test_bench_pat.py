@@ -101,3 +101,14 @@ def test_bench_pat_trace_names_the_accepted_values():
     with pytest.raises(ConfigError, match=r"trace='math': accepted values \['rllm', 'search_r1'"):
         bench_pat.PatBenchConfig(trace="math")
     assert bench_pat.PatBenchConfig(trace="rllm").trace == "rllm"
+
+
+def test_analytic_step_seconds_by_hand():
+    from dtarl.bench.pat_analytic import Machine, step_seconds
+
+    m = Machine(flops_per_s=1e9, bytes_per_s=1e8, alpha_s=1e-6, beta_s_per_byte=1e-9)
+    cost = dict(flops=2e6, bytes=1e5)  # compute-bound: 2 ms vs 1 ms
+    assert step_seconds(cost, tp=1, b=4, hidden=8, layers=2, machine=m) == pytest.approx(2e-3)
+    # tp 4: 2 layers x 2 all-reduces of 4 x 8 x 4 = 128 bytes, ring: 6 alpha + 1.5 m beta
+    want = 2e-3 + 2 * 2 * (6 * 1e-6 + 1.5 * 128 * 1e-9)
+    assert step_seconds(cost, tp=4, b=4, hidden=8, layers=2, machine=m) == pytest.approx(want)
