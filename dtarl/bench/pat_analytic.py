@@ -104,8 +104,10 @@ def analytic_profile(
     pre = [dict(tp=r["tp"], b=r["b"], l=c.prompt_len, t=r["b"] * c.prompt_len, seconds=r["seconds"])
            for r in dec if r["l"] == windows[0]]  # fmt: skip
     return pat.Profile(
-        model={k: v if isinstance(v, int | float | str | bool) or v is None else str(v)
-               for k, v in dataclasses.asdict(model.cfg).items()},  # fmt: skip
+        model={
+            k: v if isinstance(v, int | float | str | bool) or v is None else str(v)
+            for k, v in dataclasses.asdict(model.cfg).items()
+        },  # fmt: skip
         device_kind=f"ANALYTIC PREDICTION ({m})",
         platform="analytic",
         jax_version=jax.__version__,
