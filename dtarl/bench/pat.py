@@ -5,14 +5,17 @@ The D devices (8 simulated CPU devices by default: the command sets
 ``--xla_force_host_platform_device_count=8`` when XLA_FLAGS does not choose) run the
 continuous engine as a (D/tp, tp) mesh. One generation: ``prompts`` groups of
 ``group_size`` samples with forced response lengths from a PolyTrace long-tail
-distribution (the verl math run, scaled so the longest is ``max_new_tokens``;
-lognormal stand-ins without the traces), all admitted at once
+distribution (``--trace``: verl_math (default), rllm or search_r1; each prompt's
+lengths drawn from one trace group's own responses, scaled so the longest is
+``max_new_tokens``; lognormal stand-ins without the traces), all admitted at once
 (slots = prompts x G), greedy.
 
 Configurations, side by side: static ``tp1``, ``tp2``, ``tp4``, ``tp8`` (those
 dividing D and the kv heads) and ``pat``: starts at ``start_tp`` and lets the
 controller (Algorithm 1, every ``check_every`` decode calls) switch the mesh and
-compact the live requests. All of them run on ONE engine (built on the ``start_tp``
+compact the live requests, knowing only L_max = ``max_new_tokens`` as the paper's
+does; ``pat_oracle`` is the same controller reading each request's exact forced
+length (an upper bound, not a result). All of them run on ONE engine (built on the ``start_tp``
 mesh): a static ``tpN`` generation starts after an idle reshard onto (D/N, N), which
 moves nothing but the weights and compiles nothing. The profile is taken on that same
 engine first (``dtarl.bench.pat_profile.profile_engine(..., engine=...)``: the grid is
@@ -61,8 +64,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dtarl.bench import pat_profile, report
+from dtarl.bench import pat_analytic, pat_profile, report
+from dtarl.bench.darts_trace import TRACES
 from dtarl.bench.rollout import synthetic_lengths, trace_lengths
+from dtarl.errors import ConfigError
 from dtarl.model import ModelConfig, init_model
 from dtarl.parallel.mesh import make_mesh
 from dtarl.rollout import pat
@@ -71,7 +76,7 @@ from dtarl.rollout.engine import ContinuousConfig
 from dtarl.timing import alternating, machine_info
 from dtarl.traces import default_polytrace_root
 
-CONFIGS = ("tp1", "tp2", "tp4", "tp8", "pat")
+CONFIGS = ("tp1", "tp2", "tp4", "tp8", "pat", "pat_oracle")
 
 
 def pat_tiny() -> ModelConfig:
@@ -94,6 +99,7 @@ class PatBenchConfig:
     rounds: int = 3
     seed: int = 0
     compile_reuse: int = 100
+    trace: str = "verl_math"  # the PolyTrace run the lengths come from (TRACES)
     grid: pat_profile.ProfileGrid = dataclasses.field(default_factory=pat_profile.ProfileGrid)
 
     def __post_init__(self):
@@ -110,6 +116,10 @@ class PatBenchConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"PatBenchConfig.{name}={v!r}: must be an int >= 1")
+        if self.trace not in TRACES:
+            raise ConfigError(
+                f"PatBenchConfig.trace={self.trace!r}: accepted values {sorted(TRACES)}"
+            )
         if self.start_tp not in pat.TP_DEGREES:
             raise ValueError(f"PatBenchConfig.start_tp={self.start_tp}: one of {pat.TP_DEGREES}")
 
@@ -150,7 +160,7 @@ def workload_lengths(
     raw = None
     if not synthetic:
         raw = trace_lengths(
-            "math", root, prompts=cfg.prompts, group_size=cfg.group_size, seed=cfg.seed
+            TRACES[cfg.trace], root, prompts=cfg.prompts, group_size=cfg.group_size, seed=cfg.seed
         )
     if raw is None:
         n = cfg.prompts * cfg.group_size
@@ -158,7 +168,7 @@ def workload_lengths(
         return synthetic_lengths("math", n, cfg.max_new_tokens, cfg.seed), f"lognormal ({why})"
     scale = min(1.0, cfg.max_new_tokens / max(int(raw.max()), 1))
     lengths = np.clip(np.round(raw * scale).astype(np.int64), 1, cfg.max_new_tokens)
-    return lengths, f"PolyTrace verl math x{scale:.4g}"
+    return lengths, f"PolyTrace {cfg.trace} (each prompt's own group) x{scale:.4g}"
 
 
 class CallRecorder:
@@ -225,6 +235,7 @@ def run(
     polytrace: str | os.PathLike | None = None,
     synthetic: bool = False,
     png: str | os.PathLike | None = None,
+    analytic: bool = False,
     verbose: bool = True,
 ) -> dict[str, Any]:
     """Runs the benchmark (module docstring); returns ``rows`` (one per configuration,
@@ -280,6 +291,16 @@ def run(
     if missing:
         raise pat.PatError(f"bench pat: profile lacks TP {missing} (has {list(predictor.tps)})")
 
+    checked = None  # --analytic: the noise-free predictor check (dtarl.bench.pat_analytic)
+    if analytic:
+        g = dataclasses.replace(cfg.grid, engine=ccfg, tps=tuple(tps))
+        checked = pat_analytic.check(pat_analytic.analytic_profile(model, weights, g, engine))
+        say(
+            f"  analytic profile (a PREDICTION: XLA cost analysis + alpha-beta all-reduce): "
+            f"held-out interpolation error {checked['mean_rel_error']:.2%} mean, "
+            f"{checked['max_rel_error']:.2%} max over {checked['held_out_points']} points "
+            "(goal <= 2%)"
+        )
     lengths, source = workload_lengths(cfg, polytrace=polytrace, synthetic=synthetic)
     rng = np.random.default_rng([cfg.seed, 11])
     prompts = [
@@ -291,12 +312,23 @@ def run(
         f"max {lengths.max()}"
     )
     kwargs = dict(num_samples=cfg.group_size, seed=cfg.seed, forced_lengths=lengths.tolist())
-    names = [f"tp{t}" for t in tps] + ["pat"]
-    controller = pat.PatController(
-        predictor, candidates=tps, check_every=cfg.check_every, compile_reuse=cfg.compile_reuse
-    )
-    controller.adopt(engine, compiled)
-    recorders = {n: CallRecorder(controller if n == "pat" else None) for n in names}
+    names = [f"tp{t}" for t in tps] + ["pat", "pat_oracle"]
+    # "pat": Alg. 1 as the paper runs it, knowing only L_max (max_new_tokens);
+    # "pat_oracle": reading each request's exact forced length (an upper bound).
+    controllers = {
+        n: pat.PatController(
+            predictor,
+            candidates=tps,
+            check_every=cfg.check_every,
+            compile_reuse=cfg.compile_reuse,
+            l_max=cfg.max_new_tokens,
+            oracle=n == "pat_oracle",
+        )
+        for n in ("pat", "pat_oracle")
+    }
+    for c in controllers.values():
+        c.adopt(engine, compiled)
+    recorders = {n: CallRecorder(controllers.get(n)) for n in names}
 
     def at(tp: int) -> None:
         """The idle engine onto (d / tp, tp) with every slot (moves the weights only)."""
@@ -308,14 +340,15 @@ def run(
     tokens: dict[str, Any] = {}
 
     def one(name: str) -> dict[str, Any]:
-        at(cfg.start_tp if name == "pat" else int(name[2:]))
-        if name == "pat":
+        controller = controllers.get(name)
+        at(cfg.start_tp if controller else int(name[2:]))
+        if controller:
             controller.begin()
         recorders[name].reset()
         traces = sampler.trace_count
         res = sampler.generate(weights, prompts, on_call=recorders[name], **kwargs)
         st = engine.stats()
-        tl = controller.timeline if name == "pat" else []
+        tl = controller.timeline if controller else []
         switch_s = sum(e["info"].get("weights_s", 0.0) for e in tl)
         kv_s = sum(e["info"].get("kv_s", 0.0) for e in tl)
         decode_s = float(sum(c[0] for c in st.calls))
@@ -355,13 +388,11 @@ def run(
             calls_s=float(sum(c["seconds"] for c in best["calls"])),
             calls_predicted_s=float(predict_calls(predictor, best["calls"], ccfg).sum()),
         )
-        if n == "pat":
+        if n in controllers:
             row["timeline"] = best["timeline"]
             row["tokens_match_tp1"] = bool(
                 "tp1" in tokens
-                and all(
-                    np.array_equal(a, b) for a, b in zip(tokens["pat"], tokens["tp1"], strict=True)
-                )
+                and all(np.array_equal(a, b) for a, b in zip(tokens[n], tokens["tp1"], strict=True))
             )
         rows.append(row)
     full, every, pat_errs, gens = [], [], [], []
@@ -373,7 +404,7 @@ def run(
                 gens.append(abs(pred - real) / max(real, 1e-12))
             errs = real_errors(predictor, x["calls"], ccfg)
             every += errs
-            if n == "pat":
+            if n in controllers:
                 pat_errs += errs
             else:
                 full += [
@@ -416,6 +447,8 @@ def run(
             profile_s=profile_s,
         )
     )
+    if checked is not None:
+        rows.append(dict(config="analytic", **checked))
     result: dict[str, Any] = dict(
         rows=rows,
         config=dataclasses.asdict(cfg),
@@ -469,10 +502,18 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     cells = [
         (r["config"], *(f"{r[k]:.3f}" for k in _TIMES), r["switches"])
         for r in rows
-        if r["config"] != "predictor"
+        if r["config"] not in ("predictor", "analytic")
     ]
     out = "\n".join(report.markdown(header, cells, compact=True))
     patrow = next((r for r in rows if r["config"] == "pat"), None)
+    static = [r["latency_s"] for r in rows if r["config"].startswith("tp")]
+    for r in rows:
+        if r["config"] in ("pat", "pat_oracle") and static:
+            who = "knows L_max only" if r["config"] == "pat" else "reads the forced lengths"
+            out += (
+                f"\n{r['config']} ({who}): {r['latency_s'] / min(static):.3f}x the best "
+                f"static TP's latency (goal <= 1.02 for pat)"
+            )
     if patrow is not None:
         if patrow["switches"] == 0:
             out += "\nPAT: the controller did not switch (no candidate's predicted gain paid)."
@@ -526,7 +567,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in rows if r["config"] != "predictor"]
+    runs = [r for r in rows if r["config"] not in ("predictor", "analytic")]
     patrow = next(r for r in runs if r["config"] == "pat")
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 3.6))
     tl = patrow.get("timeline", [])
@@ -580,6 +621,7 @@ def json_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 __all__ = [
     "CONFIGS",
+    "TRACES",
     "CallRecorder",
     "PatBenchConfig",
     "format_replay",

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from dtarl.bench import darts as bench_darts
+from dtarl.bench import darts_trace as bench_darts_trace
 from dtarl.bench import memory as bench_memory
 from dtarl.bench import partition as bench_partition
 from dtarl.bench import peer as bench_peer
@@ -324,12 +325,52 @@ def _add_darts(sub) -> None:
     p.add_argument(
         "--json",
         help="write one object per (arm, seed): arm, seed, step_seconds, final_success, "
-        "mean_response_len, ...",
+        "mean_response_len, ...; with --trace one per (arm, round, step): trace, arm, round, "
+        "rollout_s, train_s, step_s, generated_tokens, cancelled_tokens, kept_len_mean",
     )
+    t = p.add_argument_group(
+        "trace lengths (--trace: dtarl.bench.darts_trace; the trainer options above are unused)"
+    )
+    td = bench_darts_trace.TraceBenchConfig()
+    t.add_argument(
+        "--trace",
+        help=f"one of {sorted(bench_darts_trace.TRACES)}: each prompt's candidate lengths "
+        "drawn from its own trace group, real engine with forced lengths, then training",
+    )
+    t.add_argument("--prompts", type=int, help=f"prompts per step N (default {td.prompts})")
+    t.add_argument("--group-size", type=int, help=f"M (default {td.group_size})")
+    t.add_argument("--pool", type=int, help=f"distinct prompts drawn from (default {td.pool})")
+    t.add_argument("--max-new-tokens", type=int, help=f"length cap (default {td.max_new_tokens})")
+    t.add_argument("--rounds", type=int, help=f"interleaved rounds (default {td.rounds})")
+    t.add_argument("--trace-steps", type=int, help=f"steps per arm and round ({td.steps})")
+    t.add_argument("--warmup-steps", type=int, help=f"untimed steps per arm ({td.warmup_steps})")
+    t.add_argument("--slots", type=int, help="rollout engine slots (default N x M)")
+    t.add_argument("--lambda", dest="lam", type=float, help=f"relative lambda ({td.lam})")
+    t.add_argument("--polytrace", help="PolyTrace root (default: ../shared/polytrace)")
     p.set_defaults(func=_darts)
 
 
+def _darts_trace(args: argparse.Namespace) -> int:
+    names = {"prompts": "prompts", "group_size": "group_size", "pool": "pool",
+             "max_new_tokens": "max_new_tokens", "rounds": "rounds", "trace_steps": "steps",
+             "warmup_steps": "warmup_steps", "slots": "slots", "lam": "lam"}  # fmt: skip
+    over = {v: getattr(args, k) for k, v in names.items() if getattr(args, k) is not None}
+    if args.seeds:
+        over["seed"] = args.seeds[0]
+    make = bench_darts_trace.TraceBenchConfig
+    cfg = (make.quick if args.quick else make)(trace=args.trace, **over)
+    res = bench_darts_trace.run(cfg, polytrace=args.polytrace)
+    print()
+    print(f"machine: {res['machine']}")
+    print(bench_darts_trace.format_table(res))
+    if args.json:
+        report.write_json(args.json, bench_darts_trace.json_rows(res), say=print)
+    return 0
+
+
 def _darts(args: argparse.Namespace) -> int:
+    if args.trace is not None:
+        return _darts_trace(args)
     fields = ("steps", "eval_every", "eval_problems", "sft_steps", "skip_steps")
     over = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
     if args.seeds is not None:

@@ -194,6 +194,11 @@ def add_pat(sub) -> None:
         flag = "--" + name.replace("_", "-")
         p.add_argument(flag, type=int, help=f"{what} (default {getattr(d, name)})")
     p.add_argument("--polytrace", help="PolyTrace root (default: ../shared/polytrace)")
+    p.add_argument(
+        "--trace",
+        help=f"PolyTrace run of the lengths, one of {sorted(bench_pat.TRACES)} (default "
+        f"{d.trace}; each prompt's lengths from one trace group)",
+    )
     p.add_argument("--synthetic", action="store_true", help="lognormal lengths, no traces")
     p.add_argument("--profile", help="use this saved profile instead of profiling first")
     p.add_argument(
@@ -208,11 +213,17 @@ def add_pat(sub) -> None:
         "generation's (B, T) trajectory (a prediction, labelled so)",
     )
     p.add_argument("--quick", action="store_true", help="small run (under 5 minutes on 2 cores)")
+    p.add_argument(
+        "--analytic",
+        action="store_true",
+        help="also the noise-free predictor check: an analytic profile (XLA cost analysis + "
+        "alpha-beta all-reduces, a PREDICTION) and the interpolation's held-out error on it",
+    )
     p.add_argument("--png", default="bench_out/pat.png", help="timeline plot (%(default)s)")
     p.add_argument(
         "--json",
-        help="write objects with config (tp1, tp2, tp4, tp8, pat), latency_s, switches, "
-        "the breakdown, and {config: predictor, mean_rel_error}",
+        help="write objects with config (tp1, tp2, tp4, tp8, pat, pat_oracle), latency_s, "
+        "switches, the breakdown, and {config: predictor, mean_rel_error}",
     )
     p.set_defaults(func=_pat)
 
@@ -230,6 +241,7 @@ def _pat(args: argparse.Namespace) -> int:
         polytrace=args.polytrace,
         synthetic=args.synthetic,
         png=args.png,
+        analytic=args.analytic,
     )
     print(f"total {time.perf_counter() - t0:.1f} s")
     if args.json:

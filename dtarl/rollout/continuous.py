@@ -232,7 +232,7 @@ class ContinuousSampler:
                         if ids is not None and self._extend(r, ids, streams, row):
                             continue
                         if ids is not None:  # no room for another turn: ends truncated
-                            finish = FinishReason.LENGTH
+                            finish = r.finish = FinishReason.LENGTH  # (not a final stop)
                         if r.status is not Status.RELEASED:
                             eng.release(r)
                     final[row] = (tk, lp, finish)

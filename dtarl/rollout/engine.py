@@ -106,6 +106,7 @@ from jax.sharding import Mesh
 
 from dtarl.model.decoder import Decoder
 from dtarl.parallel.mesh import DEFAULT_RULES, Rules, param_shardings, shard_params
+from dtarl.rollout.compiles import compile_count
 from dtarl.rollout.config import (
     ContinuousConfig,
     EngineError,
@@ -358,8 +359,7 @@ class RolloutEngine:
 
     def _decode(self, weights) -> None:
         sched, st = self.scheduler, self._stats
-        traces = self.trace_count
-        t0 = time.perf_counter()
+        compiles, t0 = compile_count(), time.perf_counter()
         statics = self._decode_key()
         fn = self._program(ProgramKind.DECODE, **statics)
         slots = slot_arrays(sched.mirror, self._placement())
@@ -372,7 +372,7 @@ class RolloutEngine:
         st.decode_steps += steps
         st.active.extend(out.batch[:steps].tolist())
         st.context.extend(out.context[:steps].tolist())
-        if self.trace_count == traces:  # a call that compiled would price the compile
+        if compile_count() == compiles:  # a compile (even one without a retrace) is no sample
             st.calls.append((seconds, steps, int(out.batch[:steps].sum()), statics["window"]))
         arrays = (out.count, out.tokens, out.logprobs, out.finish)
         arrays += (new.length, new.token, new.budget)

@@ -151,16 +151,36 @@ def decide(
     return best
 
 
-def engine_state(engine, cached: Callable[[int, int, int], bool]) -> EngineState:
-    """The controller's ``EngineState`` from ``engine.view()`` and ``engine.config``."""
+def engine_state(
+    engine,
+    cached: Callable[[int, int, int], bool],
+    *,
+    l_max: int | None = None,
+    oracle: bool = False,
+) -> EngineState:
+    """The controller's ``EngineState`` from ``engine.view()`` and ``engine.config``.
+
+    A request with a forced length (a trace replay, a benchmark) has its exact
+    remaining length as its budget. The paper's controller knows only L_max, so by
+    default such a request's remaining tokens are ``l_max`` (default, and at most:
+    the engine's response rows) minus its response rows so far, at least 1;
+    ``oracle=True`` reads the exact remaining length (an upper bound on what the
+    controller could do). Unforced requests' budgets are what any controller knows
+    (their max_new_tokens left)."""
     v, c = engine.view(), engine.config
+    remaining = np.asarray(v.remaining, np.int64)
+    lengths = np.asarray(v.response_tokens, np.int64)
+    if not oracle and remaining.size:
+        cap = c.response_len if l_max is None else int(l_max)
+        guess = np.maximum(np.minimum(cap, c.response_len) - lengths, 1)
+        remaining = np.where(np.asarray(v.forced, bool), guess, remaining)
     return EngineState(
         tp=int(v.tp),
         dp=int(v.dp),
         slots=int(v.slots),
-        lengths=np.asarray(v.response_tokens, np.int64),
+        lengths=lengths,
         prompts=np.asarray(v.prompt_tokens, np.int64),
-        remaining=np.asarray(v.remaining, np.int64),
+        remaining=remaining,
         waiting=bool(v.waiting),
         cells=c.prompt_slots * c.group_size,
         prompt_len=c.prompt_len,
@@ -193,6 +213,10 @@ class PatController:
     by ``compile_reuse`` (the generations expected to reuse the compiled programs,
     e.g. the RL steps of a run), are added to its cost. Keep one controller per
     engine across iterations for that memory.
+
+    Remaining lengths: Alg. 1 knows L_max (``l_max``; None: the engine's response
+    rows), not a forced request's exact length, unless ``oracle=True`` (the
+    benchmark's upper bound; ``engine_state``).
     """
 
     def __init__(
@@ -202,12 +226,17 @@ class PatController:
         candidates: Sequence[int] = TP_DEGREES,
         check_every: int = 4,
         compile_reuse: int = 1,
+        l_max: int | None = None,
+        oracle: bool = False,
     ):
         if not isinstance(check_every, int) or check_every < 1:
             raise PatError(f"check_every={check_every!r} must be an int >= 1")
         if not isinstance(compile_reuse, int) or compile_reuse < 1:
             raise PatError(f"compile_reuse={compile_reuse!r} must be an int >= 1")
+        if l_max is not None and (not isinstance(l_max, int) or l_max < 1):
+            raise PatError(f"l_max={l_max!r} must be an int >= 1 (None: the engine's rows)")
         self.compile_reuse = compile_reuse
+        self.l_max, self.oracle = l_max, bool(oracle)
         self.predictor = predictor
         missing = [tp for tp in candidates if tp not in predictor.tps]
         if missing:
@@ -248,7 +277,7 @@ class PatController:
             self._engine, self._cached = engine, set()
         if self._calls % self.check_every:
             return None
-        state = engine_state(engine, self.cached)
+        state = engine_state(engine, self.cached, l_max=self.l_max, oracle=self.oracle)
         self._cached.add((state.dp, state.tp, state.slots))
         self.checks += 1
         d = decide(self.predictor, state, self.candidates, compile_reuse=self.compile_reuse)

@@ -22,13 +22,23 @@ class Status(enum.Enum):
 
 
 def complete(m: int) -> Callable[[Group], bool]:
-    """Group predicate: ``m`` members finished with a stop (not truncated, not cancelled)."""
+    """Group predicate: ``m`` members finished with a *final* stop (not truncated, not
+    cancelled). A held member (``hold=True``: a multi-turn request) whose turn stopped
+    still holds its slot until its owner either extends it (a tool call: the stop was
+    not final) or releases it (the response is over), so it counts only once released;
+    ``Scheduler.release`` re-checks the group's ``until``."""
 
     def pred(group: Group) -> bool:
-        return sum(r.finish is FinishReason.STOP for r in group.requests) >= m
+        return sum(final_stop(r) for r in group.requests) >= m
 
     pred.__name__ = f"complete({m})"
     return pred
+
+
+def final_stop(r: Request) -> bool:
+    """Whether ``r`` stopped for good: a stop, and not a held turn awaiting its owner's
+    extend-or-release decision."""
+    return r.finish is FinishReason.STOP and (not r.hold or r.status is Status.RELEASED)
 
 
 @dataclasses.dataclass(eq=False)

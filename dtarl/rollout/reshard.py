@@ -6,7 +6,9 @@ mesh of a shape is built over the construction mesh's devices in their order, so
 equal shapes give equal meshes and one program cache (``mesh_for``).
 
 *Weights* move one layer (one ``layers/i`` subtree, or one top-level parameter) at a
-time by ``device_put`` onto the rule table's NamedSharding for the new mesh; an old
+time onto the rule table's NamedSharding for the new mesh, device to device (a jitted
+identity with ``out_shardings``: ``transfer``; ``device_put`` between two meshes over
+the same devices would round-trip every array through the host); an old
 layer is freed as soon as its copy exists when the engine owns it (weights a previous
 ``reshard`` returned, and copies the caller marked with ``adopt``; the caller's
 weights are never deleted unless ``donate=True``), so the extra memory is one layer
@@ -26,13 +28,14 @@ already freed, taken after each transfer completes.
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from dtarl.parallel.mesh import MESH_AXES, Rules, make_mesh, param_shardings
 from dtarl.rollout import kernels as K
@@ -145,6 +148,33 @@ def target_mesh(base: Mesh | None, mesh, kv_heads: int, field: str = "mesh") -> 
     return mesh if isinstance(mesh, Mesh) else mesh_for(base, *shape)
 
 
+def _identity(x):
+    return x
+
+
+@functools.lru_cache(maxsize=256)
+def _mover(target: NamedSharding):
+    """A jitted identity whose output lands on ``target``: XLA moves the shards
+    between the devices (collectives); nothing is fetched to the host."""
+    return jax.jit(_identity, out_shardings=target)
+
+
+def transfer(x, target):
+    """``x`` onto the sharding ``target``, device to device when ``x`` is a jax array
+    on the same devices (any mesh over them): on jax 0.10, ``device_put`` between two
+    meshes over the same devices fetches every array to the host and uploads it
+    again, which JAX's transfer guards do not see. Anything else (host arrays,
+    another device set) goes through ``device_put``."""
+    if (
+        isinstance(x, jax.Array)
+        and isinstance(target, NamedSharding)
+        and x.sharding.device_set == target.device_set
+        and x.is_fully_addressable
+    ):
+        return _mover(target)(x)
+    return jax.device_put(x, target)
+
+
 class Resharder:
     """Moves weights and K/V between meshes (module docstring) and remembers which
     weight leaves the engine owns (weak references: freed leaves drop out)."""
@@ -183,7 +213,7 @@ class Resharder:
         for idx in groups.values():
             for i in idx:
                 x = flat[i][1]
-                out[i] = y = jax.device_put(x, target[i])
+                out[i] = y = transfer(x, target[i])
                 fresh = new_bytes(y, x)
                 extra += fresh
                 moved += fresh
@@ -227,7 +257,7 @@ class Resharder:
             chain = [x]
             if rows:
                 chain.append(gather(x, idx))
-            chain.append(jax.device_put(chain[-1], mid if rows and pad != n else target))
+            chain.append(transfer(chain[-1], mid if rows and pad != n else target))
             moved += new_bytes(chain[-1], chain[-2])
             if rows and pad != n:
                 chain.append(cut(chain[-1]))
@@ -264,4 +294,5 @@ __all__ = [
     "switch_slots",
     "switch_targets",
     "target_mesh",
+    "transfer",
 ]

@@ -274,6 +274,8 @@ class Scheduler:
         if request.status is Status.RUNNING:
             raise EngineError(f"release: request {request.id} is still running; cancel it first")
         self.free(request)
+        if request.finish is not FinishReason.ABORTED:  # a held stop is final now
+            self.check_until(request.group)
 
     # ------------------------------------------------------------ queries
 
@@ -560,6 +562,9 @@ class Scheduler:
         ``until``."""
         if r.slot is not None:
             self.mirror["active"][r.slot] = False
+        if r.pending is not None:  # cancelled before its queued extend ran: drop it
+            self.to_extend = [q for q in self.to_extend if q is not r]
+            r.pending = None
         r.finish = reason
         r.status = Status.FINISHED
         self.finished.append(r)

@@ -61,14 +61,16 @@ def test_bench_pat_cli_tiny(tmp_path, capsys):
     assert "| config | latency s |" in text and "PREDICTION" in text
     rows = json.loads(out.read_text())
     by = {r["config"]: r for r in rows}
-    assert set(by) == {"tp1", "tp2", "tp4", "tp8", "pat", "predictor", "replay"}
-    for name in ("tp1", "tp2", "tp4", "tp8", "pat"):
+    assert set(by) == {"tp1", "tp2", "tp4", "tp8", "pat", "pat_oracle", "predictor", "replay"}
+    for name in ("tp1", "tp2", "tp4", "tp8", "pat", "pat_oracle"):
         r = by[name]
         assert r["latency_s"] > 0 and r["decode_s"] > 0
-        assert r["switches"] == (0 if name != "pat" else len(r["timeline"]))
+        assert r["switches"] == (len(r["timeline"]) if name.startswith("pat") else 0)
         # Timed runs compile nothing: the warm-up run compiled every program, PAT's too.
         assert r["compiled_after_warmup"] == 0
     assert by["pat"]["switches"] >= 1 and by["pat"]["tokens_match_tp1"] is True
+    assert by["pat_oracle"]["tokens_match_tp1"] is True
+    assert "pat (knows L_max only)" in text and "pat_oracle (reads the forced" in text
     assert by["pat"]["timeline"][0]["src"][1] == 1
     p = by["predictor"]
     # The synthetic profile is linear in T per B (1e-9 s per token): held out inside the
@@ -91,3 +93,22 @@ def test_bench_pat_refuses_a_profile_of_other_devices(tmp_path, capsys):
     path.write_text(json.dumps(d))
     assert cli.main(["bench", "pat", "--synthetic", "--profile", str(path)]) == 2
     assert "taken on 4 devices, this run has 8" in capsys.readouterr().err
+
+
+def test_bench_pat_trace_names_the_accepted_values():
+    from dtarl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trace='math': accepted values \['rllm', 'search_r1'"):
+        bench_pat.PatBenchConfig(trace="math")
+    assert bench_pat.PatBenchConfig(trace="rllm").trace == "rllm"
+
+
+def test_analytic_step_seconds_by_hand():
+    from dtarl.bench.pat_analytic import Machine, step_seconds
+
+    m = Machine(flops_per_s=1e9, bytes_per_s=1e8, alpha_s=1e-6, beta_s_per_byte=1e-9)
+    cost = dict(flops=2e6, bytes=1e5)  # compute-bound: 2 ms vs 1 ms
+    assert step_seconds(cost, tp=1, b=4, hidden=8, layers=2, machine=m) == pytest.approx(2e-3)
+    # tp 4: 2 layers x 2 all-reduces of 4 x 8 x 4 = 128 bytes, ring: 6 alpha + 1.5 m beta
+    want = 2e-3 + 2 * 2 * (6 * 1e-6 + 1.5 * 128 * 1e-9)
+    assert step_seconds(cost, tp=4, b=4, hidden=8, layers=2, machine=m) == pytest.approx(want)

@@ -420,3 +420,31 @@ def test_darts_batch_is_deterministic_and_shapes_both_ways(tmp_path):
     m = a[1]
     assert m["darts_m_total"] == 18 and m["darts_alloc_hist"] == [0, 0, 0, 0, 1, 0, 1, 0, 1]
     assert m["darts_early_stop_groups"] == 1 and m["darts_dual_end_groups"] == 1
+
+
+def test_darts_with_the_calculator_task(tmp_path):
+    """Multi-turn DARTS runs end to end (issue 39): every prompt early-stopped
+    on the calculator task (turns held and extended on the continuous engine), M
+    trained per prompt. That a tool-call stop is not a complete response is checked
+    on the engine (tests/rollout/test_until_final.py)."""
+    raw = dict(
+        model=dict(preset="tiny"),
+        task=dict(kind="calculator", max_turns=2),
+        sft=dict(steps=0),
+        rollout=dict(prompts_per_step=2, group_size=2, max_new_tokens=8),
+        algo=dict(engine="dense", darts={"enabled": True, "up_factor": 2.0, "lambda": 0.01}),
+        steps=1,
+        eval_problems=0,
+        out_dir=str(tmp_path),
+        console=False,
+        tensorboard=False,
+        mesh=dict(dp=1),
+    )
+    tr = Trainer(from_dict(TrainerConfig, raw))
+    tr.darts.mean_len = tr.darts.std_len = 4.0  # rho = 1: M* >> 2 M N, the cap
+    tr.engine = trained = _RecordingEngine(tr.engine)
+    tr.run()
+    (h,) = [h for h in tr.history if h.get("phase") == "rl"]
+    assert h["darts_m_total"] == 8 and h["darts_early_stop_groups"] == 2  # (4, 4)
+    (batch,) = trained.batches
+    assert np.bincount(batch.group_ids).tolist() == [2, 2]

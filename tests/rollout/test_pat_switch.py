@@ -420,3 +420,36 @@ def test_donated_weights_are_freed_layer_by_layer(eng, weights):
     assert split and all(x.is_deleted() for x in split)
     assert 0 < info["weights_peak_extra_bytes"] < info["moved_weight_bytes"]
     assert info["live"] == 0 and info["moved_kv_bytes"] > 0  # the (empty) pool moves too
+
+
+def test_switch_moves_weights_and_kv_device_to_device(eng, weights, reference, monkeypatch):
+    """No array reaches the host during a migrate switch (issue 39): on jax 0.10
+    ``device_put`` between two meshes over the same devices fetched every array (a
+    (8, 1) -> (1, 8) migrate: 22 arrays); JAX's transfer guards do not see that path,
+    so this counts the host values read (``ArrayImpl._value``) inside ``reshard``."""
+    from jax._src import array as jax_array
+
+    fetched, inside = [], [False]
+    get = jax_array.ArrayImpl._value.fget
+
+    def value(x):
+        if inside[0]:
+            fetched.append(x.shape)
+        return get(x)
+
+    real = RolloutEngine.reshard
+
+    def reshard(self, *a, **k):
+        inside[0] = True
+        try:
+            return real(self, *a, **k)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(RolloutEngine, "reshard", reshard)
+    monkeypatch.setattr(jax_array.ArrayImpl, "_value", property(value))
+    got, infos = _generate(eng, weights, {1: (1, 8), 2: (2, 4, 4)}, "migrate")
+    _assert_same(got, reference)
+    assert [i["mode"] for i in infos] == ["migrate", "migrate"]
+    assert infos[0]["moved_weight_bytes"] > 0 and infos[0]["moved_kv_bytes"] > 0
+    assert fetched == []

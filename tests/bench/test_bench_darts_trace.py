@@ -1,0 +1,58 @@
+"""``dtarl bench darts --trace`` at a tiny size: both arms on the same draws, DARTS'
+early stop cancels candidates on the real engine, the JSON rows. No timing assertions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dtarl import cli
+from dtarl.bench import darts_trace as D
+from dtarl.errors import ConfigError
+from dtarl.model import ModelConfig
+from dtarl.traces import default_polytrace_root
+
+pytestmark = pytest.mark.skipif(
+    not (default_polytrace_root() / "verl").is_dir(), reason="needs the PolyTrace data"
+)
+
+TINY = dict(prompts=2, group_size=2, pool=2, max_new_tokens=24, prompt_len=8, steps_per_call=4,
+            rounds=1, steps=1, warmup_steps=0, engine="dense")  # fmt: skip
+
+
+def test_arms_share_draws_and_early_stop_cancels():
+    cfg = D.TraceBenchConfig(**TINY, slots=8, lam=0.01)  # all candidates decode at once
+    b = D.TraceBench(cfg, ModelConfig.tiny())
+    b.pool, desc = D.load_pool(cfg)
+    assert "verl" in desc and all(p.lengths.max() <= 24 for p in b.pool)
+    picks = D.draws(b.pool, cfg, 0, 0)
+    assert [x[1].tolist() for x in picks] == [x[1].tolist() for x in D.draws(b.pool, cfg, 0, 0)]
+    g = b.step("grpo", 0, 0)
+    assert g["candidates"] == 4 and g["cancelled_tokens"] == 0
+    # GRPO generated exactly the first M draws of each prompt (forced lengths).
+    assert g["generated_tokens"] == sum(int(x[1][:2].sum()) for x in picks)
+    # A state whose EMAs put every prompt at M_up: both early-stopped.
+    b.state.mean_len, b.state.std_len = 4.0, 4.0
+    b.state.prompt_std = {p.key: 1.0 for p in b.pool}
+    d = b.step("darts", 0, 0)
+    assert d["candidates"] == 8 and d["early_stop_groups"] == 2
+    # Each prompt stops once 2 candidates complete (checked after each decode call of
+    # 4 steps): the kept ones are complete draws that finished by the call in which the
+    # second-shortest complete draw did.
+    for (_, lens, trunc), kept in zip(picks, np.reshape(d["kept_lens"], (2, 2)), strict=True):
+        ok = np.sort(lens[~trunc])
+        if ok.size >= 2:
+            assert set(kept) <= set(ok.tolist()) and min(kept) == ok[0]
+            assert max(kept) < ok[1] + cfg.steps_per_call
+    assert d["generated_tokens"] - d["cancelled_tokens"] <= sum(int(x[1].sum()) for x in picks)
+    assert d["cancelled_tokens"] > 0 or all(len(set(x[1].tolist())) == 1 for x in picks)
+    s = D.summarize([g | {"compiled": False}, d | {"compiled": False}])
+    assert s["length_bias"] == pytest.approx(d["kept_len_mean"] / g["kept_len_mean"])
+
+
+def test_bad_trace_names_the_accepted_values(capsys):
+    want = r"trace='gsm8k': accepted values \['rllm', 'search_r1', 'verl_math'\]"
+    with pytest.raises(ConfigError, match=want):
+        D.TraceBenchConfig(trace="gsm8k")
+    assert cli.main(["bench", "darts", "--trace", "gsm8k"]) == 2
+    assert "accepted values" in capsys.readouterr().err
