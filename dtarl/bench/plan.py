@@ -26,6 +26,7 @@ from dtarl import timing
 from dtarl.engines.config import DFSConfig
 from dtarl.model import ModelConfig
 from dtarl.tree import plan as plan_lib
+from dtarl.tree.plan_reference import compile_plan_reference
 from dtarl.tree.order import child_order
 from dtarl.tree.trie import build_tree
 
@@ -61,7 +62,7 @@ def plan_bytes(plan: plan_lib.SegmentPlan) -> dict[str, int]:
     use, plus the per-step and slot arrays) and compact (the plan's own storage)."""
     per_step = sum(a.nbytes for a in (plan.op, plan.start, plan.pbucket))
     slot_bytes = plan.slots.nbytes + plan.slot_seg.nbytes
-    entries = int(plan.entry_step.shape[0])
+    entries = plan.num_entries
     return dict(
         padded=int(per_step + slot_bytes + 5 * plan.op.shape[0] * plan.width * 4),
         filled=int(per_step + slot_bytes + 5 * entries * 4),
@@ -109,7 +110,7 @@ def run(
         "compile_plan": lambda: plan_lib.compile_plan(tree, **kw),
     }
     if reference:
-        runs["compile_plan_reference"] = lambda: plan_lib.compile_plan_reference(tree, **kw)
+        runs["compile_plan_reference"] = lambda: compile_plan_reference(tree, **kw)
     timed = timing.interleaved_rounds(
         runs, timing.Rounds(rounds=rounds, order=timing.alternating, warmup=False)
     )

@@ -117,6 +117,11 @@ def prefix_bucket_sizes(path_len: int, chunk_len: int, levels: int) -> tuple[int
     return tuple(sorted(sizes))
 
 
+# The per-entry arrays, in the order the device program's step record holds them.
+ENTRY_FIELDS = ("positions", "inputs", "targets", "seg", "tree_idx")
+_ENTRY_FILL = dict(positions=0, inputs=0, targets=0, seg=-1, tree_idx=-1)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class SegmentPlan:
     """Fixed-shape device program for one tree. Arrays are host numpy.
@@ -131,16 +136,22 @@ class SegmentPlan:
       slots [T, K]: sequences visited at this step (-1 = empty), slot_seg [T, K].
     PUSH steps are a single contiguous segment starting at ``start``; PUSH and
     POP steps use row 0 only.
+
+    Storage. The per-entry arrays are held compactly (most steps fill a small part
+    of the E entries, which are sized for the widest op): ``entries`` maps each
+    name in ``ENTRY_FIELDS`` to a flat [N] int32 array of the N real entries in
+    step order (column order within a step), ``entry_col`` [N] is each entry's
+    column i and ``entry_ptr`` [T + 1] the CSR offsets of the steps' entries. The
+    padded [T, E] arrays above (``positions`` ...) are expanded from them on first
+    use (``padded``) and kept.
     """
 
     op: np.ndarray
     start: np.ndarray
     pbucket: np.ndarray
-    positions: np.ndarray
-    inputs: np.ndarray
-    targets: np.ndarray
-    seg: np.ndarray
-    tree_idx: np.ndarray
+    entries: dict[str, np.ndarray]
+    entry_col: np.ndarray
+    entry_ptr: np.ndarray
     slots: np.ndarray
     slot_seg: np.ndarray
     chunk_len: int
@@ -155,6 +166,49 @@ class SegmentPlan:
     row_steps: int  # POP_ROWS steps
     wide_steps: int  # POP_WIDE steps
     peak_path: int  # longest stacked prefix + chunk
+    _padded: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+    @property
+    def width(self) -> int:
+        """E = R * max(W, 1) * C: entries per step in the padded form."""
+        return self.rows * max(self.wide, 1) * self.chunk_len
+
+    @property
+    def num_entries(self) -> int:
+        """N: the real (non-padding) entries of all steps."""
+        return int(self.entry_col.shape[0])
+
+    @property
+    def entry_step(self) -> np.ndarray:
+        """[N] the step of each entry."""
+        counts = np.diff(self.entry_ptr)
+        return np.repeat(np.arange(counts.shape[0], dtype=np.int32), counts)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Host bytes of the plan as stored (compact entries, per-step and slot arrays)."""
+        arrays = [self.op, self.start, self.pbucket, self.entry_col, self.entry_ptr]
+        arrays += [self.slots, self.slot_seg, *self.entries.values()]
+        return int(sum(a.nbytes for a in arrays))
+
+    def padded(self, name: str) -> np.ndarray:
+        """The per-entry array ``name`` (one of ``ENTRY_FIELDS``) as [T, E] int32, padding
+        filled (0, or -1 for ``seg`` and ``tree_idx``); read-only, built once."""
+        if name not in _ENTRY_FILL:
+            raise ValueError(f"padded({name!r}): accepted names are {ENTRY_FIELDS}")
+        out = self._padded.get(name)
+        if out is None:
+            out = np.full((self.op.shape[0], self.width), _ENTRY_FILL[name], np.int32)
+            out[self.entry_step, self.entry_col] = self.entries[name]
+            out.flags.writeable = False
+            self._padded[name] = out
+        return out
+
+    positions = property(lambda self: self.padded("positions"))
+    inputs = property(lambda self: self.padded("inputs"))
+    targets = property(lambda self: self.padded("targets"))
+    seg = property(lambda self: self.padded("seg"))
+    tree_idx = property(lambda self: self.padded("tree_idx"))
 
     @property
     def shape_key(self) -> tuple:
@@ -399,63 +453,122 @@ def compile_plan(
 
     if merge_runs:
         steps = _merge_runs(steps, c)
+    return _assemble(
+        tree,
+        steps,
+        c=c,
+        r=r,
+        w_chunks=w_chunks,
+        s_pad=s_pad,
+        sizes=sizes,
+        pushed=pushed,
+        min_steps=min_steps,
+        min_slots=min_slots,
+    )
+
+
+def _assemble(
+    tree: PrefixTree,
+    steps: list[_Step],
+    *,
+    c: int,
+    r: int,
+    w_chunks: int,
+    s_pad: int,
+    sizes: tuple[int, ...],
+    pushed: int,
+    min_steps: int,
+    min_slots: int,
+) -> SegmentPlan:
+    """The plan's arrays from its steps, vectorised over entries.
+
+    An entry at path position p of node x (covering [a, b)) predicts the token at
+    p + 1, flat index ``tree_idx = offset[x] + p + 1 - a`` in the tree's token data;
+    its input is the token before, ``token_data[tree_idx - 1]``, except at p = a - 1
+    where it is the parent's last token.
+    """
     n_steps = len(steps)
     t_pad = fine_bucket(n_steps, min_steps)
-    k_pad = bucket(max((len(st.slots) for st in steps), default=1), min_slots)
+    wc = w_chunks * c
+    # One row per segment: step, node, first / last + 1 position, row, segment id.
+    seg_t, seg_x, seg_s, seg_e, seg_row, seg_j = [], [], [], [], [], []
+    slot_t, slot_k, slot_sid, slot_j = [], [], [], []
     op = np.zeros(t_pad, np.int32)
     start = np.zeros(t_pad, np.int32)
-    pbucket = np.zeros(t_pad, np.int32)
-    w = r * max(w_chunks, 1) * c
-    positions = np.zeros((t_pad, w), np.int32)
-    inputs = np.zeros((t_pad, w), np.int32)
-    targets = np.zeros((t_pad, w), np.int32)
-    seg = np.full((t_pad, w), -1, np.int32)
-    tree_idx = np.full((t_pad, w), -1, np.int32)
-    slots = np.full((t_pad, k_pad), -1, np.int32)
-    slot_seg = np.zeros((t_pad, k_pad), np.int32)
-    computed = packed = row_steps = wide_steps = peak = 0
     for t, st in enumerate(steps):
         op[t], start[t] = int(st.op), st.start
-        pbucket[t] = int(np.searchsorted(sizes, st.start))
-        used = [0] * r
-        cap = wc if st.op is Op.POP_WIDE else c
         for x, s, e, row, j in st.segs:
-            # Tokens at path positions [a-1, b): the parent's last token, then X's own.
-            a = int(start_pos[x])
-            own = tree.node_tokens(x)
-            if a > 0:
-                par = int(tree.parent[x])
-                last = tree.token_data[int(tree.offset[par] + tree.length[par]) - 1]
-                ext, base = np.concatenate([[last], own]), a - 1
-            else:
-                ext, base = own, 0
-            n = e - s
-            col = row * cap + used[row]
-            sl = slice(col, col + n)
-            positions[t, sl] = np.arange(s, e)
-            inputs[t, sl] = ext[s - base : e - base]
-            targets[t, sl] = ext[s - base + 1 : e - base + 1]
-            seg[t, sl] = j
-            tree_idx[t, sl] = int(tree.offset[x]) + np.arange(s + 1, e + 1) - a
-            used[row] += n
-            assert used[row] <= cap
-            peak = max(peak, e)
-        if st.op in (Op.POP, Op.POP_ROWS, Op.POP_WIDE):
-            computed += sum(used)
-            packed += len({row for *_, row, _ in st.segs}) < len({j for *_, j in st.segs})
-            row_steps += st.op is Op.POP_ROWS
-            wide_steps += st.op is Op.POP_WIDE
+            seg_t.append(t)
+            seg_x.append(x)
+            seg_s.append(s)
+            seg_e.append(e)
+            seg_row.append(row)
+            seg_j.append(j)
         for k, (sid, j) in enumerate(st.slots):
-            slots[t, k], slot_seg[t, k] = sid, j
+            slot_t.append(t)
+            slot_k.append(k)
+            slot_sid.append(sid)
+            slot_j.append(j)
+    pbucket = np.zeros(t_pad, np.int32)
+    pbucket[:n_steps] = np.searchsorted(np.asarray(sizes), start[:n_steps])
+    most_slots = max((len(st.slots) for st in steps), default=1)
+    k_pad = bucket(most_slots, min_slots)
+    slots = np.full((t_pad, k_pad), -1, np.int32)
+    slot_seg = np.zeros((t_pad, k_pad), np.int32)
+    slots[slot_t, slot_k] = slot_sid
+    slot_seg[slot_t, slot_k] = slot_j
+
+    i64 = np.int64
+    seg_t, seg_x = np.asarray(seg_t, i64), np.asarray(seg_x, i64)
+    seg_s, seg_e = np.asarray(seg_s, i64), np.asarray(seg_e, i64)
+    seg_row, seg_j = np.asarray(seg_row, i64), np.asarray(seg_j, i64)
+    n = seg_e - seg_s
+    # Columns: a row's segments are laid out one after the other from the row's start.
+    cap = np.where(op[seg_t] == Op.POP_WIDE, wc, c)
+    key = seg_t * r + seg_row
+    by_row = np.argsort(key, kind="stable")
+    csum = np.cumsum(n[by_row])
+    first = np.r_[True, key[by_row][1:] != key[by_row][:-1]]
+    row_base = np.maximum.accumulate(np.where(first, csum - n[by_row], 0))
+    used = np.empty_like(n)
+    used[by_row] = csum - row_base  # the row's entries up to and including the segment
+    if (used > cap).any():
+        raise AssertionError("a step's row holds more entries than its capacity")
+    col0 = seg_row * cap + used - n
+
+    total = int(n.sum())
+    seg_of = np.repeat(np.arange(n.shape[0]), n)
+    within = np.arange(total, dtype=i64) - np.repeat(np.cumsum(n) - n, n)
+    pos = seg_s[seg_of] + within
+    x = seg_x[seg_of]
+    a = tree.start[x]
+    tree_idx = tree.offset[x] + pos + 1 - a
+    data = tree.token_data
+    par = np.maximum(tree.parent, 0)
+    parent_last = data[np.maximum(tree.offset[par] + tree.length[par] - 1, 0)]
+    inputs = np.where(pos >= a, data[np.maximum(tree_idx - 1, 0)], parent_last[x])
+    entries = dict(
+        positions=pos.astype(np.int32),
+        inputs=inputs.astype(np.int32),
+        targets=data[tree_idx].astype(np.int32),
+        seg=seg_j[seg_of].astype(np.int32),
+        tree_idx=tree_idx.astype(np.int32),
+    )
+    entry_ptr = np.zeros(t_pad + 1, i64)
+    np.cumsum(np.bincount(seg_t, weights=n, minlength=t_pad).astype(i64), out=entry_ptr[1:])
+
+    is_pop = np.isin(op, (Op.POP, Op.POP_ROWS, Op.POP_WIDE))
+    packed = 0
+    for t in np.flatnonzero(is_pop[:n_steps]):
+        segs = steps[t].segs
+        packed += len({row for *_, row, _ in segs}) < len({j for *_, j in segs})
     return SegmentPlan(
         op=op,
         start=start,
         pbucket=pbucket,
-        positions=positions,
-        inputs=inputs,
-        targets=targets,
-        seg=seg,
-        tree_idx=tree_idx,
+        entries=entries,
+        entry_col=(col0[seg_of] + within).astype(np.int32),
+        entry_ptr=entry_ptr,
         slots=slots,
         slot_seg=slot_seg,
         chunk_len=c,
@@ -464,10 +577,10 @@ def compile_plan(
         path_len=s_pad,
         prefix_sizes=sizes,
         num_steps=n_steps,
-        computed_tokens=computed,
+        computed_tokens=int(n[is_pop[seg_t]].sum()),
         pushed_tokens=pushed,
         packed_steps=packed,
-        row_steps=row_steps,
-        wide_steps=wide_steps,
-        peak_path=peak,
+        row_steps=int((op == Op.POP_ROWS).sum()),
+        wide_steps=int((op == Op.POP_WIDE).sum()),
+        peak_path=int(seg_e.max(initial=0)),
     )
