@@ -26,8 +26,8 @@ from dtarl import timing
 from dtarl.engines.config import DFSConfig
 from dtarl.model import ModelConfig
 from dtarl.tree import plan as plan_lib
-from dtarl.tree.plan_reference import compile_plan_reference
 from dtarl.tree.order import child_order
+from dtarl.tree.plan_reference import compile_plan_reference
 from dtarl.tree.trie import build_tree
 
 
@@ -75,8 +75,8 @@ def run(
     prompts: int = 64,
     group: int = 8,
     prompt_len: int = 512,
-    response_len: int = 256,
-    max_response: int = 4096,
+    response_len: int = 2048,
+    max_response: int = 16384,
     chunk_len: int = 128,
     model: str = "qwen3_0p6b",
     rounds: int = 3,

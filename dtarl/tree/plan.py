@@ -67,8 +67,10 @@ Letters: C chunk length, R rows, S path buffer length, K loss slots per step.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -233,11 +235,16 @@ class _Step:
     slots: list[tuple[int, int]]  # (sequence, segment)
 
 
-def _run_range(st: _Step) -> tuple[int, int] | None:
-    """[first, last + 1) path positions of a single-segment PUSH/POP, else None."""
-    if st.op not in (Op.PUSH, Op.POP) or len({j for *_, j in st.segs}) != 1:
+def _run_range(st: _Step) -> tuple[int, int, int] | None:
+    """[first, last + 1) path positions and the segment id of a single-segment PUSH /
+    POP step, else None."""
+    if st.op not in (Op.PUSH, Op.POP):
         return None
-    return min(s for _, s, *_ in st.segs), max(e for _, _, e, *_ in st.segs)
+    segs = st.segs
+    j = segs[0][4]
+    if any(sg[4] != j for sg in segs):
+        return None
+    return min(sg[1] for sg in segs), max(sg[2] for sg in segs), j
 
 
 def _merge_runs(steps: list[_Step], c: int) -> list[_Step]:
@@ -251,17 +258,21 @@ def _merge_runs(steps: list[_Step], c: int) -> list[_Step]:
     keeps every node's visits; each sequence's loss only reads its own positions.
     """
     out: list[_Step] = []
+    a = None  # the range of out[-1]
     for st in steps:
-        prev = out[-1] if out else None
-        a, b = (_run_range(prev) if prev else None), _run_range(st)
-        if a is not None and b is not None and prev.op == st.op:
+        b = _run_range(st)
+        if a is not None and b is not None and out[-1].op == st.op and a[2] == b[2]:
+            prev = out[-1]
             if st.op is Op.PUSH and a[1] == b[0] and b[1] - a[0] <= c:
                 out[-1] = _Step(Op.PUSH, a[0], prev.segs + st.segs, [])
+                a = (a[0], b[1], a[2])
                 continue
             if st.op is Op.POP and b[1] == a[0] and a[1] - b[0] <= c:
                 out[-1] = _Step(Op.POP, b[0], st.segs + prev.segs, prev.slots + st.slots)
+                a = (b[0], a[1], a[2])
                 continue
         out.append(st)
+        a = b
     return out
 
 
@@ -361,7 +372,7 @@ def compile_plan(
     def step_flops(width: int, start: int) -> float:
         """Forward FLOPs of a step of ``width`` entries reading the stack up to
         ``start``: every entry attends the prefix bucket and the whole row."""
-        p = sizes[int(np.searchsorted(sizes, start))]
+        p = sizes[bisect.bisect_left(sizes, start)]
         return width * flops(p + width)
 
     def chunked_flops(s0: int, s1: int) -> float:
@@ -490,38 +501,29 @@ def _assemble(
     n_steps = len(steps)
     t_pad = fine_bucket(n_steps, min_steps)
     wc = w_chunks * c
-    # One row per segment: step, node, first / last + 1 position, row, segment id.
-    seg_t, seg_x, seg_s, seg_e, seg_row, seg_j = [], [], [], [], [], []
-    slot_t, slot_k, slot_sid, slot_j = [], [], [], []
+    # One row per segment: node, first / last + 1 position, row, segment id; its step.
+    chain = itertools.chain.from_iterable
+    table = np.array(list(chain(st.segs for st in steps)), np.int64).reshape(-1, 5)
+    seg_x, seg_s, seg_e, seg_row, seg_j = table.T
+    seg_t = np.repeat(np.arange(n_steps, dtype=np.int64), [len(st.segs) for st in steps])
+    n_slots = [len(st.slots) for st in steps]
+    slot_t = np.repeat(np.arange(n_steps, dtype=np.int64), n_slots)
+    slot_k = np.arange(slot_t.shape[0]) - np.repeat(np.cumsum(n_slots) - n_slots, n_slots)
+    slot_tab = np.array(list(chain(st.slots for st in steps)), np.int64).reshape(-1, 2)
     op = np.zeros(t_pad, np.int32)
     start = np.zeros(t_pad, np.int32)
-    for t, st in enumerate(steps):
-        op[t], start[t] = int(st.op), st.start
-        for x, s, e, row, j in st.segs:
-            seg_t.append(t)
-            seg_x.append(x)
-            seg_s.append(s)
-            seg_e.append(e)
-            seg_row.append(row)
-            seg_j.append(j)
-        for k, (sid, j) in enumerate(st.slots):
-            slot_t.append(t)
-            slot_k.append(k)
-            slot_sid.append(sid)
-            slot_j.append(j)
+    op[:n_steps] = [int(st.op) for st in steps]
+    start[:n_steps] = [st.start for st in steps]
     pbucket = np.zeros(t_pad, np.int32)
     pbucket[:n_steps] = np.searchsorted(np.asarray(sizes), start[:n_steps])
     most_slots = max((len(st.slots) for st in steps), default=1)
     k_pad = bucket(most_slots, min_slots)
     slots = np.full((t_pad, k_pad), -1, np.int32)
     slot_seg = np.zeros((t_pad, k_pad), np.int32)
-    slots[slot_t, slot_k] = slot_sid
-    slot_seg[slot_t, slot_k] = slot_j
+    slots[slot_t, slot_k] = slot_tab[:, 0]
+    slot_seg[slot_t, slot_k] = slot_tab[:, 1]
 
     i64 = np.int64
-    seg_t, seg_x = np.asarray(seg_t, i64), np.asarray(seg_x, i64)
-    seg_s, seg_e = np.asarray(seg_s, i64), np.asarray(seg_e, i64)
-    seg_row, seg_j = np.asarray(seg_row, i64), np.asarray(seg_j, i64)
     n = seg_e - seg_s
     # Columns: a row's segments are laid out one after the other from the row's start.
     cap = np.where(op[seg_t] == Op.POP_WIDE, wc, c)

@@ -7,20 +7,14 @@ side by side. Not used by the engines.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 
 from dtarl.tree.order import DFSOrder, child_order
-from dtarl.tree.plan import (
-    Op,
-    _merge_runs,
-    _Step,
-    bucket,
-    fine_bucket,
-    prefix_bucket_sizes,
-)
+from dtarl.tree.plan import Op, bucket, fine_bucket, prefix_bucket_sizes
 from dtarl.tree.trie import PrefixTree
 
 
@@ -49,6 +43,47 @@ class ReferencePlan(NamedTuple):
     row_steps: int
     wide_steps: int
     peak_path: int
+
+
+@dataclasses.dataclass
+class _Step:
+    op: Op
+    start: int
+    # (node, first input position, last input position + 1, row, segment id)
+    segs: list[tuple[int, int, int, int, int]]
+    slots: list[tuple[int, int]]  # (sequence, segment)
+
+
+def _run_range(st: _Step) -> tuple[int, int] | None:
+    """[first, last + 1) path positions of a single-segment PUSH/POP, else None."""
+    if st.op not in (Op.PUSH, Op.POP) or len({j for *_, j in st.segs}) != 1:
+        return None
+    return min(s for _, s, *_ in st.segs), max(e for _, _, e, *_ in st.segs)
+
+
+def _merge_runs(steps: list[_Step], c: int) -> list[_Step]:
+    """Merges consecutive single-segment steps over adjacent path ranges into one
+    step of at most ``c`` entries: a PUSH followed by a PUSH that continues it
+    downwards (a node's last chunk and its first child's first chunk), and a POP
+    followed by a POP of the range right before it (a last child's first chunk and
+    its parent's last chunk). Both are the same path, so the merged step is exact:
+    the dependency that crossed the two steps through the stack (K/V, dK/dV and
+    logprob cotangents) becomes attention inside one chunk. The merged segment
+    keeps every node's visits; each sequence's loss only reads its own positions.
+    """
+    out: list[_Step] = []
+    for st in steps:
+        prev = out[-1] if out else None
+        a, b = (_run_range(prev) if prev else None), _run_range(st)
+        if a is not None and b is not None and prev.op == st.op:
+            if st.op is Op.PUSH and a[1] == b[0] and b[1] - a[0] <= c:
+                out[-1] = _Step(Op.PUSH, a[0], prev.segs + st.segs, [])
+                continue
+            if st.op is Op.POP and b[1] == a[0] and a[1] - b[0] <= c:
+                out[-1] = _Step(Op.POP, b[0], st.segs + prev.segs, prev.slots + st.slots)
+                continue
+        out.append(st)
+    return out
 
 
 def compile_plan_reference(
