@@ -538,23 +538,27 @@ def _assemble(
         raise AssertionError("a step's row holds more entries than its capacity")
     col0 = seg_row * cap + used - n
 
+    # Every per-entry value is the entry's index plus a per-segment constant.
     total = int(n.sum())
-    seg_of = np.repeat(np.arange(n.shape[0]), n)
-    within = np.arange(total, dtype=i64) - np.repeat(np.cumsum(n) - n, n)
-    pos = seg_s[seg_of] + within
-    x = seg_x[seg_of]
-    a = tree.start[x]
-    tree_idx = tree.offset[x] + pos + 1 - a
+    first_entry = np.cumsum(n) - n
+    seg_of = np.repeat(np.arange(n.shape[0], dtype=np.int32), n)
+    idx = np.arange(total, dtype=np.int32)
+    a = tree.start[seg_x]
+    pos_shift = seg_s - first_entry
+    tidx_shift = pos_shift + tree.offset[seg_x] + 1 - a
+    tree_idx = idx + tidx_shift.astype(np.int32)[seg_of]
     data = tree.token_data
-    par = np.maximum(tree.parent, 0)
-    parent_last = data[np.maximum(tree.offset[par] + tree.length[par] - 1, 0)]
-    inputs = np.where(pos >= a, data[np.maximum(tree_idx - 1, 0)], parent_last[x])
+    inputs = data[tree_idx - 1]
+    # A segment starting at its node's first position - 1 reads the parent's last token.
+    reads_parent = np.flatnonzero(seg_s < a)
+    par = tree.parent[seg_x[reads_parent]]
+    inputs[first_entry[reads_parent]] = data[tree.offset[par] + tree.length[par] - 1]
     entries = dict(
-        positions=pos.astype(np.int32),
-        inputs=inputs.astype(np.int32),
-        targets=data[tree_idx].astype(np.int32),
-        seg=seg_j[seg_of].astype(np.int32),
-        tree_idx=tree_idx.astype(np.int32),
+        positions=idx + pos_shift.astype(np.int32)[seg_of],
+        inputs=inputs,
+        targets=data[tree_idx],
+        seg=seg_j.astype(np.int32)[seg_of],
+        tree_idx=tree_idx,
     )
     entry_ptr = np.zeros(t_pad + 1, i64)
     np.cumsum(np.bincount(seg_t, weights=n, minlength=t_pad).astype(i64), out=entry_ptr[1:])
@@ -569,7 +573,7 @@ def _assemble(
         start=start,
         pbucket=pbucket,
         entries=entries,
-        entry_col=(col0[seg_of] + within).astype(np.int32),
+        entry_col=idx + (col0 - first_entry).astype(np.int32)[seg_of],
         entry_ptr=entry_ptr,
         slots=slots,
         slot_seg=slot_seg,
