@@ -369,19 +369,22 @@ def compile_plan(
     sizes = prefix_bucket_sizes(s_pad, c, prefix_levels)
     flops = token_flops or (lambda keys: 1.0)
 
+    per_bucket: dict[tuple[int, int], float] = {}
+
     def step_flops(width: int, start: int) -> float:
         """Forward FLOPs of a step of ``width`` entries reading the stack up to
         ``start``: every entry attends the prefix bucket and the whole row."""
         p = sizes[bisect.bisect_left(sizes, start)]
-        return width * flops(p + width)
+        got = per_bucket.get((width, p))
+        if got is None:
+            got = per_bucket[(width, p)] = width * flops(p + width)
+        return got
 
     def chunked_flops(s0: int, s1: int) -> float:
         """Forward + backward FLOPs of [s0, s1) chunked: pushed (but for the last
-        chunk) and popped under the VJP (3x)."""
-        firsts = list(range(s0, s1, c))
-        return sum(step_flops(c, a) for a in firsts[:-1]) + 3 * sum(
-            step_flops(c, a) for a in firsts
-        )
+        chunk) and popped under the VJP (3x); summed in chunk order."""
+        each = [step_flops(c, a) for a in range(s0, s1, c)]
+        return sum(each[:-1]) + 3 * sum(each)
 
     def emit_wide(leaves: list[int]) -> list[int]:
         """POP_WIDE steps (up to R rows of W*C) for the bins of leaves that cost at
