@@ -50,7 +50,7 @@ from dtarl.engines import base
 from dtarl.engines.config import Capacity, DFSConfig, configured
 from dtarl.engines.cost import token_flops, tree_partition_cost
 from dtarl.model.decoder import Decoder, KVCache, token_logprobs
-from dtarl.tree.plan import Op, SegmentPlan, bucket, compile_plan
+from dtarl.tree.plan import Op, SegmentPlan, bucket, compile_plan, fine_bucket
 from dtarl.tree.trie import PrefixTree
 
 
@@ -520,9 +520,10 @@ class DFSEngine(base.BucketState):
 
     def _device_plan(self, plan: SegmentPlan) -> tuple[PlanSteps, PlanEntries]:
         """The plan's compact arrays as the program takes them (``PlanSteps``,
-        ``PlanEntries``), the flat entries padded to the ``entries`` bucket plus E."""
+        ``PlanEntries``), the flat entries padded to the ``entries`` bucket (a quarter
+        octave, ``fine_bucket``: they are the bulk of the input) plus E."""
         n = plan.num_entries
-        self._min["entries"] = n_pad = bucket(n, self._min["entries"])
+        self._min["entries"] = n_pad = fine_bucket(n, self._min["entries"])
         ptr = plan.entry_ptr
         steps = PlanSteps(
             op=plan.op,
