@@ -489,7 +489,7 @@ class DFSEngine(base.BucketState):
         tree_size = bucket(int(tree.token_data.shape[0]) + 1, self._min["tree"])
         self._min["tree"] = tree_size
         seq = base.flat_sequence_data(batch, w, n_pad=n_pad, f_pad=f_pad, pad=plan.path_len)
-        steps, entries = self._device_plan(plan)
+        steps, entries = self.device_plan(plan)
         stats = dict(
             num_tokens=tree.stats.num_tokens,
             tree_tokens=tree.stats.tree_tokens,
@@ -518,10 +518,10 @@ class DFSEngine(base.BucketState):
             stats=stats,
         )
 
-    def _device_plan(self, plan: SegmentPlan) -> tuple[PlanSteps, PlanEntries]:
+    def device_plan(self, plan: SegmentPlan) -> tuple[PlanSteps, PlanEntries]:
         """The plan's compact arrays as the program takes them (``PlanSteps``,
         ``PlanEntries``), the flat entries padded to the ``entries`` bucket (a quarter
-        octave, ``fine_bucket``: they are the bulk of the input) plus E."""
+        octave, ``fine_bucket``: they are the bulk of the input; it grows to fit) plus E."""
         n = plan.num_entries
         self._min["entries"] = n_pad = fine_bucket(n, self._min["entries"])
         ptr = plan.entry_ptr
