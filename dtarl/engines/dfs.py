@@ -74,7 +74,7 @@ class DFSHost(NamedTuple):
 class PlanSteps(NamedTuple):
     """The plan as the program takes it: per step [T] (scanned over) its op, stack
     start, prefix bucket, loss slots [T, K], and where its entries are in the flat
-    ``PlanEntries``: ``first`` and ``count``."""
+    ``entries`` (``PlanEntries``, not per step): ``first`` and ``count``."""
 
     op: jax.Array
     start: jax.Array
@@ -83,6 +83,7 @@ class PlanSteps(NamedTuple):
     slot_seg: jax.Array
     first: jax.Array
     count: jax.Array
+    entries: PlanEntries | None
 
 
 class PlanEntries(NamedTuple):
@@ -224,8 +225,8 @@ class DFSEngine(base.BucketState):
 
     def device_fn(self, loss, static: DFSStatic):
         s, tree_size, sizes, rows, wide, c = static
-        return lambda params, steps, entries, seq: self._run_plan(
-            loss, s, tree_size, sizes, rows, wide, c, params, steps, entries, seq
+        return lambda params, steps, seq: self._run_plan(
+            loss, s, tree_size, sizes, rows, wide, c, params, steps, seq
         )
 
     def _run_plan(
@@ -239,10 +240,10 @@ class DFSEngine(base.BucketState):
         c,
         params,
         steps: PlanSteps,
-        entries: PlanEntries,
         seq: base.SeqData,
     ):
         cfg = self.cfg
+        entries, steps = steps.entries, steps._replace(entries=None)  # scan the [T] rest
         with_ent = bool(getattr(loss, "needs_entropy", False))
         buf = s + c
         cd = jnp.dtype(cfg.compute_dtype)
@@ -489,7 +490,7 @@ class DFSEngine(base.BucketState):
         tree_size = bucket(int(tree.token_data.shape[0]) + 1, self._min["tree"])
         self._min["tree"] = tree_size
         seq = base.flat_sequence_data(batch, w, n_pad=n_pad, f_pad=f_pad, pad=plan.path_len)
-        steps, entries = self.device_plan(plan)
+        steps = self.device_plan(plan)
         stats = dict(
             num_tokens=tree.stats.num_tokens,
             tree_tokens=tree.stats.tree_tokens,
@@ -513,13 +514,13 @@ class DFSEngine(base.BucketState):
         )
         return base.Prepared(
             static=static,
-            args=(steps, entries, seq),
+            args=(steps, seq),
             host=DFSHost(tree=tree, num_sequences=n),
             stats=stats,
         )
 
-    def device_plan(self, plan: SegmentPlan) -> tuple[PlanSteps, PlanEntries]:
-        """The plan's compact arrays as the program takes them (``PlanSteps``,
+    def device_plan(self, plan: SegmentPlan) -> PlanSteps:
+        """The plan's compact arrays as the program takes them (``PlanSteps`` with its
         ``PlanEntries``), the flat entries padded to the ``entries`` bucket (a quarter
         octave, ``fine_bucket``: they are the bulk of the input; it grows to fit) plus E."""
         n = plan.num_entries
@@ -533,6 +534,7 @@ class DFSEngine(base.BucketState):
             slot_seg=plan.slot_seg,
             first=ptr[:-1].astype(np.int32),
             count=np.diff(ptr).astype(np.int32),
+            entries=None,
         )
 
         def flat(a: np.ndarray, fill: int) -> np.ndarray:
@@ -544,7 +546,7 @@ class DFSEngine(base.BucketState):
             col=flat(plan.entry_col, 0),
             **{k: flat(plan.entries[k], _FILL[k]) for k in _FILL},
         )
-        return steps, entries
+        return steps._replace(entries=entries)
 
     def features(self, prepared: base.Prepared) -> base.WorkFeatures:
         """Each step's entries: PUSH and POP run one chunk of C, POP_ROWS ``rows``
