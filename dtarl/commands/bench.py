@@ -1,4 +1,4 @@
-"""``dtarl bench train|memory|partition|rollout|peer|darts|pat|stream|stalls`` (thin:
+"""``dtarl bench train|memory|partition|rollout|peer|darts|pat|stream|stalls|plan`` (thin:
 parse arguments, call ``dtarl.bench``); rollout and pat are in
 ``dtarl.commands.bench_generation``."""
 
@@ -16,6 +16,7 @@ from dtarl.bench import darts_trace as bench_darts_trace
 from dtarl.bench import memory as bench_memory
 from dtarl.bench import partition as bench_partition
 from dtarl.bench import peer as bench_peer
+from dtarl.bench import plan as bench_plan
 from dtarl.bench import report
 from dtarl.bench import stalls as bench_stalls
 from dtarl.bench import stream as bench_stream
@@ -506,17 +507,69 @@ def _stalls(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- plan
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="DFS host planning: trie, order and plan seconds per 1k sequences, plan bytes",
+        description=bench_plan.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--group", type=int, default=8, help="responses per prompt (G)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--response-len", type=int, default=2048, help="median response length")
+    p.add_argument("--max-response", type=int, default=16384)
+    p.add_argument("--chunk-len", type=int, default=128)
+    p.add_argument("--model", default="qwen3_0p6b", help=f"preset, one of {ModelConfig.PRESETS}")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--no-reference",
+        dest="reference",
+        action="store_false",
+        help="do not time the pure-Python reference compiler beside compile_plan",
+    )
+    p.add_argument("--json", help="write the results here")
+    p.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    for name in ("prompts", "group", "prompt_len", "response_len", "max_response"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    for name in ("chunk_len", "rounds"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    res = bench_plan.run(
+        prompts=args.prompts,
+        group=args.group,
+        prompt_len=args.prompt_len,
+        response_len=args.response_len,
+        max_response=args.max_response,
+        chunk_len=args.chunk_len,
+        model=args.model,
+        rounds=args.rounds,
+        reference=args.reference,
+    )
+    print(bench_plan.format_report(res))
+    if args.json:
+        report.write_json(args.json, res, say=print)
+    return 0
+
+
 __all__ = ["register", "simulated_devices"]
 
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Adds ``bench`` with its ``train``, ``memory``, ``partition``, ``rollout``, ``peer``,
-    ``darts``, ``pat``, ``stream`` and ``stalls`` subcommands (each sets ``func``;
+    ``darts``, ``pat``, ``stream``, ``stalls`` and ``plan`` subcommands (each sets ``func``;
     ``func(args)`` returns the exit code)."""
     bench = subparsers.add_parser(
         "bench",
         help="benchmarks (train engines, memory, DP partition, rollout, vs Tunix, DARTS, PAT, "
-        "streaming, stalls)",
+        "streaming, stalls, plan)",
     )
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_train(sub)
@@ -529,4 +582,5 @@ def register(subparsers) -> argparse.ArgumentParser:
     _add_stream(sub)
     _add_stalls(sub)
     bench_device.add_device(sub)
+    _add_plan(sub)
     return bench

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -180,6 +181,23 @@ class BucketState:
 
         return TreeLoss(self, loss, has_aux=has_aux, prepared_type=Prepared)
 
+    def prepare_async(self, batch: RolloutBatch, loss, *, weights=None) -> Future[Planned]:
+        """``prepare`` on this engine's planning thread, returning a ``Future`` of
+        ``Planned`` (the ``Prepared`` and the host seconds its prepare took).
+
+        One background thread per engine runs the submitted prepares one at a time in
+        submission order, so the buckets grow exactly as calling ``prepare`` in that
+        order would: the plans, and so the results, equal the synchronous path's.
+        Meanwhile the caller's thread runs the device program of an earlier batch
+        (``run_prepared``): the host planning of batch k + 1 overlaps batch k on the
+        device. Do not call ``prepare`` directly while a submitted one is pending.
+        """
+        pool = self.__dict__.get("_planner")
+        if pool is None:
+            pool = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-plan")
+            self._planner = pool
+        return pool.submit(timed_prepare, self, batch, loss, weights)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Prepared:
@@ -302,6 +320,20 @@ def engine_identity(engine) -> tuple:
         repr(getattr(engine, "cfg", None)),
         None if inner is None else engine_identity(inner),
     )
+
+
+class Planned(NamedTuple):
+    """A batch prepared on the host (``prepare_async``) and the seconds that took."""
+
+    prepared: Prepared
+    seconds: float
+
+
+def timed_prepare(engine, batch: RolloutBatch, loss, weights=None) -> Planned:
+    """``engine.prepare(batch, loss, weights=weights)`` and its host seconds."""
+    t0 = time.perf_counter()
+    prepared = engine.prepare(batch, loss, weights=weights)
+    return Planned(prepared=prepared, seconds=time.perf_counter() - t0)
 
 
 def run_value_and_grad(engine, params, batch, loss, weights):

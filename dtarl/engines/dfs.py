@@ -50,24 +50,57 @@ from dtarl.engines import base
 from dtarl.engines.config import Capacity, DFSConfig, configured
 from dtarl.engines.cost import token_flops, tree_partition_cost
 from dtarl.model.decoder import Decoder, KVCache, token_logprobs
-from dtarl.tree.plan import Op, SegmentPlan, bucket, compile_plan
+from dtarl.tree.plan import Op, SegmentPlan, bucket, compile_plan, fine_bucket
 from dtarl.tree.trie import PrefixTree
 
 
 class DFSStatic(NamedTuple):
     """The program's shapes: the path buffer, the tree's token slots, the prefix
-    bucket sizes, rows per POP_ROWS step and chunks per POP_WIDE row."""
+    bucket sizes, rows per POP_ROWS step, chunks per POP_WIDE row and the chunk."""
 
     path_len: int
     tree_size: int
     prefix_sizes: tuple[int, ...]
     rows: int
     wide: int
+    chunk_len: int
 
 
 class DFSHost(NamedTuple):
     tree: PrefixTree
     num_sequences: int
+
+
+class PlanSteps(NamedTuple):
+    """The plan as the program takes it: per step [T] (scanned over) its op, stack
+    start, prefix bucket, loss slots [T, K], and where its entries are in the flat
+    ``entries`` (``PlanEntries``, not per step): ``first`` and ``count``."""
+
+    op: jax.Array
+    start: jax.Array
+    pbucket: jax.Array
+    slots: jax.Array
+    slot_seg: jax.Array
+    first: jax.Array
+    count: jax.Array
+    entries: PlanEntries | None
+
+
+class PlanEntries(NamedTuple):
+    """The plan's real entries, flat [N + E] in step order (``SegmentPlan.entries``,
+    padded with E entries so that a step's E-entry window never runs off): each
+    entry's column in its step (``col``) and its values. The program expands a step's
+    entries to its E columns (``expand_step``), so no host array is [T, E]."""
+
+    col: jax.Array
+    positions: jax.Array
+    inputs: jax.Array
+    targets: jax.Array
+    seg: jax.Array
+    tree_idx: jax.Array
+
+
+_FILL = dict(positions=0, inputs=0, targets=0, seg=-1, tree_idx=-1)
 
 
 class _Step(NamedTuple):
@@ -95,6 +128,28 @@ class _Carry(NamedTuple):
     grads: nnx.State
     tree_logp: jax.Array
     seq_loss: jax.Array
+
+
+def expand_step(p: PlanSteps, entries: PlanEntries, width: int) -> _Step:
+    """One step's record with its per-entry arrays in padded [E] form (E = ``width``):
+    the step's ``count`` entries from ``first`` scattered to their columns, padding
+    filled with 0 (-1 for ``seg`` and ``tree_idx``), as ``SegmentPlan.padded`` is."""
+    mine = jnp.arange(width) < p.count
+    window = lambda a: jax.lax.dynamic_slice_in_dim(a, p.first, width)
+    col = jnp.where(mine, window(entries.col), width)  # width: dropped
+
+    def put(name: str) -> jax.Array:
+        empty = jnp.full((width,), _FILL[name], jnp.int32)
+        return empty.at[col].set(window(getattr(entries, name)), mode="drop")
+
+    return _Step(
+        op=p.op,
+        start=p.start,
+        pbucket=p.pbucket,
+        slots=p.slots,
+        slot_seg=p.slot_seg,
+        **{name: put(name) for name in _FILL},
+    )
 
 
 def sequence_logprobs(tree: PrefixTree, tree_logp: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
@@ -135,7 +190,7 @@ class DFSEngine(base.BucketState):
         self._single_segment = not self.config.pack_leaves
         # Buckets only grow, so a smaller batch reuses the last program.
         # Loss slots are cheap (O(path) each); 8 covers most packed steps.
-        self._min = dict(steps=1, path=1, slots=8, seqs=1, flat=1, tree=1, wide=0)
+        self._min = dict(steps=1, path=1, slots=8, seqs=1, flat=1, tree=1, wide=0, entries=1)
 
     # ------------------------------------------------------------ device side
 
@@ -169,16 +224,26 @@ class DFSEngine(base.BucketState):
         return self.jit.trace_count
 
     def device_fn(self, loss, static: DFSStatic):
-        s, tree_size, sizes, rows, wide = static
+        s, tree_size, sizes, rows, wide, c = static
         return lambda params, steps, seq: self._run_plan(
-            loss, s, tree_size, sizes, rows, wide, params, steps, seq
+            loss, s, tree_size, sizes, rows, wide, c, params, steps, seq
         )
 
     def _run_plan(
-        self, loss, s, tree_size, sizes, rows, wide, params, steps: _Step, seq: base.SeqData
+        self,
+        loss,
+        s,
+        tree_size,
+        sizes,
+        rows,
+        wide,
+        c,
+        params,
+        steps: PlanSteps,
+        seq: base.SeqData,
     ):
         cfg = self.cfg
-        c = steps.inputs.shape[1] // (rows * max(wide, 1))
+        entries, steps = steps.entries, steps._replace(entries=None)  # scan the [T] rest
         with_ent = bool(getattr(loss, "needs_entropy", False))
         buf = s + c
         cd = jnp.dtype(cfg.compute_dtype)
@@ -358,7 +423,8 @@ class DFSEngine(base.BucketState):
             base_index[Op.POP_WIDE] = len(branches)
             branches += [functools.partial(pop_rows, rows, wide * c, p) for p in sizes]
 
-        def body(cr, st):
+        def body(cr, plan_step: PlanSteps):
+            st = expand_step(plan_step, entries, rows * max(wide, 1) * c)
             index = jnp.select(
                 [st.op == op for op in base_index],
                 [v + st.pbucket for v in base_index.values()],
@@ -382,6 +448,7 @@ class DFSEngine(base.BucketState):
             ("seqs", capacity.sequences),
             ("flat", capacity.tokens),
             ("tree", capacity.tree_tokens + 1),  # +1: the plan's trailing slot
+            ("entries", 2 * capacity.tree_tokens),  # each tree token popped, pushed <= once
         ):
             self._min[key] = max(self._min[key], bucket(value))
         chunk, wide = self.config.chunk_len, self.config.wide_chunks
@@ -423,18 +490,7 @@ class DFSEngine(base.BucketState):
         tree_size = bucket(int(tree.token_data.shape[0]) + 1, self._min["tree"])
         self._min["tree"] = tree_size
         seq = base.flat_sequence_data(batch, w, n_pad=n_pad, f_pad=f_pad, pad=plan.path_len)
-        steps = _Step(
-            op=plan.op,
-            start=plan.start,
-            pbucket=plan.pbucket,
-            positions=plan.positions,
-            inputs=plan.inputs,
-            targets=plan.targets,
-            seg=plan.seg,
-            tree_idx=plan.tree_idx,
-            slots=plan.slots,
-            slot_seg=plan.slot_seg,
-        )
+        steps = self.device_plan(plan)
         stats = dict(
             num_tokens=tree.stats.num_tokens,
             tree_tokens=tree.stats.tree_tokens,
@@ -454,10 +510,43 @@ class DFSEngine(base.BucketState):
             prefix_sizes=plan.prefix_sizes,
             rows=plan.rows,
             wide=plan.wide,
+            chunk_len=plan.chunk_len,
         )
         return base.Prepared(
-            static=static, args=(steps, seq), host=DFSHost(tree=tree, num_sequences=n), stats=stats
+            static=static,
+            args=(steps, seq),
+            host=DFSHost(tree=tree, num_sequences=n),
+            stats=stats,
         )
+
+    def device_plan(self, plan: SegmentPlan) -> PlanSteps:
+        """The plan's compact arrays as the program takes them (``PlanSteps`` with its
+        ``PlanEntries``), the flat entries padded to the ``entries`` bucket (a quarter
+        octave, ``fine_bucket``: they are the bulk of the input; it grows to fit) plus E."""
+        n = plan.num_entries
+        self._min["entries"] = n_pad = fine_bucket(n, self._min["entries"])
+        ptr = plan.entry_ptr
+        steps = PlanSteps(
+            op=plan.op,
+            start=plan.start,
+            pbucket=plan.pbucket,
+            slots=plan.slots,
+            slot_seg=plan.slot_seg,
+            first=ptr[:-1].astype(np.int32),
+            count=np.diff(ptr).astype(np.int32),
+            entries=None,
+        )
+
+        def flat(a: np.ndarray, fill: int) -> np.ndarray:
+            out = np.full(n_pad + plan.width, fill, np.int32)
+            out[:n] = a
+            return out
+
+        entries = PlanEntries(
+            col=flat(plan.entry_col, 0),
+            **{k: flat(plan.entries[k], _FILL[k]) for k in _FILL},
+        )
+        return steps._replace(entries=entries)
 
     def features(self, prepared: base.Prepared) -> base.WorkFeatures:
         """Each step's entries: PUSH and POP run one chunk of C, POP_ROWS ``rows``
@@ -471,7 +560,7 @@ class DFSEngine(base.BucketState):
         f0, fa = token_flops(self.cfg)
         sizes = np.asarray(st.prefix_sizes, np.float64)
         op = np.asarray(steps.op)
-        c = int(np.asarray(steps.inputs).shape[1]) // (st.rows * max(st.wide, 1))
+        c = st.chunk_len
         width = np.where(op == Op.NOOP, 0.0, 1.0)
         width = np.where(op == Op.POP_ROWS, float(st.rows), width)
         width = np.where(op == Op.POP_WIDE, float(st.rows * st.wide), width)
@@ -506,4 +595,4 @@ class DFSEngine(base.BucketState):
         return base.run_value_and_grad(self, params, batch, loss, weights)
 
 
-__all__ = ["DFSEngine", "Op", "sequence_logprobs"]
+__all__ = ["DFSEngine", "Op", "PlanEntries", "PlanSteps", "expand_step", "sequence_logprobs"]

@@ -182,30 +182,65 @@ def group_splits(batch: RolloutBatch, parts: int) -> list[np.ndarray]:
     return [np.flatnonzero(np.isin(gids, chunk)) for chunk in np.array_split(order, parts)]
 
 
-def accumulated_value_and_grad(engine, params, batch: RolloutBatch, loss, parts: int):
+class EngineCall(NamedTuple):
+    """One ``engine.value_and_grad`` of an update: a (sub-)batch, its sequence weights
+    (None: the batch's own) and, for a part of an accumulated pass, its sequences'
+    indices in the whole batch."""
+
+    batch: RolloutBatch
+    weights: np.ndarray | None = None
+    index: np.ndarray | None = None
+
+
+def engine_calls(batch: RolloutBatch, loss, parts: int = 1) -> list[EngineCall]:
+    """The engine calls of ``engine_pass(..., grad_accum=parts)``: the batch itself, or
+    ``parts`` sub-batches of whole groups (``group_splits``) weighted with the *whole*
+    batch's normalisation (``accumulated_value_and_grad``)."""
+    if parts <= 1:
+        return [EngineCall(batch)]
+    w = batch.sequence_weights(loss.norm, getattr(loss, "norm_constant", None))
+    return [EngineCall(batch.select(idx), w[idx], idx) for idx in group_splits(batch, parts)]
+
+
+def accumulated_value_and_grad(
+    engine, params, batch: RolloutBatch, loss, parts: int, *, calls=None, run=None
+):
     """``engine.value_and_grad`` of ``batch`` as the fp32 sum over ``parts`` sub-batches
     of whole groups (``group_splits``), each weighted with the *whole* batch's
     normalisation w_i (``RolloutBatch.sequence_weights``): the loss is linear in the
     per-sequence terms, L = sum_i w_i sum_t m_it l_it, so the sum equals one pass over
-    the batch. Returns (value, grads, aux) with aux.logprobs in the batch's order."""
-    w = batch.sequence_weights(loss.norm, getattr(loss, "norm_constant", None))
+    the batch. Returns (value, grads, aux) with aux.logprobs in the batch's order.
+    ``calls``: the batch's ``engine_calls`` if already made; ``run(call)``: how one
+    call runs (default ``engine.value_and_grad(params, call.batch, loss, weights=...)``).
+    """
+    calls = engine_calls(batch, loss, parts) if calls is None else calls
+    run = run or (lambda c: engine.value_and_grad(params, c.batch, loss, weights=c.weights))
     value, grads, logps, stats = 0.0, None, [None] * batch.num_sequences, {}
-    for idx in group_splits(batch, parts):
-        v, g, aux = engine.value_and_grad(params, batch.select(idx), loss, weights=w[idx])
+    for call in calls:
+        v, g, aux = run(call)
         g = jax.tree.map(lambda x: x.astype(np.float32), g)
         grads = g if grads is None else jax.tree.map(lambda a, b: a + b, grads, g)
         value += float(v)
-        for j, i in enumerate(idx):
+        for j, i in enumerate(call.index):
             logps[i] = aux.logprobs[j]
         stats = aux.stats
     return np.float32(value), grads, EngineAux(logprobs=tuple(logps), stats=stats)
 
 
-def engine_pass(engine, params, batch: RolloutBatch, loss, grad_accum: int = 1):
+def engine_pass(
+    engine, params, batch: RolloutBatch, loss, grad_accum: int = 1, *, calls=None, run=None
+):
     """``(value, grads, aux)`` of ``batch``: ``engine.value_and_grad``, or with
-    ``grad_accum > 1`` its sum over that many parts (``accumulated_value_and_grad``)."""
+    ``grad_accum > 1`` its sum over that many parts (``accumulated_value_and_grad``).
+    ``calls``: the batch's ``engine_calls`` if already made; ``run(call)`` runs one
+    ``EngineCall`` (default: ``engine.value_and_grad``). The update loop passes both,
+    to plan the next call while this one runs (``dtarl.rl.update``)."""
     if grad_accum > 1:
-        return accumulated_value_and_grad(engine, params, batch, loss, grad_accum)
+        return accumulated_value_and_grad(
+            engine, params, batch, loss, grad_accum, calls=calls, run=run
+        )
+    if run is not None:
+        return run(calls[0] if calls else EngineCall(batch))
     return engine.value_and_grad(params, batch, loss)
 
 
@@ -218,13 +253,16 @@ def update(
     loss,
     optimizer: Optimizer,
     grad_accum: int = 1,
+    calls=None,
+    run=None,
 ) -> UpdateResult:
     """``engine.value_and_grad(params, batch, loss)`` (with ``grad_accum > 1``: accumulated
     over that many sub-batches of whole groups, ``accumulated_value_and_grad``), then one
     optimiser step, unless the loss or the gradient norm is not finite (then the state
-    comes back unchanged)."""
+    comes back unchanged). ``calls`` / ``run``: the engine calls and how one runs
+    (``engine_pass``)."""
     t0 = time.perf_counter()
-    value, grads, aux = engine_pass(engine, params, batch, loss, grad_accum)
+    value, grads, aux = engine_pass(engine, params, batch, loss, grad_accum, calls=calls, run=run)
     gnorm = float(grad_norm(grads))
     applied = bool(np.isfinite(float(value)) and np.isfinite(gnorm))
     why = ""
@@ -278,7 +316,9 @@ def old_logprob_diff(parts, sampled) -> dict[str, float]:
 __all__ = [
     "Optimizer",
     "UpdateResult",
+    "EngineCall",
     "accumulated_value_and_grad",
+    "engine_calls",
     "engine_pass",
     "grad_norm",
     "group_splits",

@@ -67,8 +67,10 @@ Letters: C chunk length, R rows, S path buffer length, K loss slots per step.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -117,6 +119,11 @@ def prefix_bucket_sizes(path_len: int, chunk_len: int, levels: int) -> tuple[int
     return tuple(sorted(sizes))
 
 
+# The per-entry arrays, in the order the device program's step record holds them.
+ENTRY_FIELDS = ("positions", "inputs", "targets", "seg", "tree_idx")
+_ENTRY_FILL = dict(positions=0, inputs=0, targets=0, seg=-1, tree_idx=-1)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class SegmentPlan:
     """Fixed-shape device program for one tree. Arrays are host numpy.
@@ -131,16 +138,22 @@ class SegmentPlan:
       slots [T, K]: sequences visited at this step (-1 = empty), slot_seg [T, K].
     PUSH steps are a single contiguous segment starting at ``start``; PUSH and
     POP steps use row 0 only.
+
+    Storage. The per-entry arrays are held compactly (most steps fill a small part
+    of the E entries, which are sized for the widest op): ``entries`` maps each
+    name in ``ENTRY_FIELDS`` to a flat [N] int32 array of the N real entries in
+    step order (column order within a step), ``entry_col`` [N] is each entry's
+    column i and ``entry_ptr`` [T + 1] the CSR offsets of the steps' entries. The
+    padded [T, E] arrays above (``positions`` ...) are expanded from them on first
+    use (``padded``) and kept.
     """
 
     op: np.ndarray
     start: np.ndarray
     pbucket: np.ndarray
-    positions: np.ndarray
-    inputs: np.ndarray
-    targets: np.ndarray
-    seg: np.ndarray
-    tree_idx: np.ndarray
+    entries: dict[str, np.ndarray]
+    entry_col: np.ndarray
+    entry_ptr: np.ndarray
     slots: np.ndarray
     slot_seg: np.ndarray
     chunk_len: int
@@ -155,6 +168,49 @@ class SegmentPlan:
     row_steps: int  # POP_ROWS steps
     wide_steps: int  # POP_WIDE steps
     peak_path: int  # longest stacked prefix + chunk
+    _padded: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+    @property
+    def width(self) -> int:
+        """E = R * max(W, 1) * C: entries per step in the padded form."""
+        return self.rows * max(self.wide, 1) * self.chunk_len
+
+    @property
+    def num_entries(self) -> int:
+        """N: the real (non-padding) entries of all steps."""
+        return int(self.entry_col.shape[0])
+
+    @property
+    def entry_step(self) -> np.ndarray:
+        """[N] the step of each entry."""
+        counts = np.diff(self.entry_ptr)
+        return np.repeat(np.arange(counts.shape[0], dtype=np.int32), counts)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Host bytes of the plan as stored (compact entries, per-step and slot arrays)."""
+        arrays = [self.op, self.start, self.pbucket, self.entry_col, self.entry_ptr]
+        arrays += [self.slots, self.slot_seg, *self.entries.values()]
+        return int(sum(a.nbytes for a in arrays))
+
+    def padded(self, name: str) -> np.ndarray:
+        """The per-entry array ``name`` (one of ``ENTRY_FIELDS``) as [T, E] int32, padding
+        filled (0, or -1 for ``seg`` and ``tree_idx``); read-only, built once."""
+        if name not in _ENTRY_FILL:
+            raise ValueError(f"padded({name!r}): accepted names are {ENTRY_FIELDS}")
+        out = self._padded.get(name)
+        if out is None:
+            out = np.full((self.op.shape[0], self.width), _ENTRY_FILL[name], np.int32)
+            out[self.entry_step, self.entry_col] = self.entries[name]
+            out.flags.writeable = False
+            self._padded[name] = out
+        return out
+
+    positions = property(lambda self: self.padded("positions"))
+    inputs = property(lambda self: self.padded("inputs"))
+    targets = property(lambda self: self.padded("targets"))
+    seg = property(lambda self: self.padded("seg"))
+    tree_idx = property(lambda self: self.padded("tree_idx"))
 
     @property
     def shape_key(self) -> tuple:
@@ -179,11 +235,16 @@ class _Step:
     slots: list[tuple[int, int]]  # (sequence, segment)
 
 
-def _run_range(st: _Step) -> tuple[int, int] | None:
-    """[first, last + 1) path positions of a single-segment PUSH/POP, else None."""
-    if st.op not in (Op.PUSH, Op.POP) or len({j for *_, j in st.segs}) != 1:
+def _run_range(st: _Step) -> tuple[int, int, int] | None:
+    """[first, last + 1) path positions and the segment id of a single-segment PUSH /
+    POP step, else None."""
+    if st.op not in (Op.PUSH, Op.POP):
         return None
-    return min(s for _, s, *_ in st.segs), max(e for _, _, e, *_ in st.segs)
+    segs = st.segs
+    j = segs[0][4]
+    if any(sg[4] != j for sg in segs):
+        return None
+    return min(sg[1] for sg in segs), max(sg[2] for sg in segs), j
 
 
 def _merge_runs(steps: list[_Step], c: int) -> list[_Step]:
@@ -197,17 +258,21 @@ def _merge_runs(steps: list[_Step], c: int) -> list[_Step]:
     keeps every node's visits; each sequence's loss only reads its own positions.
     """
     out: list[_Step] = []
+    a = None  # the range of out[-1]
     for st in steps:
-        prev = out[-1] if out else None
-        a, b = (_run_range(prev) if prev else None), _run_range(st)
-        if a is not None and b is not None and prev.op == st.op:
+        b = _run_range(st)
+        if a is not None and b is not None and out[-1].op == st.op and a[2] == b[2]:
+            prev = out[-1]
             if st.op is Op.PUSH and a[1] == b[0] and b[1] - a[0] <= c:
                 out[-1] = _Step(Op.PUSH, a[0], prev.segs + st.segs, [])
+                a = (a[0], b[1], a[2])
                 continue
             if st.op is Op.POP and b[1] == a[0] and a[1] - b[0] <= c:
                 out[-1] = _Step(Op.POP, b[0], st.segs + prev.segs, prev.slots + st.slots)
+                a = (b[0], a[1], a[2])
                 continue
         out.append(st)
+        a = b
     return out
 
 
@@ -304,19 +369,22 @@ def compile_plan(
     sizes = prefix_bucket_sizes(s_pad, c, prefix_levels)
     flops = token_flops or (lambda keys: 1.0)
 
+    per_bucket: dict[tuple[int, int], float] = {}
+
     def step_flops(width: int, start: int) -> float:
         """Forward FLOPs of a step of ``width`` entries reading the stack up to
         ``start``: every entry attends the prefix bucket and the whole row."""
-        p = sizes[int(np.searchsorted(sizes, start))]
-        return width * flops(p + width)
+        p = sizes[bisect.bisect_left(sizes, start)]
+        got = per_bucket.get((width, p))
+        if got is None:
+            got = per_bucket[(width, p)] = width * flops(p + width)
+        return got
 
     def chunked_flops(s0: int, s1: int) -> float:
         """Forward + backward FLOPs of [s0, s1) chunked: pushed (but for the last
-        chunk) and popped under the VJP (3x)."""
-        firsts = list(range(s0, s1, c))
-        return sum(step_flops(c, a) for a in firsts[:-1]) + 3 * sum(
-            step_flops(c, a) for a in firsts
-        )
+        chunk) and popped under the VJP (3x); summed in chunk order."""
+        each = [step_flops(c, a) for a in range(s0, s1, c)]
+        return sum(each[:-1]) + 3 * sum(each)
 
     def emit_wide(leaves: list[int]) -> list[int]:
         """POP_WIDE steps (up to R rows of W*C) for the bins of leaves that cost at
@@ -399,63 +467,117 @@ def compile_plan(
 
     if merge_runs:
         steps = _merge_runs(steps, c)
+    return _assemble(
+        tree,
+        steps,
+        c=c,
+        r=r,
+        w_chunks=w_chunks,
+        s_pad=s_pad,
+        sizes=sizes,
+        pushed=pushed,
+        min_steps=min_steps,
+        min_slots=min_slots,
+    )
+
+
+def _assemble(
+    tree: PrefixTree,
+    steps: list[_Step],
+    *,
+    c: int,
+    r: int,
+    w_chunks: int,
+    s_pad: int,
+    sizes: tuple[int, ...],
+    pushed: int,
+    min_steps: int,
+    min_slots: int,
+) -> SegmentPlan:
+    """The plan's arrays from its steps, vectorised over entries.
+
+    An entry at path position p of node x (covering [a, b)) predicts the token at
+    p + 1, flat index ``tree_idx = offset[x] + p + 1 - a`` in the tree's token data;
+    its input is the token before, ``token_data[tree_idx - 1]``, except at p = a - 1
+    where it is the parent's last token.
+    """
     n_steps = len(steps)
     t_pad = fine_bucket(n_steps, min_steps)
-    k_pad = bucket(max((len(st.slots) for st in steps), default=1), min_slots)
+    wc = w_chunks * c
+    # One row per segment: node, first / last + 1 position, row, segment id; its step.
+    chain = itertools.chain.from_iterable
+    table = np.array(list(chain(st.segs for st in steps)), np.int64).reshape(-1, 5)
+    seg_x, seg_s, seg_e, seg_row, seg_j = table.T
+    seg_t = np.repeat(np.arange(n_steps, dtype=np.int64), [len(st.segs) for st in steps])
+    n_slots = [len(st.slots) for st in steps]
+    slot_t = np.repeat(np.arange(n_steps, dtype=np.int64), n_slots)
+    slot_k = np.arange(slot_t.shape[0]) - np.repeat(np.cumsum(n_slots) - n_slots, n_slots)
+    slot_tab = np.array(list(chain(st.slots for st in steps)), np.int64).reshape(-1, 2)
     op = np.zeros(t_pad, np.int32)
     start = np.zeros(t_pad, np.int32)
+    op[:n_steps] = [int(st.op) for st in steps]
+    start[:n_steps] = [st.start for st in steps]
     pbucket = np.zeros(t_pad, np.int32)
-    w = r * max(w_chunks, 1) * c
-    positions = np.zeros((t_pad, w), np.int32)
-    inputs = np.zeros((t_pad, w), np.int32)
-    targets = np.zeros((t_pad, w), np.int32)
-    seg = np.full((t_pad, w), -1, np.int32)
-    tree_idx = np.full((t_pad, w), -1, np.int32)
+    pbucket[:n_steps] = np.searchsorted(np.asarray(sizes), start[:n_steps])
+    most_slots = max((len(st.slots) for st in steps), default=1)
+    k_pad = bucket(most_slots, min_slots)
     slots = np.full((t_pad, k_pad), -1, np.int32)
     slot_seg = np.zeros((t_pad, k_pad), np.int32)
-    computed = packed = row_steps = wide_steps = peak = 0
-    for t, st in enumerate(steps):
-        op[t], start[t] = int(st.op), st.start
-        pbucket[t] = int(np.searchsorted(sizes, st.start))
-        used = [0] * r
-        cap = wc if st.op is Op.POP_WIDE else c
-        for x, s, e, row, j in st.segs:
-            # Tokens at path positions [a-1, b): the parent's last token, then X's own.
-            a = int(start_pos[x])
-            own = tree.node_tokens(x)
-            if a > 0:
-                par = int(tree.parent[x])
-                last = tree.token_data[int(tree.offset[par] + tree.length[par]) - 1]
-                ext, base = np.concatenate([[last], own]), a - 1
-            else:
-                ext, base = own, 0
-            n = e - s
-            col = row * cap + used[row]
-            sl = slice(col, col + n)
-            positions[t, sl] = np.arange(s, e)
-            inputs[t, sl] = ext[s - base : e - base]
-            targets[t, sl] = ext[s - base + 1 : e - base + 1]
-            seg[t, sl] = j
-            tree_idx[t, sl] = int(tree.offset[x]) + np.arange(s + 1, e + 1) - a
-            used[row] += n
-            assert used[row] <= cap
-            peak = max(peak, e)
-        if st.op in (Op.POP, Op.POP_ROWS, Op.POP_WIDE):
-            computed += sum(used)
-            packed += len({row for *_, row, _ in st.segs}) < len({j for *_, j in st.segs})
-            row_steps += st.op is Op.POP_ROWS
-            wide_steps += st.op is Op.POP_WIDE
-        for k, (sid, j) in enumerate(st.slots):
-            slots[t, k], slot_seg[t, k] = sid, j
+    slots[slot_t, slot_k] = slot_tab[:, 0]
+    slot_seg[slot_t, slot_k] = slot_tab[:, 1]
+
+    i64 = np.int64
+    n = seg_e - seg_s
+    # Columns: a row's segments are laid out one after the other from the row's start.
+    cap = np.where(op[seg_t] == Op.POP_WIDE, wc, c)
+    key = seg_t * r + seg_row
+    by_row = np.argsort(key, kind="stable")
+    csum = np.cumsum(n[by_row])
+    first = np.r_[True, key[by_row][1:] != key[by_row][:-1]]
+    row_base = np.maximum.accumulate(np.where(first, csum - n[by_row], 0))
+    used = np.empty_like(n)
+    used[by_row] = csum - row_base  # the row's entries up to and including the segment
+    if (used > cap).any():
+        raise AssertionError("a step's row holds more entries than its capacity")
+    col0 = seg_row * cap + used - n
+
+    # Every per-entry value is the entry's index plus a per-segment constant.
+    total = int(n.sum())
+    first_entry = np.cumsum(n) - n
+    seg_of = np.repeat(np.arange(n.shape[0], dtype=np.int32), n)
+    idx = np.arange(total, dtype=np.int32)
+    a = tree.start[seg_x]
+    pos_shift = seg_s - first_entry
+    tidx_shift = pos_shift + tree.offset[seg_x] + 1 - a
+    tree_idx = idx + tidx_shift.astype(np.int32)[seg_of]
+    data = tree.token_data
+    inputs = data[tree_idx - 1]
+    # A segment starting at its node's first position - 1 reads the parent's last token.
+    reads_parent = np.flatnonzero(seg_s < a)
+    par = tree.parent[seg_x[reads_parent]]
+    inputs[first_entry[reads_parent]] = data[tree.offset[par] + tree.length[par] - 1]
+    entries = dict(
+        positions=idx + pos_shift.astype(np.int32)[seg_of],
+        inputs=inputs,
+        targets=data[tree_idx],
+        seg=seg_j.astype(np.int32)[seg_of],
+        tree_idx=tree_idx,
+    )
+    entry_ptr = np.zeros(t_pad + 1, i64)
+    np.cumsum(np.bincount(seg_t, weights=n, minlength=t_pad).astype(i64), out=entry_ptr[1:])
+
+    is_pop = np.isin(op, (Op.POP, Op.POP_ROWS, Op.POP_WIDE))
+    packed = 0
+    for t in np.flatnonzero(is_pop[:n_steps]):
+        segs = steps[t].segs
+        packed += len({row for *_, row, _ in segs}) < len({j for *_, j in segs})
     return SegmentPlan(
         op=op,
         start=start,
         pbucket=pbucket,
-        positions=positions,
-        inputs=inputs,
-        targets=targets,
-        seg=seg,
-        tree_idx=tree_idx,
+        entries=entries,
+        entry_col=idx + (col0 - first_entry).astype(np.int32)[seg_of],
+        entry_ptr=entry_ptr,
         slots=slots,
         slot_seg=slot_seg,
         chunk_len=c,
@@ -464,10 +586,10 @@ def compile_plan(
         path_len=s_pad,
         prefix_sizes=sizes,
         num_steps=n_steps,
-        computed_tokens=computed,
+        computed_tokens=int(n[is_pop[seg_t]].sum()),
         pushed_tokens=pushed,
         packed_steps=packed,
-        row_steps=row_steps,
-        wide_steps=wide_steps,
-        peak_path=peak,
+        row_steps=int((op == Op.POP_ROWS).sum()),
+        wide_steps=int((op == Op.POP_WIDE).sum()),
+        peak_path=int(seg_e.max(initial=0)),
     )

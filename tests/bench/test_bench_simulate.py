@@ -149,7 +149,8 @@ def test_dfs_features_follow_the_plan(shape):
         )
     f = engine_features("dfs", b, CFG, chunk_len=16)
     prep = _real_engine("dfs", chunk_len=16).prepare(b, _loss())
-    steps, (_, _, sizes, rows, wide) = prep.args[0], prep.static
+    steps, st = prep.args[0], prep.static
+    sizes, rows, wide = st.prefix_sizes, st.rows, st.wide
     op = np.asarray(steps.op)
     chunks = np.select(
         [op == Op.PUSH, op == Op.POP, op == Op.POP_ROWS, op == Op.POP_WIDE],
