@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from dtarl.bench import device
+from dtarl.bench import device, device_dry
 
 
 def test_dry_run_lowers_the_kernels_for_cuda_and_tpu():
-    res = device.dry_run(lambda s: None, parts=("kernels",))
+    res = device_dry.dry_run(lambda s: None, parts=("kernels",))
     got = {(r["program"], r["platform"]): r for r in res["rows"]}
     assert set(got) == {
         (f"chunk_attention {d}", p) for d in ("fwd", "bwd") for p in ("cuda", "tpu")
@@ -30,14 +30,14 @@ def test_dry_run_reports_a_program_that_fails_to_lower(monkeypatch):
         raise RuntimeError("no lowering for this")
 
     monkeypatch.setattr(ca, "chunk_attention", broken)
-    res = device.dry_run(lambda s: None, platforms=("cuda",), parts=("kernels",))
+    res = device_dry.dry_run(lambda s: None, platforms=("cuda",), parts=("kernels",))
     assert res["failed"] == 2
     assert all("no lowering for this" in r["error"] for r in res["rows"])
 
 
 def test_unknown_parts_and_sections_name_the_accepted_values(tmp_path):
     with pytest.raises(ValueError, match="accepted"):
-        device.dry_run(lambda s: None, parts=("kernel",))
+        device_dry.dry_run(lambda s: None, parts=("kernel",))
     with pytest.raises(ValueError, match="'engines'"):
         device.run(sections=("engine",), out=tmp_path)
 
