@@ -52,11 +52,11 @@ from dtarl.model.hf import save_hf, tokenizer_files
 from dtarl.parallel import mesh as mesh_lib
 from dtarl.parallel.partition import FlopCost
 from dtarl.parallel.sharded import ShardedEngine, to_host
+from dtarl.rewards import RewardFn
 from dtarl.rl.capacity import capacity, response_budget
 from dtarl.rl.config import Algorithm, TrainerConfig
 from dtarl.rl.episodes import Scorer, encode_prompt, tool_stop_sequences
 from dtarl.rl.optim import Optimizer, place_like, put
-from dtarl.rl.rewards import RewardFn
 from dtarl.rl.state import TrainState
 from dtarl.rl.tasks import Task
 
@@ -195,18 +195,21 @@ def build_parts(
     cfg: TrainerConfig, *, reward_fn: RewardFn | None = None, task: Task | None = None
 ) -> tuple[RunParts, Any]:
     """(the run's objects, the initial params: on the mesh when there is one). ``task``
-    replaces ``cfg.task``'s; ``reward_fn`` (sync or async) the task's verifier."""
+    replaces ``cfg.task``'s; ``reward_fn`` (sync or async) the task's verifier, else
+    ``reward.function`` does when set."""
     # compile_cache_dir: before anything compiles (the model's initialisation does)
     if cfg.compile_cache_dir is not None:
         cache_dir = enable_compile_cache(cfg.compile_cache_dir)
         aot.enable_program_store(os.path.join(cache_dir, aot.STORE_SUBDIR))
     mesh = cfg.mesh.build()  # before the model: a bad mesh fails at once
+    task = task if task is not None else cfg.task.build()
+    if reward_fn is None:  # reward.function (loaded before the model: a bad one fails at once)
+        reward_fn = cfg.reward.build(data_source=getattr(getattr(task, "kind", None), "value", ""))
     model, tokenizer = cfg.model.build()
     graphdef, params = nnx.split(model, nnx.Param)
     if mesh is not None:
         check_mesh(cfg, mesh)
         params = mesh_lib.shard_params(params, mesh)
-    task = task if task is not None else cfg.task.build()
     r = cfg.rollout
     # Tool-call markers of one token are stop tokens; longer ones stop sequences.
     tool = tool_stop_sequences(tokenizer, task)

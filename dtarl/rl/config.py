@@ -25,8 +25,8 @@ from typing import Any
 
 from dtarl.engines.config import EngineConfig
 from dtarl.errors import ConfigError
+from dtarl.rewards import RewardErrorPolicy, RewardSection
 from dtarl.rl.config_io import apply_override, check_finite, from_dict, read_yaml, to_dict
-from dtarl.rl.rewards import RewardErrorPolicy
 from dtarl.rl.rollout_sections import (
     PatSection,
     RolloutEngineKind,
@@ -102,6 +102,8 @@ class TrainerConfig:
     """``dtarl train CONFIG``: SFT warm-up (``sft.steps``) then ``steps`` RL steps."""
 
     SECTION: typing.ClassVar[str] = "trainer"
+    # Keys that moved: a config still using one gets an error naming the new key.
+    MOVED: typing.ClassVar[dict[str, str]] = {"reward_on_error": "reward.on_error"}
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     task: TaskSection = dataclasses.field(default_factory=TaskSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
@@ -121,7 +123,7 @@ class TrainerConfig:
     eval_every: int = 0  # also every N RL steps (0 = only before and after)
     tensorboard: bool = True  # when tensorboardX / torch.utils.tensorboard is importable
     console: bool = True
-    reward_on_error: RewardErrorPolicy = RewardErrorPolicy.RAISE
+    reward: RewardSection = dataclasses.field(default_factory=RewardSection)
     # JAX's persistent compilation cache for this process (None: off, or whatever
     # the process set up itself); a second run of the same config reads its programs
     # from there instead of compiling them. See ``Trainer`` / ``enable_compile_cache``.
@@ -260,6 +262,8 @@ __all__ = [
     "PatSection",
     "RESUME_FREE_KEYS",
     "ResumeSection",
+    "RewardErrorPolicy",
+    "RewardSection",
     "RolloutEngineKind",
     "RolloutSection",
     "SFTSection",

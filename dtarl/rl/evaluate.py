@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import jax
 
+from dtarl.rewards import RewardErrorPolicy, compute_rewards
 from dtarl.rl.episodes import process_rollout, rollout, success_rate
-from dtarl.rl.rewards import RewardErrorPolicy, compute_rewards
 from dtarl.rl.tasks import Problem, Task
 
 

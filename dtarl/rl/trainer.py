@@ -31,6 +31,7 @@ import numpy as np
 
 from dtarl.parallel import mesh as mesh_lib
 from dtarl.parallel.launch import report_progress
+from dtarl.rewards import RewardFn
 from dtarl.rl import darts, runlock
 from dtarl.rl.build import (
     RunParts,
@@ -58,7 +59,6 @@ from dtarl.rl.metrics import (
     truncate_metrics,
 )
 from dtarl.rl.optim import Optimizer
-from dtarl.rl.rewards import RewardFn
 from dtarl.rl.state import HostRecord, TrainState, check_resume, state_attribute
 from dtarl.rl.tasks import Problem, Task
 from dtarl.rl.update import run_updates

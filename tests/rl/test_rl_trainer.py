@@ -12,12 +12,12 @@ from dtarl.cli import main as dtarl_main
 from dtarl.commands.train import main as cli_main
 from dtarl.engines.config import EngineKind
 from dtarl.model.tokenizer import ByteTokenizer
+from dtarl.rewards import RewardError, RewardErrorPolicy, RewardSection
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import ConfigError, load_config
 from dtarl.rl.episodes import encode_prompt, rollout, tool_stop_sequences
 from dtarl.rl.hooks import Phase
 from dtarl.rl.metrics import read_metrics
-from dtarl.rl.rewards import RewardError, RewardErrorPolicy
 from dtarl.rl.state import HostRecord
 from dtarl.rl.tasks import CalculatorTask, Problem, safe_eval
 from dtarl.rl.trainer import Trainer
@@ -216,7 +216,7 @@ def test_raising_reward_function(runs):
     try:
         with pytest.raises(RewardError, match="sample 0 .*ZeroDivisionError: bad verifier"):
             b.rl_step(6)
-        b.cfg = b.cfg.replace(reward_on_error=RewardErrorPolicy.ZERO)
+        b.cfg = b.cfg.replace(reward=RewardSection(on_error=RewardErrorPolicy.ZERO))
         m = b.rl_step(6)
     finally:
         b.reward_fn, b.cfg = fn, policy
