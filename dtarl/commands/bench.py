@@ -19,7 +19,7 @@ from dtarl.bench import report
 from dtarl.bench import stalls as bench_stalls
 from dtarl.bench import stream as bench_stream
 from dtarl.bench import train as bench_train
-from dtarl.commands import bench_generation
+from dtarl.commands import bench_generation, bench_quickstart
 from dtarl.commands.bench_generation import simulated_devices
 from dtarl.model import ModelConfig
 from dtarl.parallel.partition import FlopCost
@@ -470,12 +470,12 @@ __all__ = ["register", "simulated_devices"]
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Adds ``bench`` with its ``train``, ``memory``, ``partition``, ``rollout``, ``peer``,
-    ``darts``, ``pat``, ``stream`` and ``stalls`` subcommands (each sets ``func``;
+    ``darts``, ``pat``, ``stream``, ``stalls`` and ``quickstart`` subcommands (each sets ``func``;
     ``func(args)`` returns the exit code)."""
     bench = subparsers.add_parser(
         "bench",
         help="benchmarks (train engines, memory, DP partition, rollout, vs Tunix, DARTS, PAT, "
-        "streaming, stalls)",
+        "streaming, stalls, the quickstart's SFT vs GRPO)",
     )
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_train(sub)
@@ -487,4 +487,5 @@ def register(subparsers) -> argparse.ArgumentParser:
     bench_generation.add_pat(sub)
     _add_stream(sub)
     _add_stalls(sub)
+    bench_quickstart.add_quickstart(sub)
     return bench

@@ -79,7 +79,7 @@ def _math_verify_equal(gold: str, pred: str) -> bool:
         from math_verify import parse, verify
     except ImportError:  # a declared dependency; say how to get it
         raise ImportError(
-            "the `math` reward needs math-verify: pip install 'math-verify>=0.7'"
+            "the `math` reward needs math-verify: pip install 'math-verify>=0.9'"
         ) from None
     # math-verify's timeouts use signal.alarm, which only the main thread may set.
     main = threading.current_thread() is threading.main_thread()

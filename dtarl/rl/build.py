@@ -226,7 +226,7 @@ def build_parts(
         prompt_len=prompt_len,
         response_len=response_budget(r.max_new_tokens, task.max_turns),
         group_size=cfg.algo.darts.candidates(r.group_size),
-        eval_problems=cfg.eval_problems,
+        eval_problems=cfg.eval.num_problems,
         mesh=samplers_mesh,
     )
     pat = build_pat(cfg, sampler, samplers_mesh, model)
@@ -309,7 +309,7 @@ def reserve(cfg: TrainerConfig, parts: RunParts) -> None:
         prompt_len=max_len,
         response=r.max_new_tokens,
     )
-    n_eval = max(1, cfg.eval_problems)
+    n_eval = max(1, cfg.eval.num_problems)
     parts.eval_sampler.reserve(
         prompts=n_eval, rows=n_eval, prompt_len=max_len, response=r.max_new_tokens
     )

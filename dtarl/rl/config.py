@@ -27,6 +27,7 @@ from dtarl.engines.config import EngineConfig
 from dtarl.errors import ConfigError
 from dtarl.rewards import RewardErrorPolicy, RewardSection
 from dtarl.rl.config_io import apply_override, check_finite, from_dict, read_yaml, to_dict
+from dtarl.rl.report_sections import EvalSection, LoggingBackend, LoggingSection
 from dtarl.rl.rollout_sections import (
     PatSection,
     RolloutEngineKind,
@@ -59,17 +60,21 @@ RESUME_FREE_KEYS = (
     "resume",
     "export",
     "console",
-    "tensorboard",
+    "logging",
     "checkpoint_every",
     "keep_checkpoints",
-    "eval_every",
-    "eval_problems",
+    "eval",
     "algo.engine",
     "algo.autotune_budget_seconds",
     "algo.autotune_cache",
     "compile_cache_dir",
     "engine",
     "mesh",
+    # top-level keys of checkpoints written before they moved (``TrainerConfig.MOVED``)
+    "eval_every",
+    "eval_problems",
+    "tensorboard",
+    "reward_on_error",
 )
 
 
@@ -103,7 +108,12 @@ class TrainerConfig:
 
     SECTION: typing.ClassVar[str] = "trainer"
     # Keys that moved: a config still using one gets an error naming the new key.
-    MOVED: typing.ClassVar[dict[str, str]] = {"reward_on_error": "reward.on_error"}
+    MOVED: typing.ClassVar[dict[str, str]] = {
+        "reward_on_error": "reward.on_error",
+        "eval_problems": "eval.num_problems",
+        "eval_every": "eval.every",
+        "tensorboard": "logging.backends (e.g. [jsonl, tensorboard])",
+    }
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     task: TaskSection = dataclasses.field(default_factory=TaskSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
@@ -119,9 +129,8 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     resume: ResumeSection = dataclasses.field(default_factory=ResumeSection)
     export: ExportSection = dataclasses.field(default_factory=ExportSection)
-    eval_problems: int = 64  # greedy success rate on a fixed set, before and after
-    eval_every: int = 0  # also every N RL steps (0 = only before and after)
-    tensorboard: bool = True  # when tensorboardX / torch.utils.tensorboard is importable
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+    logging: LoggingSection = dataclasses.field(default_factory=LoggingSection)
     console: bool = True
     reward: RewardSection = dataclasses.field(default_factory=RewardSection)
     # JAX's persistent compilation cache for this process (None: off, or whatever
@@ -136,7 +145,7 @@ class TrainerConfig:
 
     def __post_init__(self):
         check_finite(self)  # every float key, however the config was built
-        nonneg(self, "steps", "seed", "checkpoint_every", "eval_problems", "eval_every")
+        nonneg(self, "steps", "seed", "checkpoint_every")
         positive(self, "keep_checkpoints")
         if not self.out_dir:
             raise ConfigError("out_dir='' must name a directory")
@@ -172,6 +181,12 @@ class TrainerConfig:
             raise ConfigError(
                 f"algo.darts.short_k={d.short_k} must be <= rollout.group_size="
                 f"{self.rollout.group_size} (0 = group_size - 1)"
+            )
+        if self.eval.num_samples > 1 and self.eval.num_samples > self.rollout.group_size:
+            raise ConfigError(
+                f"eval.num_samples={self.eval.num_samples} must be <= rollout.group_size="
+                f"{self.rollout.group_size} (pass@k samples k per problem with the rollout "
+                "sampler)"
             )
         if self.algo.overlong_buffer > self.rollout.max_new_tokens * self._turns():
             raise ConfigError(
@@ -252,8 +267,11 @@ __all__ = [
     "Algorithm",
     "ConfigError",
     "DartsSection",
+    "EvalSection",
     "ExportSection",
     "LambdaUnits",
+    "LoggingBackend",
+    "LoggingSection",
     "LossAggMode",
     "MeshSection",
     "ModelSection",

@@ -478,6 +478,7 @@ def batch_metrics(
     kept = sum(b.kept_groups for b in shaped)
     return dict(
         **reward_extras(scores),
+        score_mean=float(np.concatenate([b.task_rewards for b in shaped]).mean()),
         reward_mean=float(rewards.mean()),
         reward_std=float(rewards.std()),
         success_rate=success_rate(np.concatenate([b.task_rewards for b in shaped])),
