@@ -73,7 +73,7 @@ print(cfg.algo.algorithm, cfg.task.kind, f"{cfg.sft.steps} SFT + {cfg.steps} RL 
 
 # %% [markdown]
 # ## Train
-# Every step logs to the console, `metrics.jsonl` and (if installed) TensorBoard.
+# Every step logs to the console, `metrics.jsonl` and the `logging.backends` (TensorBoard, W&B).
 
 # %%
 result = Trainer(cfg).run()

@@ -110,7 +110,7 @@ def test_names_round_trip_and_entropy():
     "sets, match",
     [
         (["eval.num_samples=0"], r"eval.num_samples=0 must be an integer >= 1"),
-        (["eval.num_samples=32"], r"eval.num_samples=32 must be <= rollout.group_size=16"),
+        (["eval.num_samples=32"], r"eval.num_samples=32 must be <= rollout.group_size=8"),
         (["eval_every=5"], r"eval_every is now eval.every"),
         (["tensorboard=true"], r"tensorboard is now logging.backends"),
         (["logging.backends=[jsonl, mlflow]"], r"'mlflow' is not valid; accepted: \['jsonl',"),
