@@ -197,3 +197,17 @@ def test_config_round_trip():
             reward=RewardSection(function=fn, weights=(1.0,) * (1 + (fn != "math")))
         )
         assert from_dict(TrainerConfig, to_dict(cfg)) == cfg
+
+
+def test_math_builtin_on_a_procedural_task():
+    """``reward.function: math`` replaces the arithmetic task's verifier: it agrees on
+    exact answers and wrong ones, and reads the last number of a longer response."""
+    task = ArithmeticTask(max_operand=9, ops="+-")
+    probs = task.generate(np.random.default_rng(5), 20)
+    fn = RewardSection(function="math").build(data_source=task.kind.value)
+    comps = [p.answer if i % 2 else str(int(p.answer) + 1) for i, p in enumerate(probs)]
+    res = compute_rewards(fn, probs, comps)
+    expected = [task.reward(p, c) for p, c in zip(probs, comps, strict=True)]
+    np.testing.assert_array_equal(res.rewards, expected)
+    assert fn(probs[0], f"so it is {probs[0].answer}") == 1.0
+    assert task.reward(probs[0], f"so it is {probs[0].answer}") == 0.0
