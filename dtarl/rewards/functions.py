@@ -29,13 +29,14 @@ defaults to verl's ``compute_score``), ``package.module:name``, or a built-in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dtarl.errors import ConfigError
@@ -285,17 +286,19 @@ def combine(fns: Sequence[SampleReward], weights: Sequence[float], names: Sequen
 
 
 def problem_reward(fn: SampleReward, *, data_source: str = "") -> Callable[[Any, str], Any]:
-    """``fn`` as the trainer's ``RewardFn(problem, completion)``: the problem's
-    ``prompt``, ``answer`` (the ground truth), ``data_source`` (else ``data_source``
-    here: the task's kind) and ``extra_info`` (else None) fill the ``RewardInput``."""
+    """``fn`` as the trainer's ``RewardFn(problem, completion)``: the problem's (an
+    object's attributes or a mapping's keys) ``prompt``, ``answer`` (the ground
+    truth), ``data_source`` (else ``data_source`` here: the task's kind) and
+    ``extra_info`` (else None) fill the ``RewardInput``."""
 
     def reward(problem, completion: str):
+        get = problem.get if isinstance(problem, Mapping) else functools.partial(getattr, problem)
         x = RewardInput(
-            prompt=str(getattr(problem, "prompt", "")),
+            prompt=str(get("prompt", "")),
             response=completion,
-            ground_truth=getattr(problem, "answer", None),
-            data_source=str(getattr(problem, "data_source", "") or data_source),
-            extra_info=getattr(problem, "extra_info", None),
+            ground_truth=get("answer", None),
+            data_source=str(get("data_source", "") or data_source),
+            extra_info=get("extra_info", None),
             problem=problem,
         )
         return fn(x)

@@ -15,6 +15,7 @@ from dtarl.rewards import (
     RewardSection,
     compute_rewards,
     final_answer,
+    problem_reward,
 )
 from dtarl.rewards.builtin import math_reward
 from dtarl.rl.config import load_config
@@ -110,6 +111,15 @@ def test_trl_by_name_and_problem_signatures(rfile):
     prob = ArithmeticTask().generate(np.random.default_rng(1), 1)[0]
     fn = RewardSection(function=f"{rfile}:problem_style").build()
     assert fn(prob, prob.answer) == 1.0 and fn(prob, prob.answer + "0") == 0.0
+    # A dataset row as a mapping: its keys fill the input.
+    row = {"prompt": "1+1=", "answer": "2", "data_source": "gsm8k", "extra_info": {"hint": 1}}
+    seen = problem_reward(lambda sample: sample)(row, "2")
+    assert (seen.prompt, seen.ground_truth, seen.data_source, seen.extra_info) == (
+        "1+1=",
+        "2",
+        "gsm8k",
+        {"hint": 1},
+    )
     with pytest.raises(ConfigError, match=r"reward.function=.*odd.*parameters \['a', 'b', 'c'\]"):
         RewardSection(function=f"{rfile}:odd").build()
 
