@@ -120,3 +120,50 @@ def test_names_round_trip_and_entropy():
 def test_bad_eval_logging_config(sets, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, sets)
+
+
+class AnswerSampler:
+    """A sampler double: ``num_samples`` completions per prompt, the last one of a group
+    right for the problems in ``right_last`` (every one in a group of one: greedy)
+    and the rest wrong."""
+
+    def __init__(self, tok, problems, right_last):
+        self.tok = tok
+        self.answers = {p.prompt: p.answer for p in problems}
+        self.right = {problems[i].prompt for i in right_last}
+
+    def generate(self, weights, prompts, *, num_samples, seed):
+        from dtarl.rollout.sampler import FinishReason, SampleResult
+
+        counts = [num_samples] * len(prompts) if np.ndim(num_samples) == 0 else num_samples
+        toks = []
+        for p, c in zip(prompts, counts, strict=True):
+            text = self.tok.decode(list(p))
+            prompt = max((q for q in self.answers if text.endswith(q)), key=len)
+            for j in range(c):
+                ok = prompt in self.right and j == c - 1
+                ans = self.answers[prompt] if ok else self.answers[prompt] + "0"
+                toks.append(np.append(np.asarray(self.tok.encode(ans), np.int32), self.tok.eos_id))
+        return SampleResult(
+            tokens=tuple(toks),
+            logprobs=tuple(np.full(len(t), -0.5, np.float32) for t in toks),
+            raw_logprobs=tuple(np.full(len(t), -0.5, np.float32) for t in toks),
+            finish=np.asarray([FinishReason.STOP] * len(toks)),
+            prompt_index=np.repeat(np.arange(len(prompts)), counts),
+            stats=dict(generated_tokens=sum(len(t) for t in toks), seconds=1.0),
+        )
+
+
+def test_pass_at_k_counts_a_problem_once_one_sample_succeeds():
+    from dtarl.model.tokenizer import ByteTokenizer
+    from dtarl.rl.evaluate import evaluate_policy
+    from dtarl.rl.tasks import ArithmeticTask
+
+    tok, task = ByteTokenizer(), ArithmeticTask(max_operand=50)
+    problems = task.generate(np.random.default_rng(0), 8)
+    greedy = AnswerSampler(tok, problems, right_last=[0])  # greedy: only problem 0
+    sampled = AnswerSampler(tok, problems, right_last=[0, 2, 4])  # one of k for 0, 2, 4
+    res = evaluate_policy(greedy, None, tok, task, problems, sampler=sampled, k=3, chunk=3)
+    assert (res.pass_at_1, res.pass_at_k, res.k) == (1 / 8, 3 / 8, 3)
+    assert res.metrics()["val/pass@3"] == 3 / 8 and res.reward_mean == 1 / 8
+    assert evaluate_policy(greedy, None, tok, task, []) is None
