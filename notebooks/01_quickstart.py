@@ -64,7 +64,7 @@ cfg = cfg.replace(out_dir=out_dir, console=not FAST, resume=ResumeSection(enable
 if FAST:
     cfg = cfg.replace(
         steps=2,
-        eval_problems=4,
+        eval=cfg.eval.__class__(num_problems=4),
         sft=cfg.sft.__class__(steps=2, batch_size=4),
         rollout=cfg.rollout.__class__(prompts_per_step=2, group_size=2, max_new_tokens=4),
         mesh=MeshSection(dp=1),  # one device, however many the machine has
@@ -73,7 +73,7 @@ print(cfg.algo.algorithm, cfg.task.kind, f"{cfg.sft.steps} SFT + {cfg.steps} RL 
 
 # %% [markdown]
 # ## Train
-# Every step logs to the console, `metrics.jsonl` and (if installed) TensorBoard.
+# Every step logs to the console, `metrics.jsonl` and the `logging.backends` (TensorBoard, W&B).
 
 # %%
 result = Trainer(cfg).run()

@@ -5,7 +5,7 @@
              dtarl.yamlconf
     floor 2  dtarl.model, dtarl.parallel.mesh
     floor 3  dtarl.advantages, dtarl.batch, dtarl.losses, dtarl.traces, dtarl.testing,
-             dtarl.data
+             dtarl.data, dtarl.rewards
     floor 4  dtarl.rollout, dtarl.engines
     floor 5  dtarl.rl, dtarl.parallel
     floor 6  dtarl.bench
@@ -41,6 +41,7 @@ FLOORS = {
     "dtarl.batch": 3,
     "dtarl.losses": 3,
     "dtarl.traces": 3,
+    "dtarl.rewards": 3,
     "dtarl.testing": 3,
     "dtarl.data": 3,
     "dtarl.rollout": 4,

@@ -48,7 +48,6 @@ FALLBACK = {
     "out_dir": "directory of the run: metrics.jsonl, checkpoints/, TensorBoard events",
     "keep_checkpoints": "the newest this many checkpoints are kept",
     "console": "print a progress bar and a line per step",
-    "reward_on_error": "what a failing reward function does",
     "model.preset": "a `ModelConfig` preset (`ModelConfig.PRESETS`)",
     "model.hf_path": "a local Hugging Face checkpoint directory (config.json + safetensors)",
     "model.seed": "seed of the random initialisation (presets without hf_path)",
@@ -244,9 +243,9 @@ def _unwrap_optional(tp) -> tuple[object, bool]:
 def _type_text(tp) -> str:
     inner, optional = _unwrap_optional(tp)
     suffix = " or null" if optional else ""
-    if typing.get_origin(inner) in (typing.Union, types.UnionType):  # str | tuple[str, ...]
-        args = typing.get_args(inner)
-        return " or ".join(_type_text(a) for a in args if a is not type(None)) + suffix
+    if typing.get_origin(inner) in (typing.Union, types.UnionType):  # ``str | tuple[str, ...]``
+        arms = [a for a in typing.get_args(inner) if a is not type(None)]
+        return " or ".join(_type_text(a) for a in arms) + suffix
     if isinstance(inner, type) and issubclass(inner, enum.Enum):
         return " \\| ".join(f"`{m.value}`" for m in inner) + suffix
     origin = typing.get_origin(inner)

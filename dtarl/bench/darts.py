@@ -94,8 +94,8 @@ class DartsBenchConfig:
             raise ValueError(f"skip_steps={self.skip_steps} must be in [0, steps={self.steps})")
         if self.eval_every < 0 or self.eval_problems < 1:
             raise ValueError(
-                f"eval_every={self.eval_every} must be >= 0 and "
-                f"eval_problems={self.eval_problems} >= 1"
+                f"eval.every={self.eval_every} must be >= 0 and "
+                f"eval.num_problems={self.eval_problems} >= 1"
             )
         if self.sft_steps is not None and self.sft_steps < 0:
             raise ValueError(f"sft_steps={self.sft_steps} must be >= 0")
@@ -118,9 +118,8 @@ def sft_params(bench: DartsBenchConfig, out_dir: str | os.PathLike) -> tuple[Any
         f"out_dir={os.path.join(out_dir, 'sft')}",
         "resume=false",
         "console=false",
-        "tensorboard=false",
-        "eval_every=0",
-        f"eval_problems={bench.eval_problems}",
+        "eval.every=0",
+        f"eval.num_problems={bench.eval_problems}",
     ]
     if bench.sft_steps is not None:
         extra.append(f"sft.steps={bench.sft_steps}")
@@ -151,9 +150,8 @@ def run_arm(
             f"out_dir={os.path.join(out_dir, f'{arm}_seed{seed}')}",
             "resume=false",
             "console=false",
-            "tensorboard=false",
-            f"eval_every={bench.eval_every}",
-            f"eval_problems={bench.eval_problems}",
+            f"eval.every={bench.eval_every}",
+            f"eval.num_problems={bench.eval_problems}",
             f"algo.darts.enabled={'true' if arm == 'darts' else 'false'}",
         ],
     )

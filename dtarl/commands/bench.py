@@ -21,7 +21,7 @@ from dtarl.bench import report
 from dtarl.bench import stalls as bench_stalls
 from dtarl.bench import stream as bench_stream
 from dtarl.bench import train as bench_train
-from dtarl.commands import bench_device, bench_generation
+from dtarl.commands import bench_device, bench_generation, bench_quickstart
 from dtarl.commands.bench_generation import simulated_devices
 from dtarl.model import ModelConfig
 from dtarl.parallel.partition import FlopCost
@@ -564,12 +564,13 @@ __all__ = ["register", "simulated_devices"]
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Adds ``bench`` with its ``train``, ``memory``, ``partition``, ``rollout``, ``peer``,
-    ``darts``, ``pat``, ``stream``, ``stalls`` and ``plan`` subcommands (each sets ``func``;
+    ``darts``, ``pat``, ``stream``, ``stalls``, ``plan``, ``quickstart`` and ``device``
+    subcommands (each sets ``func``;
     ``func(args)`` returns the exit code)."""
     bench = subparsers.add_parser(
         "bench",
         help="benchmarks (train engines, memory, DP partition, rollout, vs Tunix, DARTS, PAT, "
-        "streaming, stalls, plan)",
+        "streaming, stalls, plan, the quickstart's SFT vs GRPO, device)",
     )
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_train(sub)
@@ -583,4 +584,5 @@ def register(subparsers) -> argparse.ArgumentParser:
     _add_stalls(sub)
     bench_device.add_device(sub)
     _add_plan(sub)
+    bench_quickstart.add_quickstart(sub)
     return bench

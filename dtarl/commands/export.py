@@ -33,7 +33,7 @@ from flax import nnx
 from dtarl.model.hf import EXPORT_MARKER, SAVE_DTYPES, save_hf, tokenizer_files
 from dtarl.rl import integrity
 from dtarl.rl.checkpoint import CheckpointError, CheckpointManager, leaf_names
-from dtarl.rl.config import ExportSection, TrainerConfig, from_dict
+from dtarl.rl.config import ExportSection, LoggingSection, TrainerConfig, from_dict
 from dtarl.rl.state import HostRecord
 from dtarl.rl.trainer import Trainer
 
@@ -181,7 +181,7 @@ def export_checkpoint(
         out_dir=os.path.dirname(mgr.directory),
         export=ExportSection(),
         console=False,
-        tensorboard=False,
+        logging=LoggingSection(),
     )
     try:
         trainer = Trainer(cfg)

@@ -34,11 +34,15 @@ def _train(args: argparse.Namespace) -> int:
     start = "-" if result.eval_start is None else f"{result.eval_start:.3f}"
     end = "-" if result.eval_end is None else f"{result.eval_end:.3f}"
     mid = "" if result.eval_rl_start is None else f" -> {result.eval_rl_start:.3f} (after SFT)"
+    if result.eval_rl_start is not None and result.eval_end is not None:
+        end_rl = f" (RL {result.eval_end - result.eval_rl_start:+.3f})"
+    else:
+        end_rl = ""
     me = jax.process_index()  # process i > 0 of a multi-process run logs to process_i/
     logs = cfg.out_dir if me == 0 else os.path.join(cfg.out_dir, f"process_{me}")
     print(
         f"done: {result.steps_done} steps in {result.seconds:.1f} s; greedy success rate "
-        f"{start}{mid} -> {end}; metrics in {logs}/metrics.jsonl"
+        f"{start}{mid} -> {end}{end_rl}; metrics in {logs}/metrics.jsonl"
     )
     return 0
 

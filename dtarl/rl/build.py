@@ -52,12 +52,12 @@ from dtarl.model.hf import save_hf, tokenizer_files
 from dtarl.parallel import mesh as mesh_lib
 from dtarl.parallel.partition import FlopCost
 from dtarl.parallel.sharded import ShardedEngine, to_host
+from dtarl.rewards import RewardFn
 from dtarl.rl.capacity import capacity, response_budget
 from dtarl.rl.config import Algorithm, TrainerConfig
 from dtarl.rl.datatask import DatasetTask
 from dtarl.rl.episodes import Scorer, problem_ids, tool_stop_sequences
 from dtarl.rl.optim import Optimizer, place_like, put
-from dtarl.rl.rewards import RewardFn
 from dtarl.rl.state import TrainState
 from dtarl.rl.tasks import Task
 
@@ -196,7 +196,8 @@ def build_parts(
     cfg: TrainerConfig, *, reward_fn: RewardFn | None = None, task: Task | None = None
 ) -> tuple[RunParts, Any]:
     """(the run's objects, the initial params: on the mesh when there is one). ``task``
-    replaces ``cfg.task``'s; ``reward_fn`` (sync or async) the task's verifier."""
+    replaces ``cfg.task``'s; ``reward_fn`` (sync or async) the task's verifier, else
+    ``reward.function`` does when set."""
     # compile_cache_dir: before anything compiles (the model's initialisation does)
     if cfg.compile_cache_dir is not None:
         cache_dir = enable_compile_cache(cfg.compile_cache_dir)
@@ -204,6 +205,12 @@ def build_parts(
     mesh = cfg.mesh.build()  # before the model: a bad mesh fails at once
     if task is None and cfg.data.enabled:
         cfg.data.check_files()  # ... and so do missing data files
+    if reward_fn is None:  # reward.function (loaded before the model: a bad one fails at once)
+        # data_source of problems that carry none: the procedural task's kind
+        source = task if task is not None else (None if cfg.data.enabled else cfg.task)
+        reward_fn = cfg.reward.build(
+            data_source=getattr(getattr(source, "kind", None), "value", "")
+        )
     model, tokenizer = cfg.model.build()
     graphdef, params = nnx.split(model, nnx.Param)
     if mesh is not None:
@@ -230,7 +237,7 @@ def build_parts(
         prompt_len=prompt_len,
         response_len=response_budget(r.max_new_tokens, task.max_turns),
         group_size=cfg.algo.darts.candidates(r.group_size),
-        eval_problems=cfg.eval_problems,
+        eval_problems=cfg.eval.num_problems,
         mesh=samplers_mesh,
     )
     pat = build_pat(cfg, sampler, samplers_mesh, model)
@@ -322,7 +329,7 @@ def reserve(cfg: TrainerConfig, parts: RunParts) -> None:
         prompt_len=max_len,
         response=r.max_new_tokens,
     )
-    n_eval = max(1, cfg.eval_problems)
+    n_eval = max(1, cfg.eval.num_problems)
     parts.eval_sampler.reserve(
         prompts=n_eval, rows=n_eval, prompt_len=max_len, response=r.max_new_tokens
     )

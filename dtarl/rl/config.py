@@ -26,8 +26,9 @@ from typing import Any
 from dtarl.data.config import DataSection
 from dtarl.engines.config import EngineConfig
 from dtarl.errors import ConfigError
+from dtarl.rewards import RewardErrorPolicy, RewardSection
 from dtarl.rl.config_io import apply_override, check_finite, from_dict, read_yaml, to_dict
-from dtarl.rl.rewards import RewardErrorPolicy
+from dtarl.rl.report_sections import EvalSection, LoggingBackend, LoggingSection
 from dtarl.rl.rollout_sections import (
     PatSection,
     RolloutEngineKind,
@@ -60,17 +61,21 @@ RESUME_FREE_KEYS = (
     "resume",
     "export",
     "console",
-    "tensorboard",
+    "logging",
     "checkpoint_every",
     "keep_checkpoints",
-    "eval_every",
-    "eval_problems",
+    "eval",
     "algo.engine",
     "algo.autotune_budget_seconds",
     "algo.autotune_cache",
     "compile_cache_dir",
     "engine",
     "mesh",
+    # top-level keys of checkpoints written before they moved (``TrainerConfig.MOVED``)
+    "eval_every",
+    "eval_problems",
+    "tensorboard",
+    "reward_on_error",
 )
 
 
@@ -103,6 +108,13 @@ class TrainerConfig:
     """``dtarl train CONFIG``: SFT warm-up (``sft.steps``) then ``steps`` RL steps."""
 
     SECTION: typing.ClassVar[str] = "trainer"
+    # Keys that moved: a config still using one gets an error naming the new key.
+    MOVED: typing.ClassVar[dict[str, str]] = {
+        "reward_on_error": "reward.on_error",
+        "eval_problems": "eval.num_problems",
+        "eval_every": "eval.every",
+        "tensorboard": "logging.backends (e.g. [jsonl, tensorboard])",
+    }
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     task: TaskSection = dataclasses.field(default_factory=TaskSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
@@ -119,11 +131,10 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     resume: ResumeSection = dataclasses.field(default_factory=ResumeSection)
     export: ExportSection = dataclasses.field(default_factory=ExportSection)
-    eval_problems: int = 64  # greedy success rate on a fixed set, before and after
-    eval_every: int = 0  # also every N RL steps (0 = only before and after)
-    tensorboard: bool = True  # when tensorboardX / torch.utils.tensorboard is importable
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+    logging: LoggingSection = dataclasses.field(default_factory=LoggingSection)
     console: bool = True
-    reward_on_error: RewardErrorPolicy = RewardErrorPolicy.RAISE
+    reward: RewardSection = dataclasses.field(default_factory=RewardSection)
     # JAX's persistent compilation cache for this process (None: off, or whatever
     # the process set up itself); a second run of the same config reads its programs
     # from there instead of compiling them. See ``Trainer`` / ``enable_compile_cache``.
@@ -136,7 +147,7 @@ class TrainerConfig:
 
     def __post_init__(self):
         check_finite(self)  # every float key, however the config was built
-        nonneg(self, "steps", "seed", "checkpoint_every", "eval_problems", "eval_every")
+        nonneg(self, "steps", "seed", "checkpoint_every")
         positive(self, "keep_checkpoints")
         if not self.out_dir:
             raise ConfigError("out_dir='' must name a directory")
@@ -173,6 +184,12 @@ class TrainerConfig:
             raise ConfigError(
                 f"algo.darts.short_k={d.short_k} must be <= rollout.group_size="
                 f"{self.rollout.group_size} (0 = group_size - 1)"
+            )
+        if self.eval.num_samples > 1 and self.eval.num_samples > self.rollout.group_size:
+            raise ConfigError(
+                f"eval.num_samples={self.eval.num_samples} must be <= rollout.group_size="
+                f"{self.rollout.group_size} (pass@k samples k per problem with the rollout "
+                "sampler)"
             )
         if self.algo.overlong_buffer > self.rollout.max_new_tokens * self._turns():
             raise ConfigError(
@@ -269,8 +286,11 @@ __all__ = [
     "ConfigError",
     "DartsSection",
     "DataSection",
+    "EvalSection",
     "ExportSection",
     "LambdaUnits",
+    "LoggingBackend",
+    "LoggingSection",
     "LossAggMode",
     "MeshSection",
     "ModelSection",
@@ -279,6 +299,8 @@ __all__ = [
     "PatSection",
     "RESUME_FREE_KEYS",
     "ResumeSection",
+    "RewardErrorPolicy",
+    "RewardSection",
     "RolloutEngineKind",
     "RolloutSection",
     "SFTSection",

@@ -40,9 +40,12 @@ def _convert(tp, value, where: str):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        if isinstance(value, list | tuple):  # ``str | tuple[str, ...]``: a list is the tuple
-            args = [a for a in args if typing.get_origin(a) is tuple] or args
-        return _convert(args[0], value, where)
+        for arm in args[:-1]:  # ``str | tuple[str, ...]``: the first arm that takes it
+            try:
+                return _convert(arm, value, where)
+            except ConfigError:
+                continue
+        return _convert(args[-1], value, where)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -107,6 +110,10 @@ def from_dict(cls, data: dict[str, Any], where: str = ""):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     data = {_field_name(k, fields): v for k, v in data.items()}
     unknown = sorted(set(data) - set(fields))
+    moved = getattr(cls, "MOVED", {})
+    for k in unknown:
+        if k in moved:
+            raise ConfigError(f"{where + '.' if where else ''}{k} is now {moved[k]}")
     if unknown:
         section = where or "config"
         raise ConfigError(f"{section}: unknown keys {unknown}; valid keys: {sorted(fields)}")

@@ -7,8 +7,9 @@
 Hooks run in the order they were added. A ``Trainer`` adds its own first, so a hook
 added later sees ``info.metrics`` as they were logged:
 
-    eval        every ``eval_every`` RL steps (not the last): ``eval_success_rate``
-    log         every step: metrics.jsonl, console, TensorBoard; ``TrainResult.history``
+    eval        every ``eval.every`` RL steps (not the last): ``val/pass@1`` (alias
+                ``eval_success_rate``), ``val/reward_mean``, ``val/pass@k``, ...
+    log         every step: metrics.jsonl, console, ``logging.backends``; ``TrainResult.history``
     checkpoint  every ``checkpoint_every`` global steps
     final: checkpoint (unless the last step's was just written), export
            (``export.hf_dir``), evaluation (``TrainResult.eval_end``)
@@ -86,13 +87,13 @@ def trainer_hooks(trainer) -> list[Hook]:
     ``save_checkpoint``, ``export_hf``) and its ``logger``."""
     cfg = trainer.cfg
     hooks = []
-    if cfg.eval_every and cfg.eval_problems:
+    if cfg.eval.every and cfg.eval.num_problems:
 
         def evaluate(info: StepInfo) -> None:
             if info.step < cfg.total_steps:  # the last step's evaluation is the final one
-                info.metrics["eval_success_rate"] = trainer.evaluate()
+                info.metrics.update(trainer.evaluate())
 
-        hooks.append(Hook(fn=evaluate, every=cfg.eval_every, phase=Phase.RL))
+        hooks.append(Hook(fn=evaluate, every=cfg.eval.every, phase=Phase.RL))
     hooks.append(Hook(fn=lambda info: trainer.log(info.metrics)))
     if cfg.checkpoint_every:
         hooks.append(Hook(fn=lambda info: trainer.save_checkpoint(), every=cfg.checkpoint_every))
@@ -108,7 +109,7 @@ def trainer_hooks(trainer) -> list[Hook]:
             trainer.logger.print(f"exported the policy to {trainer.export_hf(cfg.export.hf_dir)}")
 
         hooks.append(Hook(fn=export, final=True))
-    if cfg.eval_problems:
+    if cfg.eval.num_problems:
 
         def final_eval(info: StepInfo) -> None:
             trainer.eval_end = trainer.eval_record(info.step)

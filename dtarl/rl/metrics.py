@@ -1,14 +1,12 @@
 """Per-step metrics: pure summary functions (``step_metrics`` for a step's updates),
-and a sink to console (rich), JSONL and TensorBoard.
+and a sink to the console (rich), JSONL and ``logging.backends`` (TensorBoard, W&B).
 
-TensorBoard is optional: ``tensorboardX`` or ``torch.utils.tensorboard`` is used
-when importable (with the ``tensorboard`` package), else the sink says so once
-and writes JSONL only.
+Metrics are computed under flat names and logged under verl's slash groups
+(``dtarl.rl.logging_backends.METRIC_NAMES``).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -22,7 +20,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 
 from dtarl.advantages import token_kl
 from dtarl.batch import RolloutBatch
-from dtarl.rl.config import AlgoSection
+from dtarl.rl.config import AlgoSection, LoggingBackend, LoggingSection
+from dtarl.rl.logging_backends import (
+    TensorBoardSink,
+    WandbSink,
+    flat_record,
+    logged_record,
+    scalars,
+)
 from dtarl.rl.optim import UpdateResult
 from dtarl.timing import compile_seconds
 
@@ -78,6 +83,19 @@ def ratio_stats(
         ratio_min=float(r.min()),
         clip_fraction=clipped / max(total, 1.0),
     )
+
+
+def sampled_entropy(logprobs: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> float:
+    """H ~= mean over trained tokens of -log pi(y_t): the Monte Carlo estimate of the
+    policy's per-token entropy from the sampled tokens' logprobs (unbiased for the
+    policy they were sampled from; the exact entropy of the logits is computed only
+    when the loss needs it)."""
+    num = den = 0.0
+    for lp, m in zip(logprobs, masks, strict=True):
+        sel = np.asarray(m) > 0
+        num -= float(np.asarray(lp, np.float64)[sel].sum())
+        den += float(sel.sum())
+    return num / den if den else 0.0
 
 
 def engine_metrics(stats: dict) -> dict:
@@ -144,25 +162,13 @@ def step_metrics(
             token_advantages=batch.token_advantages,
         )
     )
+    m["entropy"] = sampled_entropy(logprobs, batch.loss_mask)
     against = batch.ref_logprobs if batch.ref_logprobs is not None else batch.old_logprobs
     kls = [
         token_kl(lp, rf, mk) for lp, rf, mk in zip(logprobs, against, batch.loss_mask, strict=True)
     ]
     m["kl"] = float(np.mean(kls))
     return m
-
-
-# Optional: the first importable of these provides ``SummaryWriter``.
-_TENSORBOARD_MODULES = ("tensorboardX", "torch.utils.tensorboard")
-
-
-def _tensorboard_writer(log_dir: str):
-    for name in _TENSORBOARD_MODULES:
-        try:
-            return importlib.import_module(name).SummaryWriter(log_dir)
-        except ImportError:
-            continue
-    return None
 
 
 _CONSOLE_KEYS = (
@@ -194,7 +200,9 @@ def format_line(m: dict[str, Any]) -> str:
 class MetricsLogger:
     """Writes one record per step to ``out_dir/metrics.jsonl`` (appending, so resumes
     continue the file), the console (a rich progress bar plus a line per step) and
-    TensorBoard when available."""
+    the ``logging.backends`` (TensorBoard in ``out_dir/tb``, W&B in ``out_dir/wandb``),
+    under the logged names (``logging_backends.logged_record``). ``config``: the run's
+    config as a dict, W&B's run config."""
 
     def __init__(
         self,
@@ -202,19 +210,23 @@ class MetricsLogger:
         *,
         total_steps: int,
         console: bool = True,
-        tensorboard: bool = True,
+        logging: LoggingSection | None = None,
+        config: dict[str, Any] | None = None,
         log_every: int = 1,
     ):
+        logging = LoggingSection() if logging is None else logging
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self._file = open(self.path, "a")
         self.log_every = max(1, log_every)
-        self._tb = _tensorboard_writer(os.path.join(out_dir, "tb")) if tensorboard else None
-        self.tensorboard_note = None
-        if tensorboard and self._tb is None:
-            self.tensorboard_note = (
-                "TensorBoard logging is off: install `tensorboard` (and tensorboardX) to enable it"
+        self._sinks = []
+        if logging.has(LoggingBackend.TENSORBOARD):
+            self._sinks.append(TensorBoardSink(os.path.join(out_dir, "tb")))
+        if logging.has(LoggingBackend.WANDB):
+            sink = WandbSink(
+                out_dir, project=logging.project, name=logging.run_name, config=config or {}
             )
+            self._sinks.append(sink)
         self._progress = None
         self._console = None
         if console:
@@ -229,8 +241,6 @@ class MetricsLogger:
             )
             self._task = self._progress.add_task("training", total=total_steps)
             self._progress.start()
-            if self.tensorboard_note:
-                self._console.print(self.tensorboard_note)
 
     def print(self, text: str) -> None:
         if self._console is not None:
@@ -238,27 +248,33 @@ class MetricsLogger:
 
     @classmethod
     def for_process(
-        cls, out_dir: str, *, total_steps: int, console: bool, tensorboard: bool
+        cls,
+        out_dir: str,
+        *,
+        total_steps: int,
+        console: bool,
+        logging: LoggingSection | None = None,
+        config: dict[str, Any] | None = None,
     ) -> MetricsLogger:
         """This process's logger: ``out_dir`` for process 0, ``out_dir/process_i`` with
-        no console and no TensorBoard for process i > 0."""
+        no console and JSONL only for process i > 0."""
         me = jax.process_index()
         return cls(
             out_dir if me == 0 else os.path.join(out_dir, f"process_{me}"),
             total_steps=total_steps,
             console=console and me == 0,
-            tensorboard=tensorboard and me == 0,
+            logging=logging if me == 0 else None,
+            config=config,
         )
 
     def log(self, metrics: dict[str, Any], *, advance: bool = True) -> None:
-        rec = {k: _jsonable(v) for k, v in metrics.items()}
+        rec = {k: _jsonable(v) for k, v in logged_record(metrics).items()}
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
         step = int(metrics.get("global_step", metrics.get("step", 0)))
-        if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+        values = scalars(rec)
+        for sink in self._sinks:
+            sink.write(step, values)
         if self._progress is not None:
             if advance:
                 self._progress.advance(self._task)
@@ -273,9 +289,9 @@ class MetricsLogger:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
         if not self._file.closed:
             self._file.close()
 
@@ -288,12 +304,14 @@ def _jsonable(v):
     return v
 
 
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    """Reads a metrics.jsonl (a run directory or the file)."""
+def read_metrics(path: str, *, flat: bool = False) -> list[dict[str, Any]]:
+    """Reads a metrics.jsonl (a run directory or the file): its records under the
+    logged names, or with ``flat`` under the flat names (``StepInfo.metrics``'s)."""
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        recs = [json.loads(line) for line in f if line.strip()]
+    return [flat_record(r) for r in recs] if flat else recs
 
 
 def truncate_metrics(path: str, step: int) -> None:
@@ -405,6 +423,7 @@ __all__ = [
     "pat_metrics",
     "ratio_stats",
     "read_metrics",
+    "sampled_entropy",
     "step_metrics",
     "truncate_metrics",
 ]

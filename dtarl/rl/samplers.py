@@ -33,6 +33,6 @@ def make_samplers(
         prompt_len=prompt_len,
         response_len=response_len,
         group_size=cfg.algo.darts.candidates(cfg.rollout.group_size),
-        eval_problems=cfg.eval_problems,
+        eval_problems=cfg.eval.num_problems,
         mesh=mesh,
     )

@@ -26,11 +26,11 @@ import numpy as np
 
 from dtarl import advantages as adv_fns
 from dtarl.batch import RolloutBatch
+from dtarl.rewards import RewardFn, compute_rewards
 from dtarl.rl import darts
 from dtarl.rl.config import Algorithm, AlgoSection, ConfigError, DartsSection, TrainerConfig
 from dtarl.rl.metrics import length_stats
 from dtarl.rl.multiturn import Trajectory, process_rollout, rollout
-from dtarl.rl.rewards import RewardFn, compute_rewards
 from dtarl.rl.tasks import Problem, Task
 from dtarl.rl.value import ValueModel
 from dtarl.rollout.protocol import Rollout
@@ -82,6 +82,8 @@ class Scores:
     rewards: np.ndarray
     errors: int
     seconds: float
+    # a reward dict's other numbers, per key: one per trajectory (NaN where absent)
+    extras: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -186,8 +188,16 @@ def generate(
     return Generation(trajectories=tuple(trajs), stats=stats, metrics=metrics)
 
 
-def score(reward_fn: RewardFn, problems: Sequence[Problem], gen: Generation, *, on_error) -> Scores:
-    """Task rewards of the generation's trajectories (``compute_rewards``)."""
+def score(
+    reward_fn: RewardFn,
+    problems: Sequence[Problem],
+    gen: Generation,
+    *,
+    on_error,
+    max_concurrency: int = 64,
+) -> Scores:
+    """Task rewards of the generation's trajectories (``compute_rewards``; a reward
+    dict's other numbers in ``extras``)."""
     t0 = time.perf_counter()
     trajs = gen.trajectories
     scored = compute_rewards(
@@ -195,11 +205,13 @@ def score(reward_fn: RewardFn, problems: Sequence[Problem], gen: Generation, *, 
         [problems[t.problem_index] for t in trajs],
         [t.completion for t in trajs],
         on_error=on_error,
+        max_concurrency=max_concurrency,
     )
     return Scores(
         rewards=np.asarray(scored.rewards, np.float32),
         errors=len(scored.errors),
         seconds=time.perf_counter() - t0,
+        extras=scored.extras,
     )
 
 
@@ -397,7 +409,8 @@ def rl_batch(
             shard_processes=shard_processes,
             on_call=on_call,
         )
-        sc = score(reward_fn, todo, gen, on_error=cfg.reward_on_error)
+        rw = cfg.reward
+        sc = score(reward_fn, todo, gen, on_error=rw.on_error, max_concurrency=rw.max_concurrency)
         gens.append(gen)
         scores.append(sc)
         shaped.append(shape(cfg, budget, gen, sc, state=darts_state, group_offset=k * target))
@@ -419,6 +432,18 @@ def rl_batch(
     adv = advantage(cfg, sel, fwd, value)
     batch, tree_m = assemble(sel, fwd, adv)
     return batch, {**m, **fwd.metrics, **adv.metrics, **tree_m}
+
+
+def reward_extras(scores: Sequence[Scores]) -> dict[str, float]:
+    """``reward/<key>``: the mean of each reward-dict number over the generated samples
+    that reported it (every generation batch of the step)."""
+    keys = sorted({k for s in scores for k in s.extras})
+    out = {}
+    for k in keys:
+        v = np.concatenate([s.extras.get(k, np.full(len(s.rewards), np.nan)) for s in scores])
+        if np.isfinite(v).any():
+            out[f"reward/{k}"] = float(np.nanmean(v))
+    return out
 
 
 def refill(algo: AlgoSection, shaped: Sequence[Shaped], target: int, more) -> bool:
@@ -452,6 +477,8 @@ def batch_metrics(
     rewards = np.concatenate([b.rewards for b in shaped])
     kept = sum(b.kept_groups for b in shaped)
     return dict(
+        **reward_extras(scores),
+        score_mean=float(np.concatenate([b.task_rewards for b in shaped]).mean()),
         reward_mean=float(rewards.mean()),
         reward_std=float(rewards.std()),
         success_rate=success_rate(np.concatenate([b.task_rewards for b in shaped])),

@@ -19,7 +19,7 @@ VERBOSE_ARITHMETIC ``17+5=``      -> ``7+5=12;10+12=22;22-5=17;#22``   reward 1 
 
 A task is a small frozen dataclass with ``generate(rng, n) -> list[Problem]``,
 ``reward(problem, completion) -> float`` (a sync reward function, see
-``dtarl.rl.rewards``) and ``tool(problem, turn_text) -> str | None``.
+``dtarl.rewards``) and ``tool(problem, turn_text) -> str | None``.
 """
 
 from __future__ import annotations

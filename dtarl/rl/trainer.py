@@ -32,6 +32,7 @@ import numpy as np
 from dtarl.errors import ConfigError
 from dtarl.parallel import mesh as mesh_lib
 from dtarl.parallel.launch import report_progress
+from dtarl.rewards import RewardFn
 from dtarl.rl import darts, runlock
 from dtarl.rl.build import (
     RunParts,
@@ -49,7 +50,7 @@ from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import StreamedModel, TrainerConfig, to_dict
 from dtarl.rl.datatask import DatasetTask
 from dtarl.rl.episodes import reference_batch, rl_batch
-from dtarl.rl.evaluate import greedy_success_rate
+from dtarl.rl.evaluate import evaluate_policy
 from dtarl.rl.hooks import Hook, Phase, StepInfo, run_final_hooks, run_hooks, trainer_hooks
 from dtarl.rl.metrics import (
     CompileTotals,
@@ -60,7 +61,6 @@ from dtarl.rl.metrics import (
     truncate_metrics,
 )
 from dtarl.rl.optim import Optimizer
-from dtarl.rl.rewards import RewardFn
 from dtarl.rl.state import HostRecord, TrainState, check_resume, state_attribute
 from dtarl.rl.tasks import Problem, Task
 from dtarl.rl.update import run_updates
@@ -68,6 +68,8 @@ from dtarl.rollout.stream import Stream
 
 # Seeds of the problem streams: np.random.default_rng([seed, stream, step]).
 _SEED_SFT, _SEED_RL, _SEED_EVAL = 1, 2, 3
+# pass@k sampling keys: fold_in(PRNGKey(seed), _SEED_EVAL_KEY + global step).
+_SEED_EVAL_KEY = 3 << 20
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -103,9 +105,9 @@ class Trainer:
         self.eval_end: float | None = None
         eval_rng = np.random.default_rng([cfg.seed, _SEED_EVAL])
         if isinstance(self.task, DatasetTask):  # data.val_files (or a sample of the train rows)
-            self.eval_problems = self.task.held_out(cfg.eval_problems, eval_rng)
+            self.eval_problems = self.task.held_out(cfg.eval.num_problems, eval_rng)
         else:
-            self.eval_problems = self.task.generate(eval_rng, cfg.eval_problems)
+            self.eval_problems = self.task.generate(eval_rng, cfg.eval.num_problems)
         self._warmed: set[int] = set()  # samplers whose ``warmup`` ran
         self._ref_local = None  # multi-process: a process-local copy of ref_params
         self.logger: MetricsLogger | None = None  # open during ``run``
@@ -308,16 +310,36 @@ class Trainer:
     def _enter_rl(self):
         """After the SFT warm-up: ``_start_rl``, and evaluate the RL phase's starting point."""
         self._start_rl()
-        if self.cfg.eval_problems:
+        if self.cfg.eval.num_problems:
             self.eval_rl_start = self.eval_record(self.step, after="sft")
 
-    def evaluate(self) -> float:
-        """Greedy success rate on the fixed evaluation problems (NaN without them)."""
+    def evaluate(self) -> dict[str, float]:
+        """``evaluate_policy`` on the fixed held-out problems with the run's reward:
+        ``val/pass@1`` (greedy; also as ``eval_success_rate``), ``val/reward_mean``,
+        ``val/response_length/mean`` and, with ``eval.num_samples`` = k > 1,
+        ``val/pass@k`` at the rollout temperature. Empty without problems."""
+        cfg = self.cfg
         params = rollout_params(self.params, self.mesh, self.rollout_mesh)
-        if self.eval_problems:
-            self._warm(self.eval_sampler, params)
-        args = (self.eval_sampler, params, self.tokenizer, self.task, self.eval_problems)
-        return greedy_success_rate(*args, processes=self.multiprocess)
+        if not self.eval_problems:
+            return {}
+        self._warm(self.eval_sampler, params)
+        k = cfg.eval.num_samples
+        if k > 1:
+            self._warm(self.sampler, params)
+        res = evaluate_policy(
+            self.eval_sampler,
+            params,
+            self.tokenizer,
+            self.task,
+            self.eval_problems,
+            reward_fn=self.reward_fn,
+            processes=self.multiprocess,
+            sampler=self.sampler,
+            k=k,
+            chunk=cfg.rollout.prompts_per_step,
+            key=jax.random.fold_in(jax.random.PRNGKey(cfg.seed), _SEED_EVAL_KEY + self.step),
+        )
+        return {"eval_success_rate": res.pass_at_1, **res.metrics()}
 
     # ---------------------------------------------------------------- hooks
 
@@ -327,11 +349,12 @@ class Trainer:
         self.history.append(metrics)
 
     def eval_record(self, step: int, **extra) -> float:
-        """Evaluates and logs a ``phase="eval"`` record (no progress-bar step)."""
-        rate = self.evaluate()
-        rec = dict(phase="eval", step=step, global_step=step, eval_success_rate=rate, **extra)
+        """Evaluates and logs a ``phase="eval"`` record (no progress-bar step); returns
+        the greedy pass@1 (NaN without problems)."""
+        m = self.evaluate()
+        rec = dict(phase="eval", step=step, global_step=step, **m, **extra)
         self.log(rec, advance=False)
-        return rate
+        return m.get("val/pass@1", float("nan"))
 
     # ---------------------------------------------------------- checkpoints
 
@@ -420,7 +443,8 @@ class Trainer:
             cfg.out_dir,
             total_steps=cfg.total_steps,
             console=cfg.console,
-            tensorboard=cfg.tensorboard,
+            logging=cfg.logging,
+            config=to_dict(cfg),
         )
         self.history = []
         if isinstance(self.task, DatasetTask):
@@ -430,7 +454,7 @@ class Trainer:
             if resumed:
                 self.logger.print(f"resumed from step {self.step} ({self.ckpt.path(self.step)})")
                 self.logger.skip_to(self.step)
-            elif cfg.eval_problems:
+            elif cfg.eval.num_problems:
                 eval_start = self.eval_record(0)
             end = cfg.total_steps if max_steps is None else min(cfg.total_steps, max_steps)
             info = self._info({})

@@ -31,9 +31,8 @@ SETS = [
     "sft.batch_size=2",
     "steps=1",
     "algo.engine=dense",
-    "eval_problems=0",
+    "eval.num_problems=0",
     "console=false",
-    "tensorboard=false",
     "resume=false",
     "checkpoint_every=0",
 ]

@@ -35,7 +35,7 @@ cache, out = sys.argv[1], sys.argv[2]
 over = [
     "model.overrides={num_layers: 1}", "task.max_operand=5", "sft.steps=1",
     "sft.batch_size=2", "steps=1", "rollout.prompts_per_step=1", "rollout.group_size=2",
-    "rollout.max_new_tokens=3", "eval_problems=0", "console=false", "tensorboard=false",
+    "rollout.max_new_tokens=3", "eval.num_problems=0", "console=false",
     "mesh.dp=1", "algo.engine=dense", f"compile_cache_dir={cache}",
 ]
 report = []

@@ -263,9 +263,8 @@ def _cfg(**darts_kw) -> TrainerConfig:
         sft=dict(steps=0),
         rollout=dict(prompts_per_step=4, group_size=2, max_new_tokens=8),
         algo=dict(engine="dense", darts=dict(enabled=True, **darts_kw)),
-        eval_problems=0,
+        eval=dict(num_problems=0),
         console=False,
-        tensorboard=False,
         mesh=dict(dp=1),
     )
     return from_dict(TrainerConfig, raw)
@@ -335,11 +334,10 @@ def test_trainer_runs_darts_and_resumes(tmp_path):
         rollout=dict(prompts_per_step=3, group_size=4, max_new_tokens=6),
         algo=dict(engine="dense", darts=dict(enabled=True, short_k=3, up_factor=2.0)),
         steps=4,
-        eval_problems=0,
+        eval=dict(num_problems=0),
         checkpoint_every=4,
         out_dir=str(tmp_path),
         console=False,
-        tensorboard=False,
         mesh=dict(dp=1),
     )
     cfg = from_dict(TrainerConfig, raw)
@@ -388,10 +386,9 @@ def test_darts_batch_is_deterministic_and_shapes_both_ways(tmp_path):
         rollout=dict(prompts_per_step=3, group_size=4, max_new_tokens=6),
         algo=dict(engine="dense", darts={"enabled": True, "lambda": 0.5}),
         steps=1,
-        eval_problems=0,
+        eval=dict(num_problems=0),
         out_dir=str(tmp_path),
         console=False,
-        tensorboard=False,
         mesh=dict(dp=1),
     )
     tr = Trainer(from_dict(TrainerConfig, raw))

@@ -345,9 +345,8 @@ def test_trainer_step_with_minibatches_and_accumulation(tmp_path):
             "algo.minibatches=2",
             "algo.grad_accum=2",
             "mesh.dp=1",
-            "eval_problems=0",
+            "eval.num_problems=0",
             "console=false",
-            "tensorboard=false",
             f"out_dir={tmp_path}",
         ],
     )

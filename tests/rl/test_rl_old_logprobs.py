@@ -20,9 +20,8 @@ TINY = [
     "rollout.group_size=3",
     "rollout.max_new_tokens=6",
     f"rollout.temperature={T}",
-    "eval_problems=0",
+    "eval.num_problems=0",
     "console=false",
-    "tensorboard=false",
     "mesh.dp=1",
 ]
 

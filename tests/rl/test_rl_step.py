@@ -126,9 +126,8 @@ def _cfg(**algo) -> TrainerConfig:
         model=dict(preset="tiny"),
         rollout=dict(prompts_per_step=2, group_size=2, max_new_tokens=8),
         algo=dict(engine="dense", **algo),
-        eval_problems=0,
+        eval=dict(num_problems=0),
         console=False,
-        tensorboard=False,
     )
     return from_dict(TrainerConfig, raw)
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from dtarl.model.tokenizer import ByteTokenizer
+from dtarl.rewards import RewardError, RewardErrorPolicy, compute_rewards
 from dtarl.rl.config import ConfigError, load_config
-from dtarl.rl.rewards import RewardError, RewardErrorPolicy, compute_rewards
 from dtarl.rl.tasks import (
     ArithmeticTask,
     CalculatorTask,

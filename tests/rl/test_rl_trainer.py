@@ -12,12 +12,12 @@ from dtarl.cli import main as dtarl_main
 from dtarl.commands.train import main as cli_main
 from dtarl.engines.config import EngineKind
 from dtarl.model.tokenizer import ByteTokenizer
+from dtarl.rewards import RewardError, RewardErrorPolicy, RewardSection
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import ConfigError, load_config
 from dtarl.rl.episodes import encode_prompt, rollout, tool_stop_sequences
 from dtarl.rl.hooks import Phase
 from dtarl.rl.metrics import read_metrics
-from dtarl.rl.rewards import RewardError, RewardErrorPolicy
 from dtarl.rl.state import HostRecord
 from dtarl.rl.tasks import CalculatorTask, Problem, safe_eval
 from dtarl.rl.trainer import Trainer
@@ -33,9 +33,8 @@ TINY = [
     "rollout.prompts_per_step=2",
     "rollout.group_size=2",
     "rollout.max_new_tokens=3",
-    "eval_problems=0",
+    "eval.num_problems=0",
     "console=false",
-    "tensorboard=false",
     "checkpoint_every=1",
     "keep_checkpoints=5",
     "mesh.dp=1",  # one device (the suite has 8 simulated ones; tests/rl/test_trainer_mesh.py)
@@ -84,7 +83,7 @@ def runs(tmp_path_factory):
 def test_run_writes_metrics_and_checkpoints(runs):
     a, res_a, _, _ = runs
     assert res_a.steps_done == 3 and a.ckpt.steps() == [1, 2, 3]
-    recs = read_metrics(a.cfg.out_dir)
+    recs = read_metrics(a.cfg.out_dir, flat=True)
     assert [r["phase"] for r in recs] == ["sft", "rl", "rl"]
     rl = recs[-1]
     for key in (
@@ -145,7 +144,7 @@ def test_resume_reproduces_the_uninterrupted_run(runs):
     # The resumed step has something to reproduce: both RL steps had a gradient, and
     # step 3 (the one B re-runs) moved the parameters, by an update that depends on the
     # step's rollouts (its key, the data cursor) and on the restored optimizer state.
-    rl = [r for r in read_metrics(a.cfg.out_dir) if r["phase"] == "rl"]
+    rl = [r for r in read_metrics(a.cfg.out_dir, flat=True) if r["phase"] == "rl"]
     assert len(rl) == 2 and all(r["grad_norm"] > 0 and r["reward_std"] > 0 for r in rl)
     moved = max(
         np.abs(x - y).max() for x, y in zip(a.params_after[2], a.params_after[3], strict=True)
@@ -216,7 +215,7 @@ def test_raising_reward_function(runs):
     try:
         with pytest.raises(RewardError, match="sample 0 .*ZeroDivisionError: bad verifier"):
             b.rl_step(6)
-        b.cfg = b.cfg.replace(reward_on_error=RewardErrorPolicy.ZERO)
+        b.cfg = b.cfg.replace(reward=RewardSection(on_error=RewardErrorPolicy.ZERO))
         m = b.rl_step(6)
     finally:
         b.reward_fn, b.cfg = fn, policy
@@ -421,7 +420,7 @@ def test_auto_candidates_get_the_buckets_they_would_get_alone(tmp_path):
 def test_killed_run_resumes_without_duplicate_metrics(tmp_path, capsys):
     """A run killed after step 3 (last checkpoint: step 2) and resumed: every step's
     metrics record appears once, and a changed config is refused with its keys."""
-    extra = ("algo.engine=dfs", "steps=3", "checkpoint_every=2", "eval_problems=2")
+    extra = ("algo.engine=dfs", "steps=3", "checkpoint_every=2", "eval.num_problems=2")
     Trainer(tiny_config(tmp_path, *extra)).run(max_steps=3)  # "killed" after step 3
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"phase": "rl", "glob')  # ... in the middle of a write

@@ -27,9 +27,8 @@ PPO = [
     "algo.algorithm=ppo",
     "algo.kl_coef=0.1",
     "algo.engine=dense",
-    "eval_problems=0",
+    "eval.num_problems=0",
     "console=false",
-    "tensorboard=false",
     "mesh.dp=1",
 ]
 

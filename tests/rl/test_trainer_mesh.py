@@ -19,7 +19,6 @@ params, the resolution of an update read as a difference of fp32 params), and th
 final parameters to 1e-5 relative. The per-step loss and gradient norm are compared at 1e-5 too.
 """
 
-import json
 import os
 import shutil
 import subprocess
@@ -35,6 +34,7 @@ from dtarl.parallel.sharded import allgather_objects
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import ConfigError, MeshSection, load_config
 from dtarl.rl.episodes import encode_prompt, process_rollout, process_share, rollout
+from dtarl.rl.metrics import read_metrics
 from dtarl.rl.state import HostRecord
 from dtarl.rl.trainer import Trainer
 
@@ -53,9 +53,8 @@ RUN = [
     "algo.kl_coef=0.05",
     "optim.lr=0.5",
     "optim.eps=1.0",
-    "eval_problems=0",
+    "eval.num_problems=0",
     "console=false",
-    "tensorboard=false",
     "resume=false",
 ]
 
@@ -221,7 +220,7 @@ def test_unsupported_mesh_combinations_are_refused(tmp_path, extra, match):
 
 
 # The 2-process run's problems (and evaluation problems) split 1 + 2 over its processes.
-UNEVEN = ["rollout.prompts_per_step=3", "eval_problems=3"]
+UNEVEN = ["rollout.prompts_per_step=3", "eval.num_problems=3"]
 
 
 def test_two_process_run_equals_one_process(tmp_path):
@@ -256,10 +255,10 @@ def test_two_process_run_equals_one_process(tmp_path):
     host = HostRecord.from_dict(ckpt.read_host(2), where=ckpt.path(2))
     state, _ = ckpt.restore_state(2, one.restore_target(2, host))
     logs = [tmp_path / "two" / "metrics.jsonl", tmp_path / "two" / "process_1" / "metrics.jsonl"]
-    two = [[json.loads(line) for line in open(f)] for f in logs]
+    two = [read_metrics(str(f), flat=True) for f in logs]
     # The greedy evaluations (before and after training) too, on both processes.
     evals = [
-        [r["eval_success_rate"] for r in recs if r.get("phase") == "eval"]
+        [r["val/pass@1"] for r in recs if r.get("phase") == "eval"]
         for recs in (ref.history, *two)
     ]
     assert len(evals[0]) == 2 and evals[0] == evals[1] == evals[2], evals

@@ -569,10 +569,9 @@ def _trainer_raw(tmp_path, **pat_section):
         sft=dict(steps=0),
         rollout=dict(prompts_per_step=2, group_size=2, max_new_tokens=4, pat=pat_section),
         steps=1,
-        eval_problems=0,
+        eval=dict(num_problems=0),
         out_dir=str(tmp_path),
         console=False,
-        tensorboard=False,
         mesh=dict(dp=1),
     )
 

@@ -121,10 +121,9 @@ def test_trainer_streams_the_reference_policy(tmp_path):
         ),
         algo=dict(engine="dense", kl_coef=0.1),
         steps=1,
-        eval_problems=0,
+        eval=dict(num_problems=0),
         out_dir=str(tmp_path),
         console=False,
-        tensorboard=False,
         mesh=dict(dp=1),
     )
     tr = Trainer(from_dict(TrainerConfig, raw))

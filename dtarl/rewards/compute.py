@@ -1,10 +1,13 @@
-"""The reward-function interface: sync or async callables, with an error policy.
+"""Running a reward function over a batch: sync or async callables, with an error policy.
 
-A reward function takes a problem and the model's completion text and returns a
-float::
+The trainer's reward function takes a problem and the model's completion text and
+returns a float, or a dict whose ``score`` is the reward and whose other numbers are
+metrics (verl's ``compute_score`` convention)::
 
-    def reward(problem, completion: str) -> float            # sync
-    async def reward(problem, completion: str) -> float      # async (tool-like latency)
+    def reward(problem, completion: str) -> float | dict            # sync
+    async def reward(problem, completion: str) -> float | dict      # async (tool-like latency)
+
+(``dtarl.rewards.functions`` adapts verl, TRL and dtarl's by-name signatures to it.)
 
 ``compute_rewards`` evaluates one per sample; async functions run concurrently
 (at most ``max_concurrency`` at a time) on an event loop of their own, which
@@ -26,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-RewardFn = Callable[[Any, str], "float | Awaitable[float]"]
+RewardFn = Callable[[Any, str], "float | dict | Awaitable[float | dict]"]
 
 
 class RewardErrorPolicy(enum.Enum):
@@ -42,6 +45,17 @@ class RewardError(RuntimeError):
 class RewardResult:
     rewards: np.ndarray  # [N] float32
     errors: tuple[tuple[int, str], ...]  # (sample index, message) scored 0 under ZERO
+    # A dict result's other numbers, per key: [N] float64, NaN where a sample had none.
+    extras: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def extra_means(self, prefix: str = "") -> dict[str, float]:
+        """``{prefix + key: mean}`` of each extra over the samples that reported it."""
+        out = {}
+        for k, v in sorted(self.extras.items()):
+            ok = np.isfinite(v)
+            if ok.any():
+                out[prefix + k] = float(v[ok].mean())
+        return out
 
 
 def _short(s: str, n: int = 80) -> str:
@@ -98,8 +112,19 @@ def compute_rewards(
     n = len(problems)
     out = np.zeros(n, np.float32)
     errors: list[tuple[int, str]] = []
+    extras: dict[str, np.ndarray] = {}
 
     def check(i: int, value) -> None:
+        if isinstance(value, dict):
+            if "score" not in value:
+                raise ValueError(
+                    f"returned a dict without 'score' (keys {sorted(value)}); a dict result "
+                    "needs 'score' (the reward), its other numbers are logged as metrics"
+                )
+            for k, x in value.items():
+                if k != "score" and _is_number(x):
+                    extras.setdefault(str(k), np.full(n, np.nan))[i] = float(x)
+            value = value["score"]
         try:
             v = float(value)
         except (TypeError, ValueError):
@@ -150,7 +175,12 @@ def compute_rewards(
             except ValueError as e:
                 fail(i, e)
     errors.sort()
-    return RewardResult(rewards=out, errors=tuple(errors))
+    return RewardResult(rewards=out, errors=tuple(errors), extras=extras)
+
+
+def _is_number(x) -> bool:
+    """A metric-able value of a reward dict (bools count as 0/1; strings are not metrics)."""
+    return isinstance(x, int | float | np.number) and math.isfinite(float(x))
 
 
 __all__ = ["RewardError", "RewardErrorPolicy", "RewardFn", "RewardResult", "compute_rewards"]
