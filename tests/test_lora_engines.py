@@ -25,8 +25,8 @@ from dtarl.engines import (
     PrefixReuseEngine,
     RolloutBatch,
 )
-from dtarl.losses import ClippedSurrogateLoss, SequenceData, TokenData
 from dtarl.lora import Adapter, LoraConfig, LoraEngine, init_adapters, merge
+from dtarl.losses import ClippedSurrogateLoss, SequenceData, TokenData
 from dtarl.model import ModelConfig, init_model
 from dtarl.parallel.mesh import make_mesh
 from dtarl.parallel.sharded import ShardedEngine
@@ -187,7 +187,9 @@ def test_adapter_grads_equal_dense_jax_grad(kind, batch_name):
     b = base
     if kind == "sharded":
         b = inner.shard_params(base)
-        ad = jax.device_put(ad, jax.sharding.NamedSharding(inner.mesh, jax.sharding.PartitionSpec()))
+        ad = jax.device_put(
+            ad, jax.sharding.NamedSharding(inner.mesh, jax.sharding.PartitionSpec())
+        )
     engine = LoraEngine(inner, b, CFG)
     value, grads, aux = engine.value_and_grad(ad, BATCHES[batch_name](), LOSS)
     want_value, want_grads = reference(batch_name)

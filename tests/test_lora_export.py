@@ -28,7 +28,9 @@ def _adapters(base, cfg=CFG, seed=0):
 
 
 def _dtarl_logits(graphdef, params, tokens):
-    logits, _ = nnx.merge(graphdef, params)(tokens, np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape))
+    logits, _ = nnx.merge(graphdef, params)(
+        tokens, np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+    )
     return np.asarray(logits)
 
 

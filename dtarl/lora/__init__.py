@@ -9,6 +9,7 @@ from dtarl.lora.adapters import (
     ALL_TARGETS,
     TARGET_AXES,
     Adapter,
+    LoraBase,
     LoraConfig,
     LoraEngine,
     adapter_grads,
@@ -25,6 +26,7 @@ from dtarl.lora.adapters import (
 __all__ = [
     "ALL_TARGETS",
     "Adapter",
+    "LoraBase",
     "LoraConfig",
     "LoraEngine",
     "TARGET_AXES",

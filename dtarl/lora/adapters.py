@@ -67,8 +67,10 @@ class LoraConfig:
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(f"model.lora.rank={self.rank!r} must be an integer >= 1")
-        if not isinstance(self.alpha, int | float) or not self.alpha > 0 or not math.isfinite(
-            self.alpha
+        if (
+            not isinstance(self.alpha, int | float)
+            or not self.alpha > 0
+            or not math.isfinite(self.alpha)
         ):
             raise ConfigError(f"model.lora.alpha={self.alpha!r} must be a finite number > 0")
         targets = tuple(self.targets)
@@ -277,6 +279,49 @@ class LoraEngine:
         return _Lora()
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoraBase:
+    """A LoRA run's frozen base: its params (in the model's dtype, on the run's mesh),
+    the config, and what a checkpoint records of it: ``path`` (``model.hf_path``; None
+    for a preset) and ``checksum`` (``checksum(params)``)."""
+
+    cfg: LoraConfig
+    params: Any
+    path: str | None
+    checksum: str
+
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint stores of the base (its adapters are the params)."""
+        return {"path": self.path, "checksum": self.checksum, "rank": self.cfg.rank}
+
+    def check(self, saved: dict[str, Any] | None, where: str) -> None:
+        """Refuses to resume adapters saved at ``where`` for another base (or a
+        checkpoint without adapters), naming the key."""
+        from dtarl.errors import CheckpointError
+
+        if saved is None:
+            raise CheckpointError(
+                f"{where}: the checkpoint holds no LoRA adapters (a full fine-tuning run), "
+                "but model.lora is set; remove model.lora or use another out_dir"
+            )
+        if saved.get("rank") != self.cfg.rank:
+            raise CheckpointError(
+                f"{where}: the checkpoint's adapters have rank {saved.get('rank')}, but "
+                f"model.lora.rank={self.cfg.rank}"
+            )
+        if saved.get("checksum") != self.checksum:
+            raise CheckpointError(
+                f"{where}: the checkpoint's adapters belong to another base model (path "
+                f"{saved.get('path')!r}, sha256 {str(saved.get('checksum'))[:12]}...); this "
+                f"run's model.hf_path={self.path!r} has sha256 {self.checksum[:12]}...; "
+                "resume with the base the adapters were trained on"
+            )
+
+    def merged(self, adapters):
+        """The policy's params: the base with ``adapters`` merged (1)."""
+        return merged(self.params, adapters, self.cfg)
+
+
 def num_adapter_params(adapters) -> int:
     return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(adapters)))
 
@@ -297,6 +342,7 @@ def checksum(params) -> str:
 __all__ = [
     "ALL_TARGETS",
     "Adapter",
+    "LoraBase",
     "LoraConfig",
     "LoraEngine",
     "TARGET_AXES",
