@@ -106,3 +106,25 @@ def test_the_sampler_decodes_the_merged_weights(run):
     want = trainer.eval_sampler.generate(manual, prompts, max_new_tokens=[3, 3])
     assert [list(t) for t in got.tokens] == [list(t) for t in want.tokens]
     assert sum(len(t) for t in got.tokens) > 0
+
+
+def test_export_writes_merged_weights_and_a_peft_adapter(run, tmp_path):
+    from safetensors.numpy import load_file
+
+    from dtarl.commands.export import ExportError, export_checkpoint
+    from dtarl.lora.peft import peft_tensors
+    from dtarl.model import load_hf
+
+    out, trainer, *_ = run
+    hf, adapter = tmp_path / "hf", tmp_path / "adapter"
+    export_checkpoint(out, hf, adapter=adapter)
+    _, got = nnx.split(load_hf(str(hf)), nnx.Param)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(trainer.policy_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    want = peft_tensors(trainer.params)
+    assert sorted(tensors) == sorted(want)
+    for k, v in want.items():
+        np.testing.assert_array_equal(tensors[k], v)
+    with pytest.raises(ExportError, match="nothing to write"):
+        export_checkpoint(out, None)
