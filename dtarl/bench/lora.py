@@ -1,0 +1,126 @@
+"""``dtarl bench lora``: what LoRA saves, and what it costs per step.
+
+1. Memory (from the configs, nothing built): per-device bytes of the training state of
+   each Qwen3 preset with full fine-tuning and with ``model.lora`` (weights, merged
+   weights, the engine's fp32 gradient, adapters, AdamW moments, the KL reference),
+   ``dtarl.lora.memory.state_bytes``.
+2. Step time on this machine's CPU, tiny model, one GRPO batch: per engine, one
+   update (engine value_and_grad + AdamW) of full fine-tuning vs LoRA (merge, the
+   same engine on the merged params, the adapters' gradient (2), AdamW on the
+   adapters), timed side by side (``dtarl.timing.interleaved_rounds``, medians).
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+from flax import nnx
+
+from dtarl import timing
+from dtarl.engines import DenseEngine, DFSEngine, PrefixReuseEngine
+from dtarl.lora import LoraConfig, LoraEngine, init_adapters
+from dtarl.lora.memory import memory_table
+from dtarl.losses import ClippedSurrogateLoss
+from dtarl.model import ModelConfig, init_model
+from dtarl.testing import grpo_groups
+
+GiB = 2**30
+ENGINES = ("dense", "dfs", "prefix_reuse")
+
+
+def _engine(kind: str, model):
+    if kind == "dense":
+        return DenseEngine(model, microbatch=8)
+    if kind == "dfs":
+        return DFSEngine(model, chunk_len=64)
+    if kind == "prefix_reuse":
+        return PrefixReuseEngine(model)
+    raise ValueError(f"engine {kind!r}: accepted {list(ENGINES)}")
+
+
+def step_times(
+    lora: LoraConfig,
+    *,
+    engines=ENGINES,
+    model_cfg: ModelConfig | None = None,
+    groups: int = 4,
+    group_size: int = 8,
+    prompt: int = 64,
+    response: int = 64,
+    rounds: int = 5,
+) -> list[dict]:
+    """Median seconds of one update, full fine-tuning vs LoRA, per engine."""
+    model = init_model(model_cfg or ModelConfig.tiny(), seed=0)
+    _, params = nnx.split(model, nnx.Param)
+    adapters = init_adapters(params, lora, jax.random.key(0))
+    batch = grpo_groups(
+        num_groups=groups,
+        group_size=group_size,
+        prompt_len=prompt,
+        response_len=(response // 2, response),
+        seed=0,
+        with_old_logprobs=True,
+    )
+    loss = ClippedSurrogateLoss.grpo()
+    tx = optax.adamw(1e-5)
+    apply = jax.jit(lambda p, g, s: _apply(tx, p, g, s))
+    rows = []
+    for kind in engines:
+        engine = _engine(kind, model)
+        lora_engine = LoraEngine(engine, params, lora)
+        full_state, lora_state = tx.init(params), tx.init(adapters)
+
+        def full(engine=engine, state=full_state):
+            _, g, _ = engine.value_and_grad(params, batch, loss)
+            return apply(params, g, state)
+
+        def low(engine=lora_engine, state=lora_state):
+            _, g, _ = engine.value_and_grad(adapters, batch, loss)
+            return apply(adapters, g, state)
+
+        res = timing.interleaved_rounds(
+            {"full": full, "lora": low},
+            timing.Rounds(rounds=rounds, order=timing.alternating, warmup=True),
+            block=jax.block_until_ready,
+        )
+        f, lo = res["full"].median, res["lora"].median
+        rows.append(dict(engine=kind, full_s=f, lora_s=lo, lora_vs_full=lo / f))
+    return rows
+
+
+def _apply(tx, p, g, s):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+
+def run(lora: LoraConfig, *, kl: bool = True, shards: int = 1, engines=ENGINES, say=print):
+    """Both tables, printed with ``say``; returns them."""
+    mem = memory_table(lora, kl=kl, shards=shards)
+    say(
+        f"per-device training-state bytes, bf16 params, LoRA rank {lora.rank} on "
+        f"{','.join(lora.targets)}, KL reference {'on' if kl else 'off'}, {shards} shard(s)"
+    )
+    say(
+        f"{'preset':<12}{'params':>8}{'adapters':>10}{'full GiB':>10}{'lora GiB':>10}"
+        f"{'saved GiB':>11}{'ref GiB':>9}"
+    )
+    for r in mem:
+        say(
+            f"{r['preset']:<12}{r['params'] / 1e9:>7.2f}B{r['adapter_params'] / 1e6:>9.1f}M"
+            f"{r['full_bytes'] / GiB:>10.2f}{r['lora_bytes'] / GiB:>10.2f}"
+            f"{r['saved_bytes'] / GiB:>11.2f}{r['reference_saved_bytes'] / GiB:>9.2f}"
+        )
+    times = []
+    if engines:
+        say("\nCPU step time (one update: engine value_and_grad + AdamW), tiny model")
+        say(f"{'engine':<14}{'full ms':>9}{'lora ms':>9}{'lora/full':>10}")
+        times = step_times(lora, engines=engines)
+        for t in times:
+            say(
+                f"{t['engine']:<14}{t['full_s'] * 1e3:>9.1f}{t['lora_s'] * 1e3:>9.1f}"
+                f"{t['lora_vs_full']:>10.2f}"
+            )
+    return dict(memory=mem, step_times=times, machine=timing.machine_info())
+
+
+__all__ = ["ENGINES", "run", "step_times"]
