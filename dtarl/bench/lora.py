@@ -18,7 +18,7 @@ from flax import nnx
 
 from dtarl import timing
 from dtarl.engines import DenseEngine, DFSEngine, PrefixReuseEngine
-from dtarl.lora import LoraConfig, LoraEngine, init_adapters
+from dtarl.lora import LoraConfig, LoraEngine, init_adapters, merged
 from dtarl.lora.memory import memory_table
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
@@ -88,6 +88,20 @@ def step_times(
     return rows
 
 
+def merge_seconds(lora: LoraConfig, model_cfg: ModelConfig | None = None, rounds: int = 5):
+    """Median seconds of one merge (1) of every adapted weight: what a rollout with
+    adapters pays once per step (the samplers decode the merged weights)."""
+    model = init_model(model_cfg or ModelConfig.tiny(), seed=0)
+    _, params = nnx.split(model, nnx.Param)
+    adapters = init_adapters(params, lora, jax.random.key(0))
+    res = timing.interleaved_rounds(
+        {"merge": lambda: merged(params, adapters, lora)},
+        timing.Rounds(rounds=rounds, warmup=True),
+        block=jax.block_until_ready,
+    )
+    return res["merge"].median
+
+
 def _apply(tx, p, g, s):
     updates, s = tx.update(g, s, p)
     return optax.apply_updates(p, updates), s
@@ -120,7 +134,9 @@ def run(lora: LoraConfig, *, kl: bool = True, shards: int = 1, engines=ENGINES, 
                 f"{t['engine']:<14}{t['full_s'] * 1e3:>9.1f}{t['lora_s'] * 1e3:>9.1f}"
                 f"{t['lora_vs_full']:>10.2f}"
             )
-    return dict(memory=mem, step_times=times, machine=timing.machine_info())
+    merge_s = merge_seconds(lora)
+    say(f"\nmerge W + (alpha/r) A@B of every adapted weight (tiny model): {merge_s * 1e3:.2f} ms")
+    return dict(memory=mem, step_times=times, merge_s=merge_s, machine=timing.machine_info())
 
 
 __all__ = ["ENGINES", "run", "step_times"]

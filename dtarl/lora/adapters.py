@@ -59,10 +59,10 @@ class LoraConfig:
     layer, scaled by ``alpha / rank`` (PEFT's ``lora_alpha``). ``dropout`` must be 0:
     adapters are applied as merged weights (1), which have no input dropout."""
 
-    rank: int = 8
-    alpha: float = 16.0
-    targets: tuple[str, ...] = ALL_TARGETS
-    dropout: float = 0.0
+    rank: int = 8  # r: A is [in, r], B is [r, out]; >= 1
+    alpha: float = 16.0  # the adapters' scale is alpha / rank (PEFT's lora_alpha); > 0
+    targets: tuple[str, ...] = ALL_TARGETS  # projections adapted in every layer
+    dropout: float = 0.0  # must be 0.0 (merged weights have no input dropout)
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
