@@ -231,8 +231,12 @@ _grads_jit = jax.jit(adapter_grads, static_argnums=2)
 
 
 def merged(base, adapters, cfg: LoraConfig):
-    """``merge`` compiled (one program per layout)."""
-    return _merge_jit(base, adapters, cfg)
+    """``merge`` compiled (one program per layout); on a mesh every merged weight is
+    placed like its base weight (the layout the engines and samplers were given)."""
+    out = _merge_jit(base, adapters, cfg)
+    return jax.tree.map(
+        lambda m, w: jax.device_put(m, w.sharding) if isinstance(w, jax.Array) else m, out, base
+    )
 
 
 class LoraEngine:
