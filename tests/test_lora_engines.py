@@ -149,6 +149,7 @@ def worst_rel(got, want) -> float:
     return max(errs)
 
 
+@functools.cache
 def _engine(kind):
     model, base, _ = _setup()
     cap = Capacity(sequences=16, length=REF_LEN, group_size=8, groups=8)
@@ -235,3 +236,15 @@ def test_base_is_the_reference_with_adapters_off():
     _, _, aux_off = engine.value_and_grad(fresh, _grpo_batch(), LOSS)
     for a, b in zip(aux_base.logprobs, aux_off.logprobs, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_loss_fn_of_the_adapters_equals_the_reference():
+    """``LoraEngine.loss_fn``: jax.grad through the custom-VJP tree loss and the merge."""
+    _, _, ad = _setup()
+    f = LoraEngine(_engine("dense"), _setup()[1], CFG).loss_fn(LOSS)
+    prepared = f.prepare(_grpo_batch())
+    value, grads = jax.value_and_grad(lambda a: f(a, prepared))(ad)
+    want_value, want_grads = reference("grpo")
+    np.testing.assert_allclose(float(value), want_value, rtol=RTOL, atol=1e-7)
+    assert worst_rel(grads, want_grads) <= RTOL
+
