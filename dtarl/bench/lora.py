@@ -121,7 +121,15 @@ def _apply(tx, p, g, s):
     return optax.apply_updates(p, updates), s
 
 
-def run(lora: LoraConfig, *, kl: bool = True, shards: int = 1, engines=ENGINES, say=print):
+def run(
+    lora: LoraConfig,
+    *,
+    kl: bool = True,
+    shards: int = 1,
+    engines=ENGINES,
+    rounds: int = 5,
+    say=print,
+):
     """Both tables, printed with ``say``; returns them."""
     mem = memory_table(lora, kl=kl, shards=shards)
     say(
@@ -145,7 +153,7 @@ def run(lora: LoraConfig, *, kl: bool = True, shards: int = 1, engines=ENGINES, 
             "this process's CPU ms, median (min) of the rounds"
         )
         say(f"{'engine':<14}{'full ms':>16}{'lora ms':>16}{'lora/full':>10}")
-        times = step_times(lora, engines=engines)
+        times = step_times(lora, engines=engines, rounds=rounds)
         for t in times:
             full = f"{t['full_s'] * 1e3:.1f} ({t['full_min_s'] * 1e3:.1f})"
             low = f"{t['lora_s'] * 1e3:.1f} ({t['lora_min_s'] * 1e3:.1f})"

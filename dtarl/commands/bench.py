@@ -159,6 +159,7 @@ def _add_lora(sub) -> None:
     p.add_argument("--targets", nargs="+", help="default: every projection")
     p.add_argument("--no-kl", dest="kl", action="store_false", help="no KL reference")
     p.add_argument("--shards", type=int, default=1, help="devices the state is split over")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per engine")
     p.add_argument(
         "--engines", nargs="*", default=list(bench_lora.ENGINES), help="(none: memory only)"
     )
@@ -173,7 +174,9 @@ def _lora(args) -> int:
     kw = dict(rank=args.rank, alpha=args.alpha)
     if args.targets:
         kw["targets"] = tuple(args.targets)
-    res = bench_lora.run(LoraConfig(**kw), kl=args.kl, shards=args.shards, engines=args.engines)
+    res = bench_lora.run(
+        LoraConfig(**kw), kl=args.kl, shards=args.shards, engines=args.engines, rounds=args.rounds
+    )
     if args.json:
         report.write_json(args.json, res, say=print)
     return 0
