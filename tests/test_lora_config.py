@@ -69,3 +69,16 @@ def test_bench_lora_memory_table(tmp_path, capsys):
     for r in rows:
         assert r["lora_bytes"] < r["full_bytes"]
         assert r["reference_saved_bytes"] == r["full"]["reference"] > 0
+
+
+def test_file_checksum_names_the_hf_base(tmp_path):
+    from dtarl.lora.adapters import file_checksum
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"abc")
+    (tmp_path / "README.md").write_text("not part of the weights")
+    first = file_checksum(str(tmp_path))
+    (tmp_path / "README.md").write_text("changed")
+    assert file_checksum(str(tmp_path)) == first
+    (tmp_path / "model.safetensors").write_bytes(b"abd")
+    assert file_checksum(str(tmp_path)) != first

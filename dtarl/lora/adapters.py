@@ -330,6 +330,23 @@ def num_adapter_params(adapters) -> int:
     return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(adapters)))
 
 
+def file_checksum(directory: str) -> str:
+    """sha256 of a HF checkpoint directory's ``config.json`` and ``*.safetensors`` files
+    (names and bytes, in name order): the base a checkpoint's adapters belong to."""
+    import os
+
+    h = hashlib.sha256()
+    names = sorted(
+        n for n in os.listdir(directory) if n == "config.json" or n.endswith(".safetensors")
+    )
+    for name in names:
+        h.update(f"{name};".encode())
+        with open(os.path.join(directory, name), "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
 def checksum(params) -> str:
     """sha256 of the parameters' paths, shapes, dtypes and bytes (host copies, in path
     order): the base a checkpoint's adapters belong to."""
@@ -354,6 +371,7 @@ __all__ = [
     "check_adapters",
     "checksum",
     "delta",
+    "file_checksum",
     "init_adapters",
     "merge",
     "merged",

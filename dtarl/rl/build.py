@@ -35,6 +35,7 @@ and 0 on its two steps.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from typing import Any
 
@@ -50,6 +51,7 @@ from dtarl import aot
 from dtarl.engines import training_temperature
 from dtarl.errors import ConfigError
 from dtarl.lora import LoraBase, LoraEngine, checksum, init_adapters
+from dtarl.lora.adapters import file_checksum
 from dtarl.losses import MaskedNLLLoss
 from dtarl.model.hf import save_hf, tokenizer_files
 from dtarl.parallel import mesh as mesh_lib
@@ -293,9 +295,19 @@ def build_parts(
 
 
 def lora_parts(cfg: TrainerConfig, base, mesh) -> tuple[LoraBase, Any]:
-    """(the frozen base, fresh adapters from ``model.seed``: replicated on the mesh)."""
-    lc = cfg.model.lora
-    lora = LoraBase(cfg=lc, params=base, path=cfg.model.hf_path, checksum=checksum(base))
+    """(the frozen base, fresh adapters from ``model.seed``: replicated on the mesh). The
+    base's checksum: of its HF files (``model.hf_path``), else of its weights (a preset's
+    initialisation), else, where a process cannot read them all, of the preset's
+    config and seed (what its deterministic initialisation is a function of)."""
+    lc, m = cfg.model.lora, cfg.model
+    if m.hf_path is not None:
+        digest = file_checksum(m.hf_path)
+    elif all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(base)):
+        digest = checksum(base)
+    else:
+        ident = repr((m.preset, sorted(m.overrides.items()), m.seed)).encode()
+        digest = hashlib.sha256(ident).hexdigest()
+    lora = LoraBase(cfg=lc, params=base, path=m.hf_path, checksum=digest)
     adapters = init_adapters(base, lc, jax.random.fold_in(jax.random.key(cfg.model.seed), 7))
     if mesh is not None:
         adapters = jax.tree.map(lambda x: put(x, NamedSharding(mesh, P())), adapters)
