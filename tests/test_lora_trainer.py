@@ -101,6 +101,7 @@ def test_the_sampler_decodes_the_merged_weights(run):
         w = flat[path]
         flat[path] = w.replace(w[...] + (s * np.asarray(ad.a) @ np.asarray(ad.b)).reshape(w.shape))
     manual = nnx.from_flat_state(flat)
+    assert type(trainer.eval_sampler).__name__ == "ContinuousSampler"  # greedy
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     got = trainer.eval_sampler.generate(trainer.policy_params, prompts, max_new_tokens=[3, 3])
     want = trainer.eval_sampler.generate(manual, prompts, max_new_tokens=[3, 3])
