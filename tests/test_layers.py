@@ -4,7 +4,8 @@
              dtarl.errors, dtarl.aot, dtarl.aotfile,   work in dtarl.tree.cost)
              dtarl.yamlconf
     floor 2  dtarl.model, dtarl.lora, dtarl.parallel.mesh
-    floor 3  dtarl.advantages, dtarl.batch, dtarl.losses, dtarl.traces, dtarl.testing
+    floor 3  dtarl.advantages, dtarl.batch, dtarl.losses, dtarl.traces, dtarl.testing,
+             dtarl.data
     floor 4  dtarl.rollout, dtarl.engines
     floor 5  dtarl.rl, dtarl.parallel
     floor 6  dtarl.bench
@@ -42,6 +43,7 @@ FLOORS = {
     "dtarl.losses": 3,
     "dtarl.traces": 3,
     "dtarl.testing": 3,
+    "dtarl.data": 3,
     "dtarl.rollout": 4,
     "dtarl.engines": 4,
     "dtarl.rl": 5,

@@ -244,6 +244,9 @@ def _unwrap_optional(tp) -> tuple[object, bool]:
 def _type_text(tp) -> str:
     inner, optional = _unwrap_optional(tp)
     suffix = " or null" if optional else ""
+    if typing.get_origin(inner) in (typing.Union, types.UnionType):  # str | tuple[str, ...]
+        args = typing.get_args(inner)
+        return " or ".join(_type_text(a) for a in args if a is not type(None)) + suffix
     if isinstance(inner, type) and issubclass(inner, enum.Enum):
         return " \\| ".join(f"`{m.value}`" for m in inner) + suffix
     origin = typing.get_origin(inner)

@@ -59,7 +59,8 @@ from dtarl.parallel.partition import FlopCost
 from dtarl.parallel.sharded import ShardedEngine, to_host
 from dtarl.rl.capacity import capacity, response_budget
 from dtarl.rl.config import Algorithm, TrainerConfig
-from dtarl.rl.episodes import Scorer, encode_prompt, tool_stop_sequences
+from dtarl.rl.datatask import DatasetTask
+from dtarl.rl.episodes import Scorer, problem_ids, tool_stop_sequences
 from dtarl.rl.optim import Optimizer, place_like, put
 from dtarl.rl.rewards import RewardFn
 from dtarl.rl.state import TrainState
@@ -74,7 +75,7 @@ class RunParts:
     model: Any  # the policy's nnx module (its params live in the TrainState)
     graphdef: Any
     tokenizer: Any
-    task: Task
+    task: Task | DatasetTask
     reward_fn: RewardFn
     mesh: jax.sharding.Mesh | None  # the training mesh (None: one device)
     rollout_mesh: jax.sharding.Mesh | None  # the samplers' (``rollout_mesh``)
@@ -207,19 +208,25 @@ def build_parts(
         cache_dir = enable_compile_cache(cfg.compile_cache_dir)
         aot.enable_program_store(os.path.join(cache_dir, aot.STORE_SUBDIR))
     mesh = cfg.mesh.build()  # before the model: a bad mesh fails at once
+    if task is None and cfg.data.enabled:
+        cfg.data.check_files()  # ... and so do missing data files
     model, tokenizer = cfg.model.build()
     graphdef, params = nnx.split(model, nnx.Param)
     if mesh is not None:
         check_mesh(cfg, mesh)
         params = mesh_lib.shard_params(params, mesh)
-    task = task if task is not None else cfg.task.build()
+    if task is None:
+        task = build_task(cfg, tokenizer)
     r = cfg.rollout
     # Tool-call markers of one token are stop tokens; longer ones stop sequences.
     tool = tool_stop_sequences(tokenizer, task)
     stops = (tokenizer.eos_id,) + tuple(sq[0] for sq in tool if len(sq) == 1)
     stop_seqs = stop_sequences(tokenizer, r.stop) + tuple(sq for sq in tool if len(sq) > 1)
-    probe = task.generate(np.random.default_rng(0), 64)
-    prompt_len = max(len(encode_prompt(tokenizer, p.prompt)) for p in probe)
+    if isinstance(task, DatasetTask):  # every row is tokenised: the longest is known
+        prompt_len = task.longest_prompt
+    else:
+        probe = task.generate(np.random.default_rng(0), 64)
+        prompt_len = max(len(problem_ids(tokenizer, p)) for p in probe)
     samplers_mesh = rollout_mesh(mesh)
     sampler, eval_sampler = r.build(
         model,
@@ -292,6 +299,15 @@ def build_parts(
     cfg.export.check(cfg.out_dir)  # refused now, not after training
     reserve(cfg, parts)
     return parts, params
+
+
+def build_task(cfg: TrainerConfig, tokenizer) -> Task | DatasetTask:
+    """``data:``'s dataset (rows read, rendered with the chat template and tokenised)
+    when ``data.train_files`` is set, else ``task:``'s procedural task."""
+    if not cfg.data.enabled:
+        return cfg.task.build()
+    train, val = cfg.data.build(tokenizer, tokenizer_dir=cfg.model.tokenizer_dir, seed=cfg.seed)
+    return DatasetTask(train=train, val=val)
 
 
 def lora_parts(cfg: TrainerConfig, base, mesh) -> tuple[LoraBase, Any]:
@@ -431,6 +447,7 @@ __all__ = [
     "RunParts",
     "build_parts",
     "build_pat",
+    "build_task",
     "check_mesh",
     "enable_compile_cache",
     "export_policy",

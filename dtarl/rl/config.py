@@ -23,6 +23,7 @@ import os
 import typing
 from typing import Any
 
+from dtarl.data.config import DataSection
 from dtarl.engines.config import EngineConfig
 from dtarl.errors import ConfigError
 from dtarl.rl.config_io import apply_override, check_finite, from_dict, read_yaml, to_dict
@@ -104,6 +105,7 @@ class TrainerConfig:
     SECTION: typing.ClassVar[str] = "trainer"
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     task: TaskSection = dataclasses.field(default_factory=TaskSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     algo: AlgoSection = dataclasses.field(default_factory=AlgoSection)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
@@ -152,6 +154,7 @@ class TrainerConfig:
                 f"per-prompt candidate counts), got rollout.engine={self.rollout.engine.value}"
             )
         self._check_streaming()
+        self._check_data()
         r = self.rollout
         if r.pat.enabled and (r.engine is not RolloutEngineKind.CONTINUOUS or r.streaming.enabled):
             raise ConfigError(
@@ -217,7 +220,22 @@ class TrainerConfig:
                 f"algo.algorithm=ppo (the critic; got {a.algorithm.value})"
             )
 
+    def _check_data(self) -> None:
+        data = self.data
+        if data.enabled and self.sft.steps and data.response_key is None:
+            raise ConfigError(
+                f"sft.steps={self.sft.steps} with data.train_files: the SFT warm-up trains on "
+                "reference responses; set data.response_key to their column, or sft.steps=0"
+            )
+        if data.enabled and self.task != TaskSection():
+            raise ConfigError(
+                "task: and data.train_files are both set: the prompts come from the dataset; "
+                "remove the task: section (or data.train_files)"
+            )
+
     def _turns(self) -> int:
+        if self.data.enabled:
+            return 1
         return self.task.max_turns if self.task.kind is TaskKind.CALCULATOR else 1
 
     @property
@@ -250,6 +268,7 @@ __all__ = [
     "Algorithm",
     "ConfigError",
     "DartsSection",
+    "DataSection",
     "ExportSection",
     "LambdaUnits",
     "LossAggMode",

@@ -40,6 +40,8 @@ def _convert(tp, value, where: str):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
+        if isinstance(value, list | tuple):  # ``str | tuple[str, ...]``: a list is the tuple
+            args = [a for a in args if typing.get_origin(a) is tuple] or args
         return _convert(args[0], value, where)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):

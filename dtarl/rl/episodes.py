@@ -28,6 +28,7 @@ from dtarl.rl.multiturn import (
     Trajectory,
     encode_prompt,
     ends_with_any,
+    problem_ids,
     process_rollout,
     process_share,
     rollout,
@@ -49,7 +50,7 @@ def reference_batch(tokenizer, problems: Sequence[Problem]) -> RolloutBatch:
     """SFT batch: prompt + the reference trajectory + eos; loss on assistant tokens."""
     toks, masks = [], []
     for p in problems:
-        seq = [encode_prompt(tokenizer, p.prompt)]
+        seq = [problem_ids(tokenizer, p)]
         mask = [np.zeros(seq[0].shape, np.float32)]
         for role, text in p.reference:
             ids = np.asarray(tokenizer.encode(text), np.int32)

@@ -58,6 +58,14 @@ def encode_prompt(tokenizer, text: str) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
+def problem_ids(tokenizer, problem: Problem) -> np.ndarray:
+    """A problem's prompt tokens: its ``prompt_ids`` (a dataset row's, chat template
+    applied) or ``encode_prompt`` of its text."""
+    if problem.prompt_ids is not None:
+        return np.asarray(problem.prompt_ids, np.int32)
+    return encode_prompt(tokenizer, problem.prompt)
+
+
 def tool_stop_sequences(tokenizer, task: Task) -> tuple[tuple[int, ...], ...]:
     """The task's tool-call markers (``task.stop_strings``) as token id sequences of the
     run's tokenizer, any length: the sampler stops a turn when its generated ids end
@@ -93,7 +101,7 @@ class Turns:
     def __init__(self, tokenizer, task: Task, problems: Sequence[Problem], owner: np.ndarray):
         self.tokenizer, self.task, self.problems, self.owner = tokenizer, task, problems, owner
         self.tool_seqs = tool_stop_sequences(tokenizer, task)
-        self.prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+        self.prompts = [problem_ids(tokenizer, p) for p in problems]
         n = int(owner.size)
         self.parts: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
         self.text = [""] * n
@@ -407,6 +415,7 @@ __all__ = [
     "Trajectory",
     "Turns",
     "encode_prompt",
+    "problem_ids",
     "ends_with_any",
     "merge_rollout_stats",
     "process_rollout",

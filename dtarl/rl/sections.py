@@ -92,6 +92,15 @@ def in_range(obj, name, lo, hi, *, lo_open=False, hi_open=False):
         raise ConfigError(f"{_key(obj, name)}={v!r} must be in {rng}")
 
 
+class TokenizerKind(enum.Enum):
+    """``model.tokenizer``: ``auto`` reads the tokenizer.json of ``model.tokenizer_path``
+    or ``model.hf_path`` (an HF folder without one is an error) and uses the byte
+    tokenizer for presets; ``byte`` always uses the 256-id byte tokenizer."""
+
+    AUTO = "auto"
+    BYTE = "byte"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSection:
     """The policy. ``hf_path`` (a local HF checkpoint) wins over ``preset``."""
@@ -99,7 +108,8 @@ class ModelSection:
     SECTION: typing.ClassVar[str] = "model"
     preset: str = "tiny"
     hf_path: str | None = None
-    tokenizer_path: str | None = None  # a dir with tokenizer.json; default: hf_path if it has one
+    tokenizer_path: str | None = None  # a dir with tokenizer.json; default: hf_path
+    tokenizer: TokenizerKind = TokenizerKind.AUTO
     seed: int = 0
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig fields
     # LoRA adapters on a frozen base (absent: full fine-tuning); docs/lora.md
@@ -111,6 +121,11 @@ class ModelSection:
                 f"model.preset={self.preset!r} is not known; accepted: {ModelConfig.PRESETS}"
             )
         nonneg(self, "seed")
+        if self.tokenizer is TokenizerKind.BYTE and self.tokenizer_path is not None:
+            raise ConfigError(
+                f"model.tokenizer=byte with model.tokenizer_path={self.tokenizer_path!r}: the "
+                "byte tokenizer reads no files; drop one of the two"
+            )
         valid = {f.name for f in dataclasses.fields(ModelConfig)}
         bad = sorted(set(self.overrides) - valid)
         if bad:
@@ -140,10 +155,16 @@ class ModelSection:
             mc = ModelConfig.preset(self.preset).replace(**self.overrides)
             model = init_model(mc, seed=self.seed)
         tok_dir = self.tokenizer_dir
-        if tok_dir is not None and os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+        if tok_dir is None:
+            tokenizer = ByteTokenizer()
+        elif os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
             tokenizer = load_tokenizer(tok_dir)
         else:
-            tokenizer = ByteTokenizer()
+            raise ConfigError(
+                f"model.hf_path={self.hf_path!r} has no tokenizer.json (a HF 'fast' tokenizer); "
+                "set model.tokenizer_path to a directory with one, or model.tokenizer=byte for "
+                "the 256-id byte tokenizer"
+            )
         if tokenizer.vocab_size > model.cfg.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
@@ -154,6 +175,8 @@ class ModelSection:
     @property
     def tokenizer_dir(self) -> str | None:
         """Where the run's tokenizer files come from (None: the byte tokenizer's)."""
+        if self.tokenizer is TokenizerKind.BYTE:
+            return None
         return self.tokenizer_path or self.hf_path
 
 

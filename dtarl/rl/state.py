@@ -124,6 +124,7 @@ class HostRecord:
     darts: dict[str, Any] | None = None  # ``DartsState.state_dict()``
     has_ref: bool = False  # whether the TrainState holds a reference policy
     has_value: bool = False  # ... a value model
+    data: str | None = None  # the training rows' fingerprint (data.train_files; None: a task)
     lora_base: dict[str, Any] | None = None  # model.lora: the base's path, sha256 and rank
 
     def to_dict(self) -> dict[str, Any]:

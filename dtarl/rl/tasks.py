@@ -29,6 +29,8 @@ import dataclasses
 import enum
 import re
 from collections import Counter
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -47,13 +49,24 @@ class Role(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Problem:
-    """One prompt. ``reference`` is a correct trajectory (for SFT): (role, text) turns."""
+    """One prompt. ``reference`` is a correct trajectory (for SFT): (role, text) turns.
+
+    A dataset row's problem (``dtarl.rl.datatask``) also carries ``prompt_ids`` (the
+    prompt's tokens, chat template applied: rolled out as they are, no BOS added),
+    ``answer`` as the file holds it (the ground truth: any JSON value), the row's
+    ``data_source`` and ``extra_info`` (verl's columns) and ``row`` (the whole
+    ``dtarl.data.Row``: every column, and ``row.where`` = ``file:row``).
+    """
 
     prompt: str
-    answer: str
+    answer: Any
     reference: tuple[tuple[Role, str], ...]
     numbers: tuple[int, ...] = ()
     target: int = 0
+    prompt_ids: tuple[int, ...] | None = None  # None: BOS + the tokenizer's ids of prompt
+    data_source: str = ""
+    extra_info: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    row: Any = dataclasses.field(default=None, hash=False)  # a dataset problem's dtarl.data.Row
 
 
 class ExpressionError(ValueError):

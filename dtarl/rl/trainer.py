@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from dtarl.errors import ConfigError
 from dtarl.parallel import mesh as mesh_lib
 from dtarl.parallel.launch import report_progress
 from dtarl.rl import darts, runlock
@@ -46,6 +47,7 @@ from dtarl.rl.build import (
 )
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import StreamedModel, TrainerConfig, to_dict
+from dtarl.rl.datatask import DatasetTask
 from dtarl.rl.episodes import reference_batch, rl_batch
 from dtarl.rl.evaluate import greedy_success_rate
 from dtarl.rl.hooks import Hook, Phase, StepInfo, run_final_hooks, run_hooks, trainer_hooks
@@ -99,9 +101,11 @@ class Trainer:
         self.compile_totals = CompileTotals()  # seconds, this process's steps
         self.eval_rl_start: float | None = None  # greedy success rate after the warm-up
         self.eval_end: float | None = None
-        self.eval_problems = self.task.generate(
-            np.random.default_rng([cfg.seed, _SEED_EVAL]), cfg.eval_problems
-        )
+        eval_rng = np.random.default_rng([cfg.seed, _SEED_EVAL])
+        if isinstance(self.task, DatasetTask):  # data.val_files (or a sample of the train rows)
+            self.eval_problems = self.task.held_out(cfg.eval_problems, eval_rng)
+        else:
+            self.eval_problems = self.task.generate(eval_rng, cfg.eval_problems)
         self._warmed: set[int] = set()  # samplers whose ``warmup`` ran
         self._ref_local = None  # multi-process: a process-local copy of ref_params
         self.logger: MetricsLogger | None = None  # open during ``run``
@@ -150,17 +154,22 @@ class Trainer:
 
     # ---------------------------------------------------------------- steps
 
-    def _problems(self, stream: int, step: int, n: int) -> list[Problem]:
-        problems = self.task.generate(np.random.default_rng([self.cfg.seed, stream, step]), n)
+    def _draw(self, rng_seed: list[int], n: int) -> list[Problem]:
+        """``n`` problems: a dataset's next ``n`` rows (at ``data_cursor``), or the
+        procedural task's from ``np.random.default_rng(rng_seed)``."""
+        if isinstance(self.task, DatasetTask):
+            problems = self.task.take(self.data_cursor, n)
+        else:
+            problems = self.task.generate(np.random.default_rng(rng_seed), n)
         self.data_cursor += len(problems)
         return problems
 
+    def _problems(self, stream: int, step: int, n: int) -> list[Problem]:
+        return self._draw([self.cfg.seed, stream, step], n)
+
     def _refill_problems(self, step: int, k: int) -> list[Problem]:
         """Generation batch ``k`` >= 1 of RL step ``step`` (dynamic sampling's refill)."""
-        rng = np.random.default_rng([self.cfg.seed, _SEED_RL, step, k])
-        problems = self.task.generate(rng, self.cfg.rollout.prompts_per_step)
-        self.data_cursor += len(problems)
-        return problems
+        return self._draw([self.cfg.seed, _SEED_RL, step, k], self.cfg.rollout.prompts_per_step)
 
     def _update(self, batch, loss, optimizer: Optimizer, times: int, *, engine=None, **kw):
         """``run_updates`` from the current state; keeps the state after it. Returns the
@@ -222,6 +231,8 @@ class Trainer:
             on_call=self.pat,
         )
         m = dict(phase="rl", step=step, global_step=cfg.sft.steps + step + 1)
+        if isinstance(self.task, DatasetTask):
+            m.update(self.task.metrics(self.data_cursor))
         m["lr"] = self.rl_opt.lr(self.opt_state)  # this step's first update's
         m.update(episode_metrics)
         if self.pat is not None:
@@ -348,6 +359,7 @@ class Trainer:
             darts=None if self.darts is None else self.darts.state_dict(),
             has_ref=self.state.ref_params is not None,
             has_value=self.state.value_params is not None,
+            data=self.task.train.fingerprint() if isinstance(self.task, DatasetTask) else None,
             lora_base=None if self.lora is None else self.lora.record(),
         )
 
@@ -377,6 +389,14 @@ class Trainer:
             return False
         host = HostRecord.from_dict(self.ckpt.read_host(step), where=self.ckpt.path(step))
         check_resume(host, self.cfg, where=self.ckpt.path(step))
+        data = self.host_record().data
+        if host.data != data and not self.cfg.resume.allow_changes:
+            raise ConfigError(
+                f"cannot resume from {self.ckpt.path(step)}: the training rows changed "
+                f"(fingerprint {host.data} -> {data}); its data position counts rows of the "
+                "old data. Restore the files, use another out_dir, or --set "
+                "resume.allow_changes=true"
+            )
         if self.lora is not None:  # adapters resume only onto the base they were trained on
             self.lora.check(host.lora_base, where=self.ckpt.path(step))
         state, _ = self.ckpt.restore_state(step, self.restore_target(step, host))
@@ -416,6 +436,8 @@ class Trainer:
             tensorboard=cfg.tensorboard,
         )
         self.history = []
+        if isinstance(self.task, DatasetTask):
+            self.logger.print(self.task.summary())
         eval_start = self.eval_rl_start = self.eval_end = None
         try:
             if resumed:

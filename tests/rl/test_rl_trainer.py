@@ -385,6 +385,7 @@ def test_hf_checkpoint_with_ppo_and_kl(tmp_path):
     cfg = tiny_config(
         tmp_path / "run",
         f"model.hf_path={ckpt}",
+        "model.tokenizer=byte",  # the tiny checkpoint has no tokenizer files
         "model.overrides={}",
         "sft.steps=0",
         "steps=1",
