@@ -3,7 +3,7 @@
     floor 1  dtarl.tree, dtarl.axes, dtarl.timing,     (no JAX in tree/; engines price their
              dtarl.errors, dtarl.aot, dtarl.aotfile,   work in dtarl.tree.cost)
              dtarl.yamlconf
-    floor 2  dtarl.model, dtarl.parallel.mesh
+    floor 2  dtarl.model, dtarl.lora, dtarl.parallel.mesh
     floor 3  dtarl.advantages, dtarl.batch, dtarl.losses, dtarl.traces, dtarl.testing,
              dtarl.data, dtarl.rewards
     floor 4  dtarl.rollout, dtarl.engines
@@ -36,6 +36,7 @@ FLOORS = {
     "dtarl.yamlconf": 1,
     "dtarl.errors": 1,
     "dtarl.model": 2,
+    "dtarl.lora": 2,
     "dtarl.parallel.mesh": 2,
     "dtarl.advantages": 3,
     "dtarl.batch": 3,

@@ -1,4 +1,4 @@
-"""``dtarl bench train|memory|partition|rollout|peer|darts|pat|stream|stalls|plan`` (thin:
+"""``dtarl bench ...``: the benchmark subcommands (thin:
 parse arguments, call ``dtarl.bench``); rollout and pat are in
 ``dtarl.commands.bench_generation``."""
 
@@ -142,6 +142,45 @@ def _memory(args) -> int:
     if args.json:
         print()
         report.write_json(args.json, dict(res, model=args.model), say=print)
+    return 0
+
+
+# ----------------------------------------------------------------------------- lora
+
+
+def _add_lora(sub) -> None:
+    from dtarl.bench import lora as bench_lora
+
+    p = sub.add_parser(
+        "lora",
+        help="LoRA vs full fine-tuning: per-device bytes (Qwen3) and CPU step time",
+        description=bench_lora.__doc__,
+    )
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--alpha", type=float, default=32.0)
+    p.add_argument("--targets", nargs="+", help="default: every projection")
+    p.add_argument("--no-kl", dest="kl", action="store_false", help="no KL reference")
+    p.add_argument("--shards", type=int, default=1, help="devices the state is split over")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per engine")
+    p.add_argument(
+        "--engines", nargs="*", default=list(bench_lora.ENGINES), help="(none: memory only)"
+    )
+    p.add_argument("--json", help="write the results here")
+    p.set_defaults(func=_lora)
+
+
+def _lora(args) -> int:
+    from dtarl.bench import lora as bench_lora
+    from dtarl.lora import LoraConfig
+
+    kw = dict(rank=args.rank, alpha=args.alpha)
+    if args.targets:
+        kw["targets"] = tuple(args.targets)
+    res = bench_lora.run(
+        LoraConfig(**kw), kl=args.kl, shards=args.shards, engines=args.engines, rounds=args.rounds
+    )
+    if args.json:
+        report.write_json(args.json, res, say=print)
     return 0
 
 
@@ -575,6 +614,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_train(sub)
     _add_memory(sub)
+    _add_lora(sub)
     _add_partition(sub)
     bench_generation.add_rollout(sub)
     _add_peer(sub)

@@ -1,5 +1,12 @@
-"""``dtarl export CHECKPOINT --hf OUT [--step N] [--force] [--dtype D]``: a saved
-training step as a Hugging Face checkpoint (``config.json`` + safetensors).
+"""``dtarl export CHECKPOINT --hf OUT [--adapter DIR] [--step N] [--force] [--dtype D]``:
+a saved training step as a Hugging Face checkpoint (``config.json`` + safetensors).
+
+A ``model.lora`` run's checkpoint holds only its adapters: ``--hf`` writes the base
+with the adapters merged (W + (alpha/r) A@B), ``--adapter`` a PEFT adapter directory
+(``adapter_config.json`` + ``adapter_model.safetensors``, ``dtarl.lora.peft``) that
+``peft.PeftModel.from_pretrained`` loads onto the base; either or both. The base is
+rebuilt from the config and must be the one the adapters were trained on (its
+checksum, recorded in the step's host record).
 
 CHECKPOINT is a run's ``out_dir``, its ``checkpoints/`` directory, or one step's
 directory; without ``--step`` the latest step is exported (a step directory names
@@ -30,6 +37,7 @@ import tempfile
 import jax
 from flax import nnx
 
+from dtarl.lora.peft import save_peft
 from dtarl.model.hf import EXPORT_MARKER, SAVE_DTYPES, save_hf, tokenizer_files
 from dtarl.rl import integrity
 from dtarl.rl.checkpoint import CheckpointError, CheckpointManager, leaf_names
@@ -76,7 +84,7 @@ def _within(child: str, parent: str) -> bool:
     return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
 
 
-def _check_writable(out: str) -> None:
+def _check_writable(out: str, flag: str = "--hf") -> None:
     """Creates (and removes) a probe next to ``out``: an unwritable target fails now, in
     one line, not after the model is rebuilt."""
     parent = os.path.dirname(os.path.abspath(out))
@@ -84,10 +92,10 @@ def _check_writable(out: str) -> None:
         os.makedirs(parent, exist_ok=True)
         os.rmdir(tempfile.mkdtemp(prefix=".dtarl-export-probe-", dir=parent))
     except OSError as e:
-        raise ExportError(f"--hf {out}: cannot be written ({e.strerror or e})") from None
+        raise ExportError(f"{flag} {out}: cannot be written ({e.strerror or e})") from None
 
 
-def _check_out(out: str, ckpt_dir: str, force: bool) -> None:
+def _check_out(out: str, ckpt_dir: str, force: bool, flag: str = "--hf") -> None:
     protected = [
         ("the checkpoints being exported", ckpt_dir),
         ("the run directory", os.path.dirname(ckpt_dir)),
@@ -96,48 +104,53 @@ def _check_out(out: str, ckpt_dir: str, force: bool) -> None:
     for what, d in protected:
         if _within(d, out):
             raise ExportError(
-                f"--hf {out}: it is or contains {what} ({d}); the export replaces its "
+                f"{flag} {out}: it is or contains {what} ({d}); the export replaces its "
                 "directory as a whole: choose another one"
             )
     if _within(out, ckpt_dir):
         raise ExportError(
-            f"--hf {out}: it is inside the checkpoints being exported ({ckpt_dir}): "
+            f"{flag} {out}: it is inside the checkpoints being exported ({ckpt_dir}): "
             "choose a directory outside it"
         )
     if not os.path.lexists(out):
-        _check_writable(out)
+        _check_writable(out, flag)
         return
     if not os.path.isdir(out):
-        raise ExportError(f"--hf {out}: exists and is not a directory")
+        raise ExportError(f"{flag} {out}: exists and is not a directory")
     try:
         entries = sorted(os.listdir(out))
     except OSError as e:
-        raise ExportError(f"--hf {out}: cannot be listed ({e.strerror})") from None
+        raise ExportError(f"{flag} {out}: cannot be listed ({e.strerror})") from None
     shown = ", ".join(entries[:5]) + (
         f", ... ({len(entries) - 5} more)" if len(entries) > 5 else ""
     )
     if entries and not force:
         raise ExportError(
-            f"--hf {out}: exists and is not empty ({shown}); pass --force to replace a "
+            f"{flag} {out}: exists and is not empty ({shown}); pass --force to replace a "
             "previous export"
         )
     if entries and EXPORT_MARKER not in entries:
         raise ExportError(
-            f"--hf {out}: holds {shown} but no {EXPORT_MARKER} (it was not made by dtarl "
+            f"{flag} {out}: holds {shown} but no {EXPORT_MARKER} (it was not made by dtarl "
             "export); --force replaces only a previous export: choose another directory"
         )
 
 
 def export_checkpoint(
     checkpoint: str | os.PathLike,
-    out: str | os.PathLike,
+    out: str | os.PathLike | None,
     *,
     step: int | None = None,
     force: bool = False,
     dtype: str | None = None,
+    adapter: str | os.PathLike | None = None,
 ) -> tuple[str, int]:
     """Writes step ``step`` (default: the latest) of ``checkpoint`` to ``out`` as a HF
-    checkpoint; returns (out, step). Raises ``ExportError`` naming what is wrong."""
+    checkpoint (merged weights for a LoRA run) and, with ``adapter``, a LoRA run's
+    adapters as a PEFT adapter directory; returns (out or adapter, step). Raises
+    ``ExportError`` naming what is wrong."""
+    if out is None and adapter is None:
+        raise ExportError("nothing to write: give --hf OUT, --adapter DIR or both")
     mgr, named = locate(checkpoint)
     steps = mgr.steps()
     if step is not None and named is not None and step != named:
@@ -155,8 +168,12 @@ def export_checkpoint(
             f"{mgr.path(step)}: corrupt checkpoint, not exported: {why}; export an intact "
             f"step with --step (saved: {steps})"
         )
-    out = os.fspath(out)
-    _check_out(out, mgr.directory, force)
+    out = None if out is None else os.fspath(out)
+    if out is not None:
+        _check_out(out, mgr.directory, force)
+    if adapter is not None:
+        adapter = os.fspath(adapter)
+        _check_out(adapter, mgr.directory, force, "--adapter")
     if dtype is not None and dtype not in SAVE_DTYPES:
         raise ExportError(f"--dtype {dtype}: accepted: {list(SAVE_DTYPES)}")
 
@@ -196,6 +213,26 @@ def export_checkpoint(
     bad = integrity.nonfinite_leaf(leaf_names(params), jax.tree.leaves(params))
     if bad is not None:
         raise ExportError(f"{mgr.path(step)}: parameter {bad!r} holds NaN or inf; not exported")
+    if trainer.lora is None and adapter is not None:
+        raise ExportError(
+            f"--adapter {adapter}: step {step} of {mgr.directory} is a full fine-tuning run "
+            "(no model.lora): it has no adapters; export it with --hf"
+        )
+    if trainer.lora is not None:
+        try:
+            trainer.lora.check(host.lora_base, where=mgr.path(step))
+        except CheckpointError as e:
+            raise ExportError(str(e)) from None
+        if adapter is not None:
+            try:
+                save_peft(params, trainer.lora.cfg, adapter, base_model=cfg.model.hf_path)
+                with open(os.path.join(adapter, EXPORT_MARKER), "w") as f:
+                    f.write(f"dtarl export --adapter of step {step} of {mgr.directory}\n")
+            except OSError as e:
+                raise ExportError(f"--adapter {adapter}: cannot be written ({e})") from None
+        params = trainer.lora.merged(params)
+    if out is None:
+        return adapter, step
     model = nnx.merge(trainer.graphdef, params)
     tok_dir = cfg.model.tokenizer_path or cfg.model.hf_path
     try:
@@ -208,10 +245,20 @@ def export_checkpoint(
 
 
 def _export(args: argparse.Namespace) -> int:
-    out, step = export_checkpoint(
-        args.checkpoint, args.hf, step=args.step, force=args.force, dtype=args.dtype
+    _, step = export_checkpoint(
+        args.checkpoint,
+        args.hf,
+        step=args.step,
+        force=args.force,
+        dtype=args.dtype,
+        adapter=args.adapter,
     )
-    print(f"dtarl export: step {step} of {args.checkpoint} -> {out}: {sorted(os.listdir(out))}")
+    for out in (args.hf, args.adapter):
+        if out is not None:
+            print(
+                f"dtarl export: step {step} of {args.checkpoint} -> {out}: "
+                f"{sorted(os.listdir(out))}"
+            )
     return 0
 
 
@@ -224,7 +271,15 @@ def register(subparsers) -> argparse.ArgumentParser:
         "checkpoint: config.json + safetensors (+ the run's tokenizer files).",
     )
     p.add_argument("checkpoint", help="a run's out_dir, its checkpoints/ dir, or a step dir")
-    p.add_argument("--hf", required=True, metavar="OUT", help="output directory")
+    p.add_argument(
+        "--hf", default=None, metavar="OUT", help="output directory (LoRA: merged weights)"
+    )
+    p.add_argument(
+        "--adapter",
+        default=None,
+        metavar="DIR",
+        help="a model.lora run: also write its adapters as a PEFT adapter directory",
+    )
     p.add_argument("--step", type=int, default=None, help="the step to export (latest)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     p.add_argument(

@@ -35,6 +35,7 @@ and 0 on its two steps.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from typing import Any
 
@@ -43,10 +44,14 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.experimental.compilation_cache import compilation_cache
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dtarl import aot
 from dtarl.engines import training_temperature
 from dtarl.errors import ConfigError
+from dtarl.lora import LoraBase, LoraEngine, checksum, init_adapters
+from dtarl.lora.adapters import file_checksum
 from dtarl.losses import MaskedNLLLoss
 from dtarl.model.hf import save_hf, tokenizer_files
 from dtarl.parallel import mesh as mesh_lib
@@ -85,6 +90,7 @@ class RunParts:
     scorer: Scorer | None  # the KL reference's scorer (algo.kl_coef > 0)
     streamers: dict  # rollout.streaming's scorers by ``StreamedModel``
     value: Any  # PPO's ValueModel, or None
+    lora: Any  # model.lora: the frozen base (``dtarl.lora.LoraBase``); params = adapters
     sft_opt: Optimizer
     rl_opt: Optimizer
     max_response: int  # max_new_tokens per turn x turns
@@ -256,6 +262,14 @@ def build_parts(
         else:
             sft_engine = sharded
         engine = sharded
+    lora = None
+    if cfg.model.lora is not None:  # the TrainState's params are the adapters
+        lora, params = lora_parts(cfg, params, mesh)
+        wrapped = LoraEngine(engine, lora.params, lora.cfg)
+        sft_engine = (
+            wrapped if sft_engine is engine else LoraEngine(sft_engine, lora.params, lora.cfg)
+        )
+        engine = wrapped
     max_response = r.max_new_tokens * task.max_turns
     a = cfg.algo
     parts = RunParts(
@@ -283,6 +297,7 @@ def build_parts(
             warmup=r.warmup,
         ),
         value=a.build_value(model, seed=cfg.model.seed),
+        lora=lora,
         sft_opt=cfg.sft.build_optimizer(cfg.optim),
         rl_opt=cfg.optim.build(total=cfg.steps * a.updates_per_batch * a.minibatches),
         max_response=max_response,
@@ -300,6 +315,26 @@ def build_task(cfg: TrainerConfig, tokenizer) -> Task | DatasetTask:
         return cfg.task.build()
     train, val = cfg.data.build(tokenizer, tokenizer_dir=cfg.model.tokenizer_dir, seed=cfg.seed)
     return DatasetTask(train=train, val=val)
+
+
+def lora_parts(cfg: TrainerConfig, base, mesh) -> tuple[LoraBase, Any]:
+    """(the frozen base, fresh adapters from ``model.seed``: replicated on the mesh). The
+    base's checksum: of its HF files (``model.hf_path``), else of its weights (a preset's
+    initialisation), else, where a process cannot read them all, of the preset's
+    config and seed (what its deterministic initialisation is a function of)."""
+    lc, m = cfg.model.lora, cfg.model
+    if m.hf_path is not None:
+        digest = file_checksum(m.hf_path)
+    elif all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(base)):
+        digest = checksum(base)
+    else:
+        ident = repr((m.preset, sorted(m.overrides.items()), m.seed)).encode()
+        digest = hashlib.sha256(ident).hexdigest()
+    lora = LoraBase(cfg=lc, params=base, path=m.hf_path, checksum=digest)
+    adapters = init_adapters(base, lc, jax.random.fold_in(jax.random.key(cfg.model.seed), 7))
+    if mesh is not None:
+        adapters = jax.tree.map(lambda x: put(x, NamedSharding(mesh, P())), adapters)
+    return lora, adapters
 
 
 def build_pat(cfg: TrainerConfig, sampler, mesh, model):
@@ -375,7 +410,8 @@ def place_state(state: TrainState, mesh: jax.sharding.Mesh | None) -> TrainState
     table, the optimiser state like the params (as is without a mesh)."""
     if mesh is None:
         return state
-    params = place(state.params, mesh)
+    # LoRA adapters (not an nnx.State) restore replicated, like the target they came into.
+    params = place(state.params, mesh) if isinstance(state.params, nnx.State) else state.params
     return state.replace(
         params=params,
         opt_state=place_like(state.opt_state, params),

@@ -24,6 +24,7 @@ import jax
 from dtarl.batch import LossNorm
 from dtarl.engines.config import EngineConfig, EngineKind
 from dtarl.errors import ConfigError
+from dtarl.lora.adapters import LoraConfig
 from dtarl.model.config import ModelConfig
 from dtarl.rl.schedule import Schedule
 from dtarl.rl.tasks import TaskKind
@@ -111,6 +112,8 @@ class ModelSection:
     tokenizer: TokenizerKind = TokenizerKind.AUTO
     seed: int = 0
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig fields
+    # LoRA adapters on a frozen base (absent: full fine-tuning); docs/lora.md
+    lora: LoraConfig | None = None
 
     def __post_init__(self):
         if self.hf_path is None and self.preset not in ModelConfig.PRESETS:

@@ -125,6 +125,7 @@ class HostRecord:
     has_ref: bool = False  # whether the TrainState holds a reference policy
     has_value: bool = False  # ... a value model
     data: str | None = None  # the training rows' fingerprint (data.train_files; None: a task)
+    lora_base: dict[str, Any] | None = None  # model.lora: the base's path, sha256 and rank
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

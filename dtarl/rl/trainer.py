@@ -118,7 +118,17 @@ class Trainer:
 
     @property
     def ref_params(self):
+        """The KL reference: the TrainState's copy, or with ``model.lora`` the frozen base
+        itself (adapters off: no second copy)."""
+        if self.lora is not None and self.cfg.algo.kl_coef > 0:
+            return self.lora.params
         return self.state.ref_params
+
+    @property
+    def policy_params(self):
+        """The policy's weights: the params, or with ``model.lora`` the base with the
+        adapters merged (what the samplers decode with and the export writes)."""
+        return self.params if self.lora is None else self.lora.merged(self.params)
 
     @ref_params.setter
     def ref_params(self, value):
@@ -201,7 +211,7 @@ class Trainer:
             if self._ref_local is None:  # every process scores the whole batch
                 self._ref_local = local_copy(self.ref_params, self.mesh)
             reference = functools.partial(self.scorer, self._ref_local)
-        params = rollout_params(self.params, self.mesh, self.rollout_mesh)
+        params = rollout_params(self.policy_params, self.mesh, self.rollout_mesh)
         self._warm(self.sampler, params)
         if self.pat is not None:
             self.pat.begin()
@@ -303,7 +313,7 @@ class Trainer:
 
     def _start_rl(self):
         """A fresh optimizer for the RL phase; the reference policy = current weights."""
-        if self.cfg.algo.kl_coef > 0:
+        if self.cfg.algo.kl_coef > 0 and self.lora is None:  # LoRA: the base is the reference
             self.ref_params = jax.tree.map(lambda x: x, self.params)
         self.opt_state = self.rl_opt.init(self.params)
 
@@ -319,7 +329,7 @@ class Trainer:
         ``val/response_length/mean`` and, with ``eval.num_samples`` = k > 1,
         ``val/pass@k`` at the rollout temperature. Empty without problems."""
         cfg = self.cfg
-        params = rollout_params(self.params, self.mesh, self.rollout_mesh)
+        params = rollout_params(self.policy_params, self.mesh, self.rollout_mesh)
         if not self.eval_problems:
             return {}
         self._warm(self.eval_sampler, params)
@@ -370,9 +380,10 @@ class Trainer:
             seed=self.cfg.seed,
             config=to_dict(self.cfg),
             darts=None if self.darts is None else self.darts.state_dict(),
-            has_ref=self.ref_params is not None,
+            has_ref=self.state.ref_params is not None,
             has_value=self.state.value_params is not None,
             data=self.task.train.fingerprint() if isinstance(self.task, DatasetTask) else None,
+            lora_base=None if self.lora is None else self.lora.record(),
         )
 
     def save_checkpoint(self) -> str:
@@ -391,7 +402,7 @@ class Trainer:
         """Writes the current policy to ``path`` as a HF checkpoint with the run's tokenizer
         files (``dtarl.rl.build.export_policy``: atomic; process 0 writes)."""
         tok = self.cfg.model.tokenizer_dir
-        return export_policy(self.graphdef, self.params, path, tokenizer_dir=tok)
+        return export_policy(self.graphdef, self.policy_params, path, tokenizer_dir=tok)
 
     def try_resume(self) -> bool:
         """Restores the latest checkpoint in out_dir (False when there is none)."""
@@ -409,6 +420,8 @@ class Trainer:
                 "old data. Restore the files, use another out_dir, or --set "
                 "resume.allow_changes=true"
             )
+        if self.lora is not None:  # adapters resume only onto the base they were trained on
+            self.lora.check(host.lora_base, where=self.ckpt.path(step))
         state, _ = self.ckpt.restore_state(step, self.restore_target(step, host))
         self.state, self._ref_local = place_state(state, self.mesh), None
         if self.value is not None and state.value_params is not None:
@@ -469,7 +482,7 @@ class Trainer:
             self.logger = None
         return TrainResult(
             history=self.history,
-            params=self.params,
+            params=self.policy_params,
             eval_start=eval_start,
             eval_rl_start=self.eval_rl_start,
             eval_end=self.eval_end,
