@@ -431,10 +431,9 @@ def test_darts_with_the_calculator_task(tmp_path):
         rollout=dict(prompts_per_step=2, group_size=2, max_new_tokens=8),
         algo=dict(engine="dense", darts={"enabled": True, "up_factor": 2.0, "lambda": 0.01}),
         steps=1,
-        eval_problems=0,
+        eval=dict(num_problems=0),
         out_dir=str(tmp_path),
         console=False,
-        tensorboard=False,
         mesh=dict(dp=1),
     )
     tr = Trainer(from_dict(TrainerConfig, raw))
