@@ -27,7 +27,6 @@ TINY = [
     "algo.engine=dfs",
     "eval.num_problems=0",
     "console=false",
-    "tensorboard=false",
     "checkpoint_every=1",
     "mesh.dp=1",
 ]

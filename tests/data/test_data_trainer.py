@@ -24,7 +24,6 @@ TINY = [
     "rollout.max_new_tokens=3",
     "eval.num_problems=2",
     "console=false",
-    "tensorboard=false",
     "checkpoint_every=1",
     "keep_checkpoints=5",
     "mesh.dp=1",
@@ -142,7 +141,6 @@ def test_example_config_trains_through_the_cli(tmp_path, monkeypatch, capsys):
         "eval.num_problems=2",
         "eval.every=0",
         "model.overrides={num_layers: 1}",
-        "tensorboard=false",
         "mesh.dp=1",  # one device (the suite simulates 8)
         "algo.engine=dfs",  # no timed engine tuning
         f"out_dir={tmp_path}",
