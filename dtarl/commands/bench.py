@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dtarl.bench import darts as bench_darts
 from dtarl.bench import darts_trace as bench_darts_trace
+from dtarl.bench import lora as bench_lora
 from dtarl.bench import memory as bench_memory
 from dtarl.bench import partition as bench_partition
 from dtarl.bench import peer as bench_peer
@@ -149,8 +150,6 @@ def _memory(args) -> int:
 
 
 def _add_lora(sub) -> None:
-    from dtarl.bench import lora as bench_lora
-
     p = sub.add_parser(
         "lora",
         help="LoRA vs full fine-tuning: per-device bytes (Qwen3) and CPU step time",
@@ -170,7 +169,6 @@ def _add_lora(sub) -> None:
 
 
 def _lora(args) -> int:
-    from dtarl.bench import lora as bench_lora
     from dtarl.lora import LoraConfig
 
     kw = dict(rank=args.rank, alpha=args.alpha)

@@ -65,7 +65,7 @@ class Problem:
     target: int = 0
     prompt_ids: tuple[int, ...] | None = None  # None: BOS + the tokenizer's ids of prompt
     data_source: str = ""
-    extra_info: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    extra_info: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
     row: Any = dataclasses.field(default=None, hash=False)  # a dataset problem's dtarl.data.Row
 
 

@@ -65,7 +65,10 @@ class PlannedCalls:
 
     def __init__(self, engine, loss, grad_accum: int = 1, *, enabled: bool = True):
         self.engine, self.loss, self.grad_accum = engine, loss, grad_accum
-        self.enabled = enabled and callable(getattr(engine, "prepare_async", None))
+        # Only an engine whose own class plans (``BucketState``): a wrapper that forwards
+        # attributes to an inner engine (LoRA's, a test's recorder) runs its own
+        # ``value_and_grad``, which a plan of the inner engine would bypass.
+        self.enabled = enabled and callable(getattr(type(engine), "prepare_async", None))
         self._calls: dict[int, tuple[RolloutBatch, list[EngineCall]]] = {}
         self._pending: tuple[EngineCall, Future[Planned]] | None = None
         self.ahead = self.used = 0
@@ -106,6 +109,8 @@ class PlannedCalls:
     def run(self, params, call: EngineCall, upcoming: EngineCall | None):
         """``engine.value_and_grad`` of ``call``, ``upcoming`` planned meanwhile."""
         if not self.enabled:
+            if call.weights is None:  # engines without per-sequence weights take none
+                return self.engine.value_and_grad(params, call.batch, self.loss)
             return self.engine.value_and_grad(params, call.batch, self.loss, weights=call.weights)
         planned = self._planned(call)
         self.submit(upcoming)

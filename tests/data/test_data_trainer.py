@@ -89,7 +89,7 @@ def test_resumed_run_draws_the_uninterrupted_runs_prompts(runs, data_dir):
     assert a.data_cursor == b.data_cursor == 8
     rl = [r for r in read_metrics(a.cfg.out_dir) if r["phase"] == "rl"]
     assert [r["data/epoch"] for r in rl] == [0, 1, 1]
-    assert all(r["data/dropped_rows"] == 1 and r["reward_std"] > 0 for r in rl)
+    assert all(r["data/dropped_rows"] == 1 and r["critic/rewards/std"] > 0 for r in rl)
     # B re-ran global steps 3 and 4: the same rows, in the same order, as A's.
     assert rec_b.seen == rec_a.seen[a.by_step[2] :] and len(rec_b.seen) == 2 * 2 * 2
     order = [a.task.train.index(p) for p in range(8)]
