@@ -431,7 +431,8 @@ class ShardedEngine:
         """Places ``params`` on the mesh (tp-split by the rules, replicated over dp)."""
         return mesh_lib.shard_params(params, self.mesh, self.rules)
 
-    def _dp_sharding(self) -> NamedSharding:
+    def data_sharding(self) -> NamedSharding:
+        """The [R, ...] args' sharding: split over the data axes ('dp'[, 'fsdp'])."""
         return NamedSharding(self.mesh, P(self._data_axes))
 
     def device_args(self, prepared: ShardedPrepared) -> tuple:
@@ -439,7 +440,7 @@ class ShardedEngine:
 
         Each process supplies the rows of its own ranks (``prepared.local_ranks``).
         """
-        sharding = self._dp_sharding()
+        sharding = self.data_sharding()
         local = prepared.local_ranks or tuple(range(self.ranks))
         if local == tuple(range(self.ranks)):
             return jax.tree.map(lambda a: mesh_lib.global_array(a, sharding), prepared.args)
@@ -459,7 +460,7 @@ class ShardedEngine:
     def _build(self, loss, static, params, num_args: int):
         fn = self.engine.device_fn(loss, static)
         p_shard = self.param_shardings(params)
-        dp_shard = self._dp_sharding()
+        dp_shard = self.data_sharding()
         repl = NamedSharding(self.mesh, P())
 
         if self.strategy is Strategy.SHARD_MAP:
