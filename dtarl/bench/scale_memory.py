@@ -296,7 +296,7 @@ def format_table(rows: Sequence[dict], *, header: bool = True) -> str:
         )
     for r in rows:
         m = r["mesh"]
-        g = lambda k: f"{r.get(k, 0) / GiB:7.2f}"  # noqa: E731
+        g = lambda k, r=r: f"{r.get(k, 0) / GiB:7.2f}"  # noqa: E731
         star = "*" if r.get("extrapolated") else " "
         shape = f"{m['dp']},{m['fsdp']},{m['tp']}"
         lines.append(

@@ -188,9 +188,7 @@ def make_train_mesh(
             f"dp={dp} x fsdp={fsdp} x tp={tp} = {dp * fsdp * tp} devices, but {n} are "
             f"available; dp x fsdp x tp must equal the device count (each in {_divisors(n)})"
         )
-    return jax.make_mesh(
-        (dp, fsdp, tp), TRAIN_AXES, axis_types=(AxisType.Auto,) * 3, devices=devs
-    )
+    return jax.make_mesh((dp, fsdp, tp), TRAIN_AXES, axis_types=(AxisType.Auto,) * 3, devices=devs)
 
 
 def mesh_size(mesh: Mesh, axis: str) -> int:
@@ -291,9 +289,7 @@ def param_specs(params: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> 
     return ShardingPlan(specs=specs, replicated=tuple(fallbacks))
 
 
-def fsdp_dim(
-    logical: Sequence[str | None], shape: Sequence[int], spec: P, fsdp: int
-) -> int | None:
+def fsdp_dim(logical: Sequence[str | None], shape: Sequence[int], spec: P, fsdp: int) -> int | None:
     """The dimension a parameter is split along over 'fsdp': the first logical axis in
     ``FSDP_ORDER`` that ``spec`` leaves unsplit and ``fsdp`` divides (None: none)."""
     entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))

@@ -490,7 +490,7 @@ class MeshSection:
 
     SECTION: typing.ClassVar[str] = "mesh"
     dp: int | None = None
-    fsdp: int = 1
+    fsdp: int = 1  # data-parallel ranks that also split params, grads and Adam moments (ZeRO-3)
     tp: int = 1
 
     def __post_init__(self):

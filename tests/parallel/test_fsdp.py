@@ -209,7 +209,8 @@ def test_bad_fsdp_meshes_name_the_axis_and_the_accepted_values():
     assert load_config(None, ["mesh.fsdp=8"]).mesh == MeshSection(fsdp=8)
     with pytest.raises(
         ConfigError,
-        match=r"mesh.fsdp=3 x mesh.tp=1 = 3 does not divide the 8 devices.*mesh.fsdp x mesh.tp in \[1, 2, 4, 8\]",
+        match=r"mesh.fsdp=3 x mesh.tp=1 = 3 does not divide the 8 devices.*"
+        r"mesh.fsdp x mesh.tp in \[1, 2, 4, 8\]",
     ):
         MeshSection(fsdp=3).resolve3(8)
     with pytest.raises(
