@@ -7,10 +7,11 @@ the streaming scorers (``StreamingSection``), the optimisers (``OptimSection``,
 ``SFTSection``) and DARTS' statistics (``DartsSection``). This module wires them
 together and reserves every bucket the run will need (``reserve``).
 
-On a mesh (``mesh.dp x mesh.tp > 1``, ``dtarl.parallel``): the params, the
-reference policy and the optimizer state live on a ('dp', 'tp') mesh over
-``jax.devices()`` (every process's, under ``dtarl launch``), split over 'tp' by the
-rule table and replicated over 'dp'; the training engines run through
+On a mesh (``mesh.dp x mesh.fsdp x mesh.tp > 1``, ``dtarl.parallel``): the params, the
+reference policy and the optimizer state live on a ('dp', 'tp') mesh, or ('dp', 'fsdp',
+'tp') with ``mesh.fsdp > 1``, over ``jax.devices()`` (every process's, under ``dtarl
+launch``), split over 'tp' (and 'fsdp') by the rule table and replicated over 'dp';
+the rollout decodes on the ('dp', 'tp') view of the same devices; the training engines run through
 ``ShardedEngine`` (each batch cut over dp by the balanced partition, priced by the
 running engine's own work counts, ``engine.partition_cost``, with the model's
 ``FlopCost`` as the fallback for an engine without them; auto picks one engine for
