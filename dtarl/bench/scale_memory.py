@@ -53,7 +53,7 @@ from dtarl.errors import ConfigError
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
 from dtarl.parallel import mesh as mesh_lib
-from dtarl.parallel.sharded import ShardedEngine
+from dtarl.parallel.sharded import ShardedEngine, Strategy
 from dtarl.testing import grpo_groups
 
 GiB = 2**30
@@ -143,6 +143,7 @@ def measure(
     response: int = 1024,
     layers: int | None = None,
     devices: Sequence[jax.Device] | None = None,
+    strategy: Strategy = Strategy.SHARD_MAP,
 ) -> dict:
     """One row (``KEYS``) for a model, mesh and engine, compiled at depth ``layers``."""
     cfg = model_config(model_name, layers)
@@ -166,7 +167,9 @@ def measure(
         vocab_size=min(cfg.vocab_size, 32000),
     )
     loss = ClippedSurrogateLoss.grpo()
-    sharded = ShardedEngine(_engine(engine, model), mesh, gather_dtype=jnp.bfloat16)
+    sharded = ShardedEngine(
+        _engine(engine, model), mesh, gather_dtype=jnp.bfloat16, strategy=strategy
+    )
     t0 = time.perf_counter()
     prepared = sharded.prepare(batch, loss)
     p_shard = sharded.param_shardings(params)

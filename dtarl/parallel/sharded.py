@@ -272,10 +272,10 @@ class ShardedEngine:
         units = len(np.unique(batch.group_ids)) if self.keep_groups else n
         if units < k:
             what = "groups" if self.keep_groups else "sequences"
+            axes = "dp x fsdp" if self.fsdp > 1 else "dp"
             raise ShardingError(
-                f"batch has {units} {what} but the mesh has dp x fsdp = {k} data ranks; every "
-                f"rank needs at least one (use a batch of >= {k} {what} or a mesh with dp x "
-                f"fsdp <= {units})"
+                f"batch has {units} {what} but the mesh has {axes}={k} ranks; every rank needs "
+                f"at least one (use a batch of >= {k} {what} or a mesh with {axes} <= {units})"
             )
         multi = jax.process_count() > 1
         if weights is None:
