@@ -144,6 +144,7 @@ def measure(
     layers: int | None = None,
     devices: Sequence[jax.Device] | None = None,
     strategy: Strategy = Strategy.SHARD_MAP,
+    gather_dtype=jnp.bfloat16,
 ) -> dict:
     """One row (``KEYS``) for a model, mesh and engine, compiled at depth ``layers``."""
     cfg = model_config(model_name, layers)
@@ -168,7 +169,7 @@ def measure(
     )
     loss = ClippedSurrogateLoss.grpo()
     sharded = ShardedEngine(
-        _engine(engine, model), mesh, gather_dtype=jnp.bfloat16, strategy=strategy
+        _engine(engine, model), mesh, gather_dtype=gather_dtype, strategy=strategy
     )
     t0 = time.perf_counter()
     prepared = sharded.prepare(batch, loss)
