@@ -248,9 +248,8 @@ class ShardedEngine:
 
     def local_ranks(self) -> tuple[int, ...]:
         """The data ranks with a device this process can address (all, in one process)."""
-        names = list(self.mesh.axis_names)
-        devs = np.moveaxis(self.mesh.devices, [names.index(a) for a in self._data_axes], range(
-            len(self._data_axes))).reshape(self.ranks, -1)  # fmt: skip
+        data = [list(self.mesh.axis_names).index(a) for a in self._data_axes]
+        devs = np.moveaxis(self.mesh.devices, data, range(len(data))).reshape(self.ranks, -1)
         me = jax.process_index()
         return tuple(r for r in range(self.ranks) if any(d.process_index == me for d in devs[r]))
 
