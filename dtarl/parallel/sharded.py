@@ -427,7 +427,7 @@ class ShardedEngine:
         return mesh_lib.param_shardings(params, self.mesh, self.rules)
 
     def shard_params(self, params):
-        """Places ``params`` on the mesh (tp-split by the rules, replicated over dp)."""
+        """Places ``params`` on the mesh (tp- and fsdp-split by the rules, replicated over dp)."""
         return mesh_lib.shard_params(params, self.mesh, self.rules)
 
     def data_sharding(self) -> NamedSharding:
