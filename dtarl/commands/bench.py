@@ -19,6 +19,7 @@ from dtarl.bench import partition as bench_partition
 from dtarl.bench import peer as bench_peer
 from dtarl.bench import plan as bench_plan
 from dtarl.bench import report
+from dtarl.bench import scale_memory as bench_scale_memory
 from dtarl.bench import stalls as bench_stalls
 from dtarl.bench import stream as bench_stream
 from dtarl.bench import train as bench_train
@@ -498,6 +499,81 @@ def _stream(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- scale
+
+
+def _add_scale(sub) -> None:
+    p = sub.add_parser(
+        "scale",
+        help="per-device memory of a GRPO step at a real model's shape (compiled, not run)",
+        description=bench_scale_memory.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_scale_memory_arguments(p)
+    p.set_defaults(func=_scale)
+
+
+def add_scale_memory_arguments(p) -> None:
+    """The memory report's arguments of ``dtarl bench scale``."""
+    m = bench_scale_memory
+    p.add_argument("--model", nargs="+", default=["qwen3_8b"], choices=m.MODELS)
+    p.add_argument(
+        "--mesh",
+        nargs="+",
+        default=["dp=1,fsdp=8,tp=1"],
+        help="one or more dp=..,fsdp=..,tp=.. (their product: the simulated devices)",
+    )
+    p.add_argument("--engine", nargs="+", default=list(m.ENGINES), choices=m.ENGINES)
+    p.add_argument("--group", type=int, default=8, help="GRPO group size G (one group)")
+    p.add_argument("--prompt", type=int, default=1024, help="prompt tokens")
+    p.add_argument("--response", type=int, default=1024, help="response tokens")
+    p.add_argument("--layers", type=int, help="compile at this depth (default: the model's)")
+    p.add_argument(
+        "--extrapolate",
+        type=int,
+        nargs=2,
+        metavar=("L1", "L2"),
+        help="compile at depths L1 and L2 and extrapolate bytes linearly to the model's depth",
+    )
+    p.add_argument("--device-memory", type=float, metavar="GiB", help="per-device budget")
+    p.add_argument("--json", help="write one row per (model, mesh, engine) here")
+
+
+def _scale(args: argparse.Namespace) -> int:
+    return scale_memory(args)
+
+
+def scale_memory(args: argparse.Namespace) -> int:
+    """``dtarl bench scale`` without ``--compile``: the memory report."""
+    m = bench_scale_memory
+    meshes = [m.parse_mesh(t) for t in args.mesh]
+    need = max(x["dp"] * x["fsdp"] * x["tp"] for x in meshes)
+    simulated_devices(need)
+    import jax
+
+    have = len(jax.devices())
+    for t, x in zip(args.mesh, meshes, strict=True):
+        if x["dp"] * x["fsdp"] * x["tp"] > have:
+            m.parse_mesh(t, have)  # raises, naming the axes and the accepted values
+    for name in ("group", "prompt", "response"):
+        if getattr(args, name) < 1:
+            raise m.ConfigError(f"--{name}={getattr(args, name)}: must be >= 1")
+    rows = m.run(
+        args.model,
+        meshes,
+        args.engine,
+        group=args.group,
+        prompt=args.prompt,
+        response=args.response,
+        layers=args.layers,
+        extrapolate_from=tuple(args.extrapolate) if args.extrapolate else None,
+        device_memory_gib=args.device_memory,
+    )
+    if args.json:
+        report.write_json(args.json, m.json_rows(rows), say=print)
+    return 0
+
+
 # ----------------------------------------------------------------------------- stalls
 
 
@@ -623,4 +699,5 @@ def register(subparsers) -> argparse.ArgumentParser:
     bench_device.add_device(sub)
     _add_plan(sub)
     bench_quickstart.add_quickstart(sub)
+    _add_scale(sub)
     return bench

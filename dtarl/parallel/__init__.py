@@ -1,8 +1,9 @@
 """Parallel training: meshes and rule tables, the DP partition, sharded engines, launch.
 
     partition      load-balanced DP partition of a rollout batch (AREAL-DTA §4)
-    mesh           ('dp', 'tp') meshes; logical axis -> mesh axis rule table
-    sharded        ShardedEngine: one tree engine per dp rank, tp by the compiler
+    mesh           ('dp', 'tp') and ('dp', 'fsdp', 'tp') meshes; logical axis -> mesh axis rules
+    fsdp           ZeRO-3 inside the sharded step: gather weights, reduce-scatter gradients
+    sharded        ShardedEngine: one tree engine per data rank, tp by the compiler
     launch         multi-process runs (jax.distributed), ``dtarl launch``
 
 Names are imported lazily so that ``python -m dtarl.parallel.launch`` (the
@@ -23,6 +24,7 @@ _EXPORTS = {
     "MeshConfig": "mesh",
     "MeshError": "mesh",
     "make_mesh": "mesh",
+    "make_train_mesh": "mesh",
     "param_specs": "mesh",
     "param_shardings": "mesh",
     "shard_params": "mesh",

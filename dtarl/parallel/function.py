@@ -49,10 +49,10 @@ class ShardedTreeLoss(TreeLoss):
         if (
             isinstance(prepared, ShardedPrepared)
             and local
-            and local != tuple(range(self.engine.dp))
+            and local != tuple(range(self.engine.ranks))
         ):
             raise ShardingError(
-                f"loss_fn: prepared holds dp ranks {local} of {self.engine.dp} (a "
+                f"loss_fn: prepared holds data ranks {local} of {self.engine.ranks} (a "
                 "multi-process run); loss_fn runs in one process: use value_and_grad"
             )
         return super().__call__(params, prepared)

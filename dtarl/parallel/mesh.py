@@ -1,11 +1,16 @@
 """Device meshes and the logical-axis rule table.
 
-A training mesh has two axes::
+A mesh has two axes, ('dp', 'tp') (``make_mesh``: the rollout's and the default
+training mesh), or three, ('dp', 'fsdp', 'tp') (``make_train_mesh``, when fsdp > 1)::
 
-    dp   data parallel: every dp rank runs its own tree engine on its partition
-         of the batch (``dtarl.parallel.partition``); gradients are summed over dp.
-    tp   tensor parallel: parameters are split along the axes the rule table maps
-         to 'tp'; the compiler (GSPMD / Shardy) inserts the collectives.
+    dp    data parallel: every data rank runs its own tree engine on its partition
+          of the batch (``dtarl.parallel.partition``); gradients are summed over dp.
+    fsdp  data parallel too (the batch is cut over dp x fsdp ranks), and the
+          parameters, gradients and optimiser moments are split over it (ZeRO-3,
+          ``FSDP_ORDER``): each parameter is all-gathered where the step uses it
+          and its gradient reduce-scattered (``dtarl.parallel.sharded``).
+    tp    tensor parallel: parameters are split along the axes the rule table maps
+          to 'tp'; the compiler (GSPMD / Shardy) inserts the collectives.
 
 Every parameter carries its logical axis names (``dtarl.axes``) in its nnx
 metadata key ``axes``; a rule table maps each logical name to a mesh axis or to
@@ -18,6 +23,14 @@ A dimension whose size the mesh axis does not divide is replicated instead
 q/o/MLP stay split); ``param_specs`` reports it in ``ShardingPlan.replicated``.
 The numbers are unchanged either way; only memory and communication differ.
 A mesh axis is used at most once per parameter (first logical axis wins).
+
+FSDP is keyed on names too: a parameter is split over 'fsdp' along the first of
+its logical axes in ``FSDP_ORDER`` (embed, then vocab, mlp, heads, kv_heads,
+head_dim) that 'tp' does not already split and that fsdp divides. The stacked
+``layers`` axis is never split (a scan over layers slices it), so the same rule
+holds for per-layer and stacked parameters; a parameter with no such axis (a
+tiny norm whose width fsdp does not divide) stays replicated over fsdp and is
+reported in ``ShardingPlan.replicated`` as (path, "fsdp").
 
 Multi-host: ``make_mesh`` uses ``jax.devices()``, which after
 ``jax.distributed.initialize`` lists every process's devices, so the same code
@@ -38,20 +51,42 @@ from jax.sharding import PartitionSpec as P
 from dtarl import axes
 
 DP = "dp"
+FSDP = "fsdp"
 TP = "tp"
 MESH_AXES = (DP, TP)
+TRAIN_AXES = (DP, FSDP, TP)
+
+FSDP_ORDER: tuple[str, ...] = (
+    axes.EMBED,
+    axes.VOCAB,
+    axes.MLP,
+    axes.HEADS,
+    axes.KV_HEADS,
+    axes.HEAD_DIM,
+)
+"""Logical axes a parameter may be split over 'fsdp' along, in order of preference
+(never ``layers``, ``batch`` or the sequence axes)."""
 
 __all__ = [
     "DEFAULT_RULES",
     "DP",
+    "FSDP",
+    "FSDP_ORDER",
     "MESH_AXES",
     "TP",
+    "TRAIN_AXES",
     "MeshConfig",
     "MeshError",
     "Rules",
     "ShardingPlan",
+    "data_ranks",
+    "fsdp_dim",
+    "fsdp_dims",
     "logical_to_spec",
     "make_mesh",
+    "make_train_mesh",
+    "mesh_size",
+    "rollout_view",
     "param_shardings",
     "param_specs",
     "shard_params",
@@ -137,6 +172,44 @@ def make_mesh(
     )
 
 
+def make_train_mesh(
+    dp: int, fsdp: int, tp: int = 1, *, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """A ('dp', 'fsdp', 'tp') mesh over ``devices`` (default: every device of every
+    process); dp x fsdp x tp must equal their count. All axes ``AxisType.Auto``; tp is
+    the minor axis, then fsdp (an fsdp group sits on one host when it can)."""
+    devs = list(jax.devices() if devices is None else devices)
+    for name, v in (("dp", dp), ("fsdp", fsdp), ("tp", tp)):
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+            raise MeshError(f"{name}={v!r}: must be an int >= 1")
+    n = len(devs)
+    if dp * fsdp * tp != n:
+        raise MeshError(
+            f"dp={dp} x fsdp={fsdp} x tp={tp} = {dp * fsdp * tp} devices, but {n} are "
+            f"available; dp x fsdp x tp must equal the device count (each in {_divisors(n)})"
+        )
+    return jax.make_mesh((dp, fsdp, tp), TRAIN_AXES, axis_types=(AxisType.Auto,) * 3, devices=devs)
+
+
+def mesh_size(mesh: Mesh, axis: str) -> int:
+    """The size of ``axis`` on ``mesh`` (1 when the mesh has no such axis)."""
+    return int(mesh.shape[axis]) if axis in mesh.shape else 1
+
+
+def data_ranks(mesh: Mesh) -> int:
+    """The data-parallel ranks of a training mesh: dp x fsdp."""
+    return mesh_size(mesh, DP) * mesh_size(mesh, FSDP)
+
+
+def rollout_view(mesh: Mesh) -> Mesh:
+    """The ('dp', 'tp') mesh over the same devices in the same order with dp x fsdp
+    data ranks: where the rollout decodes and where its weights are gathered to
+    once per step (as is for a mesh without 'fsdp')."""
+    if FSDP not in mesh.shape:
+        return mesh
+    return make_mesh(data_ranks(mesh), mesh_size(mesh, TP), devices=list(mesh.devices.flat))
+
+
 def logical_to_spec(
     logical: Sequence[str | None],
     shape: Sequence[int],
@@ -204,10 +277,39 @@ def param_specs(params: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> 
             raise MeshError(f"parameter {name}: no 'axes' metadata; cannot map it to the mesh")
         spec, fb = logical_to_spec(logical, shape, mesh, rules)
         fallbacks.extend((name, a) for a in fb)
+        if mesh_size(mesh, FSDP) > 1:
+            dim = fsdp_dim(logical, shape, spec, mesh_size(mesh, FSDP))
+            if dim is None:
+                fallbacks.append((name, FSDP))
+            else:
+                spec = P(*(FSDP if i == dim else s for i, s in enumerate(spec)))
         return var.replace(spec) if _is_var(var) else spec
 
     specs = jax.tree.map_with_path(one, params, is_leaf=_is_var)
     return ShardingPlan(specs=specs, replicated=tuple(fallbacks))
+
+
+def fsdp_dim(logical: Sequence[str | None], shape: Sequence[int], spec: P, fsdp: int) -> int | None:
+    """The dimension a parameter is split along over 'fsdp': the first logical axis in
+    ``FSDP_ORDER`` that ``spec`` leaves unsplit and ``fsdp`` divides (None: none)."""
+    entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+    for want in FSDP_ORDER:
+        for i, (name, size) in enumerate(zip(logical, shape, strict=True)):
+            if name == want and entries[i] is None and size % fsdp == 0:
+                return i
+    return None
+
+
+def fsdp_dims(specs) -> list[int | None]:
+    """Per leaf of a tree of ``P`` (``ShardingPlan.specs`` or shardings): the dimension
+    split over 'fsdp', or None."""
+
+    def one(s):
+        s = s.spec if isinstance(s, NamedSharding) else s
+        hits = [i for i, e in enumerate(s) if e == FSDP or (isinstance(e, tuple) and FSDP in e)]
+        return hits[0] if hits else None
+
+    return [one(s) for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))]
 
 
 def param_shardings(params: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.State:
@@ -217,7 +319,7 @@ def param_shardings(params: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES)
 
 
 def shard_params(params: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.State:
-    """Places ``params`` on the mesh (tp-split by the rules, replicated over dp).
+    """Places ``params`` on the mesh (tp- and fsdp-split by the rules, replicated over dp).
 
     Works in multi-process runs too: every process must hold the same host values
     (same seed or checkpoint); each fills only its addressable shards.

@@ -58,7 +58,14 @@ rank on every process. A collective that fails because another process died
 raises ``PeerLostError`` naming this process; JAX's heartbeat bounds the rest
 (see ``dtarl.parallel.launch``).
 
-Letters: R = dp ranks, N = sequences.
+FSDP (a ('dp', 'fsdp', 'tp') mesh, ``make_train_mesh``): the batch is cut over the
+R = dp x fsdp data ranks (rank r = (r // fsdp, r % fsdp)), the args split over
+('dp', 'fsdp') jointly, and ``shard_map`` is manual over both; the parameters enter
+split over fsdp and are gathered, the gradients reduce-scattered
+(``dtarl.parallel.fsdp``; ``gather_dtype``), so the step's output gradients are
+split like the parameters and the optimiser's moments follow them.
+
+Letters: R = data ranks (dp x fsdp), N = sequences.
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ from jax.sharding import PartitionSpec as P
 
 from dtarl.batch import RolloutBatch
 from dtarl.engines.base import Buckets, EngineAux
+from dtarl.parallel import fsdp as fsdp_lib
 from dtarl.parallel import mesh as mesh_lib
 from dtarl.parallel.launch import PEER_LOST_PATTERN
 from dtarl.parallel.partition import (
@@ -168,7 +176,8 @@ class ShardedEngine:
 
     Attributes:
       engine: a dtarl engine (dense, dfs, prefix_reuse, ...).
-      mesh: a ('dp', 'tp') mesh (``dtarl.parallel.make_mesh``).
+      mesh: a ('dp', 'tp') or ('dp', 'fsdp', 'tp') mesh (``make_mesh``,
+        ``make_train_mesh``).
       rules: logical axis -> mesh axis table for the parameters.
       method / keep_groups: the dp partition (``dtarl.parallel.partition``).
       cost: the partition's cost model. None (the default): the running engine's own
@@ -177,6 +186,8 @@ class ShardedEngine:
       fallback_cost: the cost of an engine without ``partition_cost`` (None: tree
         tokens, ``TreeTokenCost``). The trainer passes the model's ``FlopCost``.
       strategy: ``Strategy.SHARD_MAP`` (default) or ``Strategy.JIT``.
+      gather_dtype: the dtype fsdp gathers floating weights in (None: their own;
+        ``dtarl.parallel.fsdp``).
 
     ``stats["partition_cost_model"]`` names the cost used: the engine's kind
     ("dense", "dfs", "prefix_reuse"), "given:<class>" for ``cost`` or
@@ -191,13 +202,14 @@ class ShardedEngine:
     keep_groups: bool = False
     strategy: Strategy = Strategy.SHARD_MAP
     fallback_cost: CostModel | None = None
+    gather_dtype: Any = None
 
     def __post_init__(self):
         missing = [a for a in mesh_lib.MESH_AXES if a not in self.mesh.shape]
         if missing:
             raise ShardingError(
                 f"mesh axes {tuple(self.mesh.axis_names)}: missing {missing}; build the mesh "
-                "with dtarl.parallel.make_mesh(dp, tp)"
+                "with dtarl.parallel.make_mesh(dp, tp) or make_train_mesh(dp, fsdp, tp)"
             )
         for attr in ("prepare", "device_fn", "finish"):
             if not callable(getattr(self.engine, attr, None)):
@@ -219,15 +231,27 @@ class ShardedEngine:
     def tp(self) -> int:
         return int(self.mesh.shape[mesh_lib.TP])
 
+    @property
+    def fsdp(self) -> int:
+        return mesh_lib.mesh_size(self.mesh, mesh_lib.FSDP)
+
+    @property
+    def ranks(self) -> int:
+        """Data-parallel ranks: dp x fsdp (each runs the engine on its cut)."""
+        return self.dp * self.fsdp
+
+    @property
+    def _data_axes(self) -> tuple[str, ...]:
+        return (mesh_lib.DP, mesh_lib.FSDP) if self.fsdp > 1 else (mesh_lib.DP,)
+
     # ------------------------------------------------------------------ host side
 
     def local_ranks(self) -> tuple[int, ...]:
-        """The dp ranks with a device this process can address (all, in one process)."""
-        devs = np.moveaxis(self.mesh.devices, self.mesh.axis_names.index(mesh_lib.DP), 0)
+        """The data ranks with a device this process can address (all, in one process)."""
+        data = [list(self.mesh.axis_names).index(a) for a in self._data_axes]
+        devs = np.moveaxis(self.mesh.devices, data, range(len(data))).reshape(self.ranks, -1)
         me = jax.process_index()
-        return tuple(
-            r for r in range(self.dp) if any(d.process_index == me for d in devs[r].reshape(-1))
-        )
+        return tuple(r for r in range(self.ranks) if any(d.process_index == me for d in devs[r]))
 
     def reserve(self, capacity):
         """Grows the wrapped engine's shape buckets to a per-rank ``Capacity``."""
@@ -243,13 +267,14 @@ class ShardedEngine:
         normalisation applies (gradient accumulation)."""
         t0 = time.perf_counter()
         n = batch.num_sequences
-        k = self.dp
+        k = self.ranks
         units = len(np.unique(batch.group_ids)) if self.keep_groups else n
         if units < k:
             what = "groups" if self.keep_groups else "sequences"
+            axes = "dp x fsdp" if self.fsdp > 1 else "dp"
             raise ShardingError(
-                f"batch has {units} {what} but the mesh has dp={k} ranks; every rank needs at "
-                f"least one (use a batch of >= {k} {what} or a mesh with dp <= {units})"
+                f"batch has {units} {what} but the mesh has {axes}={k} ranks; every rank needs "
+                f"at least one (use a batch of >= {k} {what} or a mesh with {axes} <= {units})"
             )
         multi = jax.process_count() > 1
         if weights is None:
@@ -402,20 +427,21 @@ class ShardedEngine:
         return mesh_lib.param_shardings(params, self.mesh, self.rules)
 
     def shard_params(self, params):
-        """Places ``params`` on the mesh (tp-split by the rules, replicated over dp)."""
+        """Places ``params`` on the mesh (tp- and fsdp-split by the rules, replicated over dp)."""
         return mesh_lib.shard_params(params, self.mesh, self.rules)
 
-    def _dp_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P(mesh_lib.DP))
+    def data_sharding(self) -> NamedSharding:
+        """The [R, ...] args' sharding: split over the data axes ('dp'[, 'fsdp'])."""
+        return NamedSharding(self.mesh, P(self._data_axes))
 
     def device_args(self, prepared: ShardedPrepared) -> tuple:
-        """The args as global [R, ...] arrays split over 'dp' (replicated over 'tp').
+        """The args as global [R, ...] arrays split over the data axes (not over 'tp').
 
         Each process supplies the rows of its own ranks (``prepared.local_ranks``).
         """
-        sharding = self._dp_sharding()
-        local = prepared.local_ranks or tuple(range(self.dp))
-        if local == tuple(range(self.dp)):
+        sharding = self.data_sharding()
+        local = prepared.local_ranks or tuple(range(self.ranks))
+        if local == tuple(range(self.ranks)):
             return jax.tree.map(lambda a: mesh_lib.global_array(a, sharding), prepared.args)
         row = {r: i for i, r in enumerate(local)}
 
@@ -423,34 +449,47 @@ class ShardedEngine:
             a = np.asarray(a)
 
             def rows(idx):
-                want = range(self.dp)[idx[0]]
+                want = range(self.ranks)[idx[0]]
                 return np.stack([a[row[r]] for r in want])[(slice(None), *idx[1:])]
 
-            return jax.make_array_from_callback((self.dp, *a.shape[1:]), sharding, rows)
+            return jax.make_array_from_callback((self.ranks, *a.shape[1:]), sharding, rows)
 
         return jax.tree.map(one, prepared.args)
 
     def _build(self, loss, static, params, num_args: int):
         fn = self.engine.device_fn(loss, static)
         p_shard = self.param_shardings(params)
-        dp_shard = self._dp_sharding()
+        dp_shard = self.data_sharding()
         repl = NamedSharding(self.mesh, P())
 
         if self.strategy is Strategy.SHARD_MAP:
+            data = self._data_axes
+            treedef = jax.tree.structure(params)
+            dims = mesh_lib.fsdp_dims(p_shard) if self.fsdp > 1 else None
+            p_spec = P()
+            if dims is not None:  # split over fsdp on entry and exit (ZeRO-3)
+                p_spec = jax.tree.unflatten(treedef, fsdp_lib.manual_specs(p_shard))
 
             def per_rank(params, *args):
                 args = jax.tree.map(lambda a: a[0], args)  # this rank's [1, ...] block
+                if dims is not None:
+                    leaves = fsdp_lib.gather(jax.tree.leaves(params), dims, self.gather_dtype)
+                    params = jax.tree.unflatten(treedef, leaves)
                 total, grads, out = fn(params, *args)
-                total = jax.lax.psum(total, mesh_lib.DP)
-                grads = jax.lax.psum(grads, mesh_lib.DP)
+                total = jax.lax.psum(total, data)
+                if dims is None:
+                    grads = jax.lax.psum(grads, mesh_lib.DP)
+                else:
+                    leaves = fsdp_lib.reduce_grads(jax.tree.leaves(grads), dims)
+                    grads = jax.tree.unflatten(treedef, leaves)
                 return total, grads, jax.tree.map(lambda o: o[None], out)
 
             mapped = jax.shard_map(
                 per_rank,
                 mesh=self.mesh,
-                in_specs=(P(),) + (P(mesh_lib.DP),) * num_args,
-                out_specs=(P(), P(), P(mesh_lib.DP)),
-                axis_names={mesh_lib.DP},
+                in_specs=(p_spec,) + (P(data),) * num_args,
+                out_specs=(P(), p_spec, P(data)),
+                axis_names=set(data),
                 # The engines' scan carries start dp-invariant (zeros) and become
                 # dp-varying; without vma checks psum is the plain all-reduce.
                 check_vma=False,
@@ -498,8 +537,8 @@ class ShardedEngine:
 
     def finish(self, prepared: ShardedPrepared, out) -> tuple[np.ndarray, ...]:
         """Per-sequence logprobs in the global batch order, on every process."""
-        local = prepared.local_ranks or tuple(range(self.dp))
-        if local == tuple(range(self.dp)):
+        local = prepared.local_ranks or tuple(range(self.ranks))
+        if local == tuple(range(self.ranks)):
             host = to_host(out)
             per_rank = {r: jax.tree.map(lambda o, r=r: o[r], host) for r in local}
         else:
@@ -512,7 +551,7 @@ class ShardedEngine:
                 continue
             for i, lp in zip(ix.tolist(), self.engine.finish(rp, per_rank[r]), strict=True):
                 logps[i] = lp
-        if local != tuple(range(self.dp)):
+        if local != tuple(range(self.ranks)):
             logps = _gather_logprobs(logps)
         return tuple(logps)
 
@@ -542,6 +581,7 @@ class ShardedEngine:
             engine=f"sharded[{getattr(self.engine, 'name', type(self.engine).__name__)}]",
             strategy=self.strategy.value,
             dp=self.dp,
+            fsdp=self.fsdp,
             tp=self.tp,
             host_seconds=prepared.host_seconds,
             seconds=device_s,

@@ -7,10 +7,11 @@ the streaming scorers (``StreamingSection``), the optimisers (``OptimSection``,
 ``SFTSection``) and DARTS' statistics (``DartsSection``). This module wires them
 together and reserves every bucket the run will need (``reserve``).
 
-On a mesh (``mesh.dp x mesh.tp > 1``, ``dtarl.parallel``): the params, the
-reference policy and the optimizer state live on a ('dp', 'tp') mesh over
-``jax.devices()`` (every process's, under ``dtarl launch``), split over 'tp' by the
-rule table and replicated over 'dp'; the training engines run through
+On a mesh (``mesh.dp x mesh.fsdp x mesh.tp > 1``, ``dtarl.parallel``): the params, the
+reference policy and the optimizer state live on a ('dp', 'tp') mesh, or ('dp', 'fsdp',
+'tp') with ``mesh.fsdp > 1``, over ``jax.devices()`` (every process's, under ``dtarl
+launch``), split over 'tp' (and 'fsdp') by the rule table and replicated over 'dp';
+the rollout decodes on the ('dp', 'tp') view of the same devices; the training engines run through
 ``ShardedEngine`` (each batch cut over dp by the balanced partition, priced by the
 running engine's own work counts, ``engine.partition_cost``, with the model's
 ``FlopCost`` as the fallback for an engine without them; auto picks one engine for
@@ -142,9 +143,11 @@ def rollout_mesh(mesh: jax.sharding.Mesh | None) -> jax.sharding.Mesh | None:
     """The rollout samplers' mesh: the run's own in one process; in a multi-process run
     (where each process decodes its share of the problems, ``process_rollout``) a mesh
     of this process's devices, with the run's tp when it divides them (else tp = 1),
-    or None when the process has one device."""
+    or None when the process has one device. On a ('dp', 'fsdp', 'tp') mesh the
+    rollout decodes on its ('dp', 'tp') view (``mesh_lib.rollout_view``: dp x fsdp
+    slot groups over the same devices), its weights gathered there once per step."""
     if mesh is None or jax.process_count() == 1:
-        return mesh
+        return None if mesh is None else mesh_lib.rollout_view(mesh)
     local = jax.local_devices()
     tp = int(mesh.shape[mesh_lib.TP])
     tp = tp if len(local) % tp == 0 else 1
@@ -166,8 +169,10 @@ def partition_cost(model) -> FlopCost:
 
 def check_mesh(cfg: TrainerConfig, mesh: jax.sharding.Mesh) -> None:
     """Refuses what does not run on ``mesh``, naming the combination."""
-    dp = int(mesh.shape[mesh_lib.DP])
-    where = f"mesh.dp={dp}, mesh.tp={int(mesh.shape[mesh_lib.TP])}"
+    dp = mesh_lib.data_ranks(mesh)
+    fsdp = mesh_lib.mesh_size(mesh, mesh_lib.FSDP)
+    where = f"mesh.dp={dp // fsdp}, mesh.tp={int(mesh.shape[mesh_lib.TP])}"
+    where = where if fsdp == 1 else where.replace(", ", f", mesh.fsdp={fsdp}, ")
     if cfg.rollout.streaming.enabled:
         raise ConfigError(
             f"rollout.streaming.enabled=true is not supported on a mesh ({where}): the "
@@ -377,7 +382,7 @@ def reserve(cfg: TrainerConfig, parts: RunParts) -> None:
         prompt_len=plen,
         response_len=max_len - plen,
         turns=turns,
-        dp=1 if parts.mesh is None else int(parts.mesh.shape[mesh_lib.DP]),
+        dp=1 if parts.mesh is None else mesh_lib.data_ranks(parts.mesh),
     )
     parts.engine.reserve(cap)
     if parts.scorer is not None:  # the KL reference: every sequence of a step, unsplit

@@ -352,7 +352,7 @@ def truncate_metrics(path: str, step: int) -> None:
 
 
 def mesh_metrics(stats: dict[str, Any]) -> dict[str, Any]:
-    """A sharded update's layout (``ShardedEngine`` stats): ``dp``, ``tp``, the
+    """A sharded update's layout (``ShardedEngine`` stats): ``dp``, ``fsdp``, ``tp``, the
     partition method, the candidate that won (``partition_winner``: the balanced cut's
     order or the baseline with the lower makespan), the cost model it was priced with
     (``partition_cost_model``: the running engine's kind, or "fallback:FlopCost"), and
@@ -367,6 +367,7 @@ def mesh_metrics(stats: dict[str, Any]) -> dict[str, Any]:
     out = dict(
         dp=int(stats["dp"]),
         tp=int(stats["tp"]),
+        fsdp=int(stats.get("fsdp", 1)),
         partition_method=stats["partition_method"],
         partition_winner=stats.get("partition_winner", ""),
         partition_cost_model=stats.get("partition_cost_model", ""),
@@ -375,7 +376,7 @@ def mesh_metrics(stats: dict[str, Any]) -> dict[str, Any]:
         load_balance=float(stats["load_balance"]),
     )
     work = np.asarray(stats.get("rank_work_flops", []), np.float64)
-    if work.size == int(stats["dp"]) and work.mean() > 0:
+    if work.size == int(stats["dp"]) * int(stats.get("fsdp", 1)) and work.mean() > 0:
         out["work_balance"] = float(work.max() / work.mean())
     return out
 

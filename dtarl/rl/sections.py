@@ -506,56 +506,71 @@ class SFTSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshSection:
-    """The device mesh of a run: ``dp`` data-parallel ranks x ``tp`` tensor-parallel
-    ways (``dtarl.parallel``). ``dp`` unset: every device of every process not used
-    by tp. One process may use fewer devices than it has (the first ``dp x tp``);
-    a multi-process run (``dtarl launch``) must use every device. ``dp x tp = 1``
-    is the single-device trainer (no mesh)."""
+    """The device mesh of a run: ``dp`` data-parallel ranks x ``fsdp`` data-parallel
+    ranks that also split the parameters, gradients and optimiser moments (ZeRO-3)
+    x ``tp`` tensor-parallel ways (``dtarl.parallel``). ``dp`` unset: every device of
+    every process not used by fsdp x tp. One process may use fewer devices than it
+    has (the first ``dp x fsdp x tp``); a multi-process run (``dtarl launch``) must
+    use every device. ``dp x fsdp x tp = 1`` is the single-device trainer (no
+    mesh). ``fsdp > 1`` builds a ('dp', 'fsdp', 'tp') mesh, else ('dp', 'tp')."""
 
     SECTION: typing.ClassVar[str] = "mesh"
     dp: int | None = None
+    fsdp: int = 1  # data-parallel ranks that also split params, grads and Adam moments (ZeRO-3)
     tp: int = 1
 
     def __post_init__(self):
         if self.dp is not None:
             positive(self, "dp")
+        positive(self, "fsdp")
         positive(self, "tp")
 
     def resolve(self, num_devices: int, num_processes: int = 1) -> tuple[int, int]:
         """(dp, tp) on ``num_devices`` devices (every process's) or a ConfigError naming
-        the field and the accepted values."""
-        tp, n = self.tp, num_devices
-        divisors = [d for d in range(1, n + 1) if n % d == 0]
-        if self.dp is None:
-            if n % tp:
-                raise ConfigError(
-                    f"mesh.tp={tp} does not divide the {n} devices (mesh.dp unset uses all "
-                    f"of them); accepted: mesh.tp in {divisors}, or set mesh.dp"
-                )
-            return n // tp, tp
-        dp = self.dp
-        if num_processes > 1 and dp * tp != n:
-            raise ConfigError(
-                f"mesh.dp={dp} x mesh.tp={tp} = {dp * tp} devices, but this {num_processes}-"
-                f"process run has {n}; a multi-process run must use every device: "
-                f"mesh.dp x mesh.tp = {n} (or leave mesh.dp unset)"
-            )
-        if dp * tp > n:
-            raise ConfigError(
-                f"mesh.dp={dp} x mesh.tp={tp} = {dp * tp} devices, but only {n} are "
-                f"available; accepted: mesh.dp x mesh.tp <= {n}"
-            )
+        the field and the accepted values (``resolve3`` with fsdp)."""
+        dp, _, tp = self.resolve3(num_devices, num_processes)
         return dp, tp
 
+    def resolve3(self, num_devices: int, num_processes: int = 1) -> tuple[int, int, int]:
+        """(dp, fsdp, tp) on ``num_devices`` devices, or a ConfigError naming the axis
+        and the accepted values."""
+        fsdp, tp, n = self.fsdp, self.tp, num_devices
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        inner = fsdp * tp
+        names = "mesh.tp" if fsdp == 1 else "mesh.fsdp x mesh.tp"
+        shown = f"mesh.tp={tp}" if fsdp == 1 else f"mesh.fsdp={fsdp} x mesh.tp={tp} = {inner}"
+        if self.dp is None:
+            if n % inner:
+                raise ConfigError(
+                    f"{shown} does not divide the {n} devices (mesh.dp unset uses all "
+                    f"of them); accepted: {names} in {divisors}, or set mesh.dp"
+                )
+            return n // inner, fsdp, tp
+        dp = self.dp
+        used = dp * inner
+        what = f"mesh.dp={dp} x {shown.replace(f' = {inner}', '')} = {used} devices"
+        if num_processes > 1 and used != n:
+            raise ConfigError(
+                f"{what}, but this {num_processes}-process run has {n}; a multi-process "
+                f"run must use every device: mesh.dp x {names} = {n} (or leave mesh.dp unset)"
+            )
+        if used > n:
+            raise ConfigError(
+                f"{what}, but only {n} are available; accepted: mesh.dp x {names} <= {n}"
+            )
+        return dp, fsdp, tp
+
     def build(self) -> jax.sharding.Mesh | None:
-        """The run's ('dp', 'tp') mesh over ``jax.devices()`` (the first dp x tp of them),
-        or None for one device (dp x tp = 1)."""
+        """The run's mesh over ``jax.devices()`` (the first dp x fsdp x tp of them):
+        ('dp', 'fsdp', 'tp') when fsdp > 1, else ('dp', 'tp'); None for one device."""
         from dtarl.parallel import mesh as mesh_lib
 
         devices = jax.devices()
-        dp, tp = self.resolve(len(devices), jax.process_count())
-        if dp * tp == 1:
+        dp, fsdp, tp = self.resolve3(len(devices), jax.process_count())
+        if dp * fsdp * tp == 1:
             return None
+        if fsdp > 1:
+            return mesh_lib.make_train_mesh(dp, fsdp, tp, devices=devices[: dp * fsdp * tp])
         return mesh_lib.make_mesh(dp, tp, devices=devices[: dp * tp])
 
 
