@@ -1,0 +1,179 @@
+"""``dtarl bench lora|scale|plan``: the size and cost benches (LoRA's bytes and step
+time, the per-device memory report, host planning). Thin: parse arguments, call
+``dtarl.bench``; ``dtarl.commands.bench`` registers them."""
+
+from __future__ import annotations
+
+import argparse
+
+from dtarl.bench import lora as bench_lora
+from dtarl.bench import plan as bench_plan
+from dtarl.bench import report
+from dtarl.bench import scale_memory as bench_scale_memory
+from dtarl.commands.bench_generation import simulated_devices
+from dtarl.model import ModelConfig
+
+__all__ = ["add_lora", "add_plan", "add_scale", "add_scale_memory_arguments", "scale_memory"]
+
+
+# ----------------------------------------------------------------------------- lora
+
+
+def add_lora(sub) -> None:
+    p = sub.add_parser(
+        "lora",
+        help="LoRA vs full fine-tuning: per-device bytes (Qwen3) and CPU step time",
+        description=bench_lora.__doc__,
+    )
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--alpha", type=float, default=32.0)
+    p.add_argument("--targets", nargs="+", help="default: every projection")
+    p.add_argument("--no-kl", dest="kl", action="store_false", help="no KL reference")
+    p.add_argument("--shards", type=int, default=1, help="devices the state is split over")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per engine")
+    p.add_argument(
+        "--engines", nargs="*", default=list(bench_lora.ENGINES), help="(none: memory only)"
+    )
+    p.add_argument("--json", help="write the results here")
+    p.set_defaults(func=_lora)
+
+
+def _lora(args) -> int:
+    from dtarl.lora import LoraConfig
+
+    kw = dict(rank=args.rank, alpha=args.alpha)
+    if args.targets:
+        kw["targets"] = tuple(args.targets)
+    res = bench_lora.run(
+        LoraConfig(**kw), kl=args.kl, shards=args.shards, engines=args.engines, rounds=args.rounds
+    )
+    if args.json:
+        report.write_json(args.json, res, say=print)
+    return 0
+
+
+# ----------------------------------------------------------------------------- scale
+
+
+def add_scale(sub) -> None:
+    p = sub.add_parser(
+        "scale",
+        help="per-device memory of a GRPO step at a real model's shape (compiled, not run)",
+        description=bench_scale_memory.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_scale_memory_arguments(p)
+    p.set_defaults(func=_scale)
+
+
+def add_scale_memory_arguments(p) -> None:
+    """The memory report's arguments of ``dtarl bench scale``."""
+    m = bench_scale_memory
+    p.add_argument("--model", nargs="+", default=["qwen3_8b"], choices=m.MODELS)
+    p.add_argument(
+        "--mesh",
+        nargs="+",
+        default=["dp=1,fsdp=8,tp=1"],
+        help="one or more dp=..,fsdp=..,tp=.. (their product: the simulated devices)",
+    )
+    p.add_argument("--engine", nargs="+", default=list(m.ENGINES), choices=m.ENGINES)
+    p.add_argument("--group", type=int, default=8, help="GRPO group size G (one group)")
+    p.add_argument("--prompt", type=int, default=1024, help="prompt tokens")
+    p.add_argument("--response", type=int, default=1024, help="response tokens")
+    p.add_argument("--layers", type=int, help="compile at this depth (default: the model's)")
+    p.add_argument(
+        "--extrapolate",
+        type=int,
+        nargs=2,
+        metavar=("L1", "L2"),
+        help="compile at depths L1 and L2 and extrapolate bytes linearly to the model's depth",
+    )
+    p.add_argument("--device-memory", type=float, metavar="GiB", help="per-device budget")
+    p.add_argument("--json", help="write one row per (model, mesh, engine) here")
+
+
+def _scale(args: argparse.Namespace) -> int:
+    return scale_memory(args)
+
+
+def scale_memory(args: argparse.Namespace) -> int:
+    """``dtarl bench scale`` without ``--compile``: the memory report."""
+    m = bench_scale_memory
+    meshes = [m.parse_mesh(t) for t in args.mesh]
+    need = max(x["dp"] * x["fsdp"] * x["tp"] for x in meshes)
+    simulated_devices(need)
+    import jax
+
+    have = len(jax.devices())
+    for t, x in zip(args.mesh, meshes, strict=True):
+        if x["dp"] * x["fsdp"] * x["tp"] > have:
+            m.parse_mesh(t, have)  # raises, naming the axes and the accepted values
+    for name in ("group", "prompt", "response"):
+        if getattr(args, name) < 1:
+            raise m.ConfigError(f"--{name}={getattr(args, name)}: must be >= 1")
+    rows = m.run(
+        args.model,
+        meshes,
+        args.engine,
+        group=args.group,
+        prompt=args.prompt,
+        response=args.response,
+        layers=args.layers,
+        extrapolate_from=tuple(args.extrapolate) if args.extrapolate else None,
+        device_memory_gib=args.device_memory,
+    )
+    if args.json:
+        report.write_json(args.json, m.json_rows(rows), say=print)
+    return 0
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="DFS host planning: trie, order and plan seconds per 1k sequences, plan bytes",
+        description=bench_plan.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--group", type=int, default=8, help="responses per prompt (G)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--response-len", type=int, default=2048, help="median response length")
+    p.add_argument("--max-response", type=int, default=16384)
+    p.add_argument("--chunk-len", type=int, default=128)
+    p.add_argument("--model", default="qwen3_0p6b", help=f"preset, one of {ModelConfig.PRESETS}")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--no-reference",
+        dest="reference",
+        action="store_false",
+        help="do not time the pure-Python reference compiler beside compile_plan",
+    )
+    p.add_argument("--json", help="write the results here")
+    p.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    for name in ("prompts", "group", "prompt_len", "response_len", "max_response"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    for name in ("chunk_len", "rounds"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    res = bench_plan.run(
+        prompts=args.prompts,
+        group=args.group,
+        prompt_len=args.prompt_len,
+        response_len=args.response_len,
+        max_response=args.max_response,
+        chunk_len=args.chunk_len,
+        model=args.model,
+        rounds=args.rounds,
+        reference=args.reference,
+    )
+    print(bench_plan.format_report(res))
+    if args.json:
+        report.write_json(args.json, res, say=print)
+    return 0
