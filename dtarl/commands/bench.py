@@ -16,6 +16,7 @@ from dtarl.bench import memory as bench_memory
 from dtarl.bench import partition as bench_partition
 from dtarl.bench import peer as bench_peer
 from dtarl.bench import report
+from dtarl.bench import scale as bench_scale
 from dtarl.bench import stalls as bench_stalls
 from dtarl.bench import stream as bench_stream
 from dtarl.bench import train as bench_train
@@ -468,6 +469,52 @@ def _stalls(args: argparse.Namespace) -> int:
 __all__ = ["register", "simulated_devices"]
 
 
+# ----------------------------------------------------------------------------- scale
+
+
+def _add_scale(sub) -> None:
+    p = sub.add_parser(
+        "scale",
+        help="compile and step time of every engine and the rollout warm-up against depth",
+        description=bench_scale.__doc__,
+    )
+    p.add_argument("--compile", action="store_true", help="measure compile time (this mode)")
+    p.add_argument("--model", default="qwen3_0p6b", help=f"preset, one of {ModelConfig.PRESETS}")
+    p.add_argument("--layers", default="7,28", help="depths, comma-separated (default 7,28)")
+    p.add_argument("--engines", nargs="+", default=list(bench_scale.ENGINES))
+    p.add_argument("--group", type=int, default=4, help="sequences in the GRPO group")
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--response", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2, help="timed steps after the first")
+    p.add_argument("--no-rollout", dest="rollout", action="store_false")
+    p.add_argument("--json", help="write the results here")
+    p.set_defaults(func=_scale)
+
+
+def _scale(args) -> int:
+    if not args.compile:
+        print("dtarl bench scale: pass --compile (the only mode here)", file=sys.stderr)
+        return 2
+    try:
+        layers = [int(x) for x in args.layers.split(",") if x.strip()]
+    except ValueError:
+        print(f"--layers {args.layers!r}: expected depths like 7,28", file=sys.stderr)
+        return 2
+    result = bench_scale.run_compile(
+        model=args.model,
+        layers=layers,
+        engines=args.engines,
+        group=args.group,
+        prompt=args.prompt,
+        response=args.response,
+        repeats=args.repeats,
+        rollout=args.rollout,
+    )
+    if args.json:
+        report.write_json(args.json, result)
+    return 0
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     """Adds ``bench`` with its ``train``, ``memory``, ``partition``, ``rollout``, ``peer``,
     ``darts``, ``pat``, ``stream`` and ``stalls`` subcommands (each sets ``func``;
@@ -487,4 +534,5 @@ def register(subparsers) -> argparse.ArgumentParser:
     bench_generation.add_pat(sub)
     _add_stream(sub)
     _add_stalls(sub)
+    _add_scale(sub)
     return bench
