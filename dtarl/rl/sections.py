@@ -24,7 +24,7 @@ import jax
 from dtarl.batch import LossNorm
 from dtarl.engines.config import EngineConfig, EngineKind
 from dtarl.errors import ConfigError
-from dtarl.model.config import ModelConfig
+from dtarl.model.config import ModelConfig, Remat
 from dtarl.rl.schedule import Schedule
 from dtarl.rl.tasks import TaskKind
 
@@ -100,6 +100,10 @@ class ModelSection:
     hf_path: str | None = None
     tokenizer_path: str | None = None  # a dir with tokenizer.json; default: hf_path if it has one
     seed: int = 0
+    # What each decoder layer keeps for the backward pass: none (everything), full
+    # (nothing: recomputed), dots_saveable (the weight products), offload (those in
+    # pinned host memory on GPU/TPU, dots_saveable elsewhere).
+    remat: Remat = Remat.NONE
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig fields
 
     def __post_init__(self):
@@ -131,10 +135,11 @@ class ModelSection:
             os.path.join(self.tokenizer_path, "tokenizer.json")
         ):
             raise ConfigError(f"model.tokenizer_path={self.tokenizer_path!r} has no tokenizer.json")
+        settings = {"remat": self.remat, **self.overrides}
         if self.hf_path is not None:
-            model = load_hf(self.hf_path, **self.overrides)
+            model = load_hf(self.hf_path, **settings)
         else:
-            mc = ModelConfig.preset(self.preset).replace(**self.overrides)
+            mc = ModelConfig.preset(self.preset).replace(**settings)
             model = init_model(mc, seed=self.seed)
         tok_dir = self.tokenizer_dir
         if tok_dir is not None and os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
