@@ -96,7 +96,8 @@ def logits(cfg, p: dict, tokens_T):
     causal_TxT = np.tril(np.ones((t, t), bool))
     x = p["embed_tokens"][tokens_T]
     for i in range(cfg.num_layers):
-        lp, a = p["layers"][i], p["layers"][i]["self_attn"]
+        lp = jax.tree.map(lambda w, i=i: w[i], p["layers"])  # layer i of the stacked [L, ...]
+        a = lp["self_attn"]
         h = _rms(x, lp["input_layernorm"]["weight"], eps)
         q = jnp.einsum("te,ehd->thd", h, a["q_proj"])
         k = jnp.einsum("te,ekd->tkd", h, a["k_proj"])

@@ -9,6 +9,7 @@ import argparse
 from dtarl.bench import lora as bench_lora
 from dtarl.bench import plan as bench_plan
 from dtarl.bench import report
+from dtarl.bench import scale as bench_scale_compile
 from dtarl.bench import scale_memory as bench_scale_memory
 from dtarl.commands.bench_generation import simulated_devices
 from dtarl.model import ModelConfig
@@ -58,29 +59,47 @@ def _lora(args) -> int:
 def add_scale(sub) -> None:
     p = sub.add_parser(
         "scale",
-        help="per-device memory of a GRPO step at a real model's shape (compiled, not run)",
-        description=bench_scale_memory.__doc__,
+        help="a real model's shape: per-device memory of a GRPO step (compiled, not run), "
+        "or with --compile the compile and step seconds of every engine per depth",
+        description=(bench_scale_memory.__doc__ or "") + "\n" + (bench_scale_compile.__doc__ or ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile and step seconds of every engine and the rollout warm-up at each "
+        "--layers depth (dtarl.bench.scale) instead of the memory report",
+    )
     add_scale_memory_arguments(p)
+    p.add_argument("--repeats", type=int, default=2, help="--compile: timed steps after the first")
+    p.add_argument(
+        "--no-rollout", dest="rollout", action="store_false", help="--compile: skip the rollout"
+    )
     p.set_defaults(func=_scale)
 
 
 def add_scale_memory_arguments(p) -> None:
-    """The memory report's arguments of ``dtarl bench scale``."""
+    """The arguments of ``dtarl bench scale`` (defaults per mode: ``MEMORY`` / ``COMPILE``)."""
     m = bench_scale_memory
-    p.add_argument("--model", nargs="+", default=["qwen3_8b"], choices=m.MODELS)
+    p.add_argument(
+        "--model", nargs="+", choices=m.MODELS, help="default qwen3_8b (--compile: qwen3_0p6b)"
+    )
     p.add_argument(
         "--mesh",
         nargs="+",
         default=["dp=1,fsdp=8,tp=1"],
         help="one or more dp=..,fsdp=..,tp=.. (their product: the simulated devices)",
     )
-    p.add_argument("--engine", nargs="+", default=list(m.ENGINES), choices=m.ENGINES)
-    p.add_argument("--group", type=int, default=8, help="GRPO group size G (one group)")
-    p.add_argument("--prompt", type=int, default=1024, help="prompt tokens")
-    p.add_argument("--response", type=int, default=1024, help="response tokens")
-    p.add_argument("--layers", type=int, help="compile at this depth (default: the model's)")
+    p.add_argument("--engine", "--engines", dest="engine", nargs="+", help="default: every engine")
+    p.add_argument(
+        "--group", type=int, help="GRPO group size G (one group; default 8, --compile 4)"
+    )
+    p.add_argument("--prompt", type=int, help="prompt tokens (default 1024, --compile 64)")
+    p.add_argument("--response", type=int, help="response tokens (default 1024, --compile 32)")
+    p.add_argument(
+        "--layers",
+        help="compile at this depth (default: the model's); --compile: depths, e.g. 7,28",
+    )
     p.add_argument(
         "--extrapolate",
         type=int,
@@ -89,11 +108,64 @@ def add_scale_memory_arguments(p) -> None:
         help="compile at depths L1 and L2 and extrapolate bytes linearly to the model's depth",
     )
     p.add_argument("--device-memory", type=float, metavar="GiB", help="per-device budget")
-    p.add_argument("--json", help="write one row per (model, mesh, engine) here")
+    p.add_argument("--json", help="write the rows here")
+
+
+MEMORY = dict(model=["qwen3_8b"], group=8, prompt=1024, response=1024)
+COMPILE = dict(model=["qwen3_0p6b"], group=4, prompt=64, response=32, layers="7,28")
+
+
+def _defaults(args: argparse.Namespace, defaults: dict) -> None:
+    for k, v in defaults.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
 
 
 def _scale(args: argparse.Namespace) -> int:
+    if args.compile:
+        return scale_compile(args)
+    _defaults(args, MEMORY)
+    if args.layers is not None:
+        try:
+            args.layers = int(args.layers)
+        except ValueError:
+            raise bench_scale_memory.ConfigError(
+                f"--layers {args.layers!r}: one depth >= 1 (several only with --compile)"
+            ) from None
+    if args.engine is None:
+        args.engine = list(bench_scale_memory.ENGINES)
+    bad = [e for e in args.engine if e not in bench_scale_memory.ENGINES]
+    if bad:
+        raise bench_scale_memory.ConfigError(
+            f"--engine {bad}: accepted {list(bench_scale_memory.ENGINES)}"
+        )
     return scale_memory(args)
+
+
+def scale_compile(args: argparse.Namespace) -> int:
+    """``dtarl bench scale --compile``: compile and step seconds per depth."""
+    _defaults(args, COMPILE)
+    if len(args.model) != 1:
+        raise bench_scale_memory.ConfigError(f"--compile takes one --model, got {args.model}")
+    try:
+        layers = [int(x) for x in str(args.layers).split(",") if x.strip()]
+    except ValueError:
+        raise bench_scale_memory.ConfigError(
+            f"--layers {args.layers!r}: expected depths like 7,28"
+        ) from None
+    result = bench_scale_compile.run_compile(
+        model=args.model[0],
+        layers=layers,
+        engines=args.engine or bench_scale_compile.ENGINES,
+        group=args.group,
+        prompt=args.prompt,
+        response=args.response,
+        repeats=args.repeats,
+        rollout=args.rollout,
+    )
+    if args.json:
+        report.write_json(args.json, result, say=print)
+    return 0
 
 
 def scale_memory(args: argparse.Namespace) -> int:

@@ -5,11 +5,13 @@ from dtarl.model.config import (
     ConfigError,
     ModelConfig,
     ModelFamily,
+    Remat,
     RopeScaling,
 )
 from dtarl.model.decoder import Decoder, KVCache, init_model, token_logprobs
 
 __all__ = [
+    "Remat",
     "AttentionBackend",
     "ConfigError",
     "Decoder",

@@ -22,6 +22,15 @@ class AttentionBackend(enum.Enum):
     PALLAS = "pallas"  # pallas_kernels: GPU or TPU kernel by platform (dispatch.py)
 
 
+class Remat(enum.Enum):
+    """What each decoder layer keeps for the backward pass (``decoder.remat_policy``)."""
+
+    NONE = "none"  # every activation (no rematerialisation)
+    FULL = "full"  # nothing: the layer is recomputed in the backward pass
+    DOTS_SAVEABLE = "dots_saveable"  # the weight products' outputs; the rest recomputed
+    OFFLOAD = "offload"  # those products in pinned host memory (GPU/TPU; else dots_saveable)
+
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -79,6 +88,8 @@ class ModelConfig:
     # Logits/logprobs are computed over the vocabulary in chunks of this many
     # tokens (0 = all at once) so [T, vocab] is never materialised in full.
     logits_chunk: int = 0
+    # Per-layer rematerialisation of the scanned decoder layers (``Remat``).
+    remat: Remat = Remat.NONE
 
     def __post_init__(self):
         for name in (
@@ -119,6 +130,15 @@ class ModelConfig:
             raise ConfigError(f"logits_chunk={self.logits_chunk} must be >= 0")
         if not isinstance(self.family, ModelFamily):
             raise ConfigError(f"family={self.family!r} must be a ModelFamily")
+        if isinstance(self.remat, str):
+            try:
+                object.__setattr__(self, "remat", Remat(self.remat))
+            except ValueError:
+                raise ConfigError(
+                    f"remat={self.remat!r}; accepted: {[r.value for r in Remat]}"
+                ) from None
+        if not isinstance(self.remat, Remat):
+            raise ConfigError(f"remat={self.remat!r} must be a Remat")
         if not isinstance(self.attention_backend, AttentionBackend):
             raise ConfigError(
                 f"attention_backend={self.attention_backend!r} must be an AttentionBackend"

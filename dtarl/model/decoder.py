@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from dtarl import axes
-from dtarl.model.config import AttentionBackend, ModelConfig
+from dtarl.model.config import AttentionBackend, ModelConfig, Remat
 
 _NEG = -1e30
 
@@ -438,8 +438,55 @@ class DecoderLayer(nnx.Module):
         return x, k, v
 
 
+def remat_policy(remat: Remat):
+    """``jax.checkpoint``'s (enabled, policy) for a layer under ``remat``: NONE saves
+    everything (no checkpoint); FULL saves nothing (the layer is recomputed in the
+    backward pass); DOTS_SAVEABLE saves the outputs of matmuls without batch
+    dimensions (the weight products) and recomputes the rest; OFFLOAD saves the same
+    products in the ``pinned_host`` memory kind where the backend has one and is
+    not a CPU (there host memory is device memory), DOTS_SAVEABLE otherwise."""
+    if remat is Remat.NONE:
+        return False, None
+    if remat is Remat.FULL:
+        return True, None
+    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    if remat is Remat.OFFLOAD and _pinned_host():
+        return True, jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    return True, saveable
+
+
+def _pinned_host() -> bool:
+    dev = jax.devices()[0]
+    try:
+        kinds = dev.addressable_memories()
+    except Exception:  # backends without memory kinds
+        return False
+    return dev.platform != "cpu" and any(m.kind == "pinned_host" for m in kinds)
+
+
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One ``DecoderLayer`` whose parameters hold ``layers``' stacked along a new
+    leading axis (logical axis ``layers``): [L, ...] each. The stack is what
+    ``Decoder`` runs under ``jax.lax.scan``, so every program holds one layer's
+    body whatever the depth."""
+    first = layers[0]
+    states = [nnx.state(layer, nnx.Param) for layer in layers]
+    stacked = dict(nnx.to_flat_state(jax.tree.map(lambda *xs: jnp.stack(xs), *states)))
+    for path, var in nnx.iter_graph(first):
+        if isinstance(var, nnx.Param):
+            names = var.get_metadata().get("axes")
+            var.set_value(stacked[tuple(path)][...])
+            var.set_metadata(axes=(axes.LAYERS,) + tuple(names))
+    return first
+
+
 class Decoder(nnx.Module):
-    """The decoder-only LM. See the module docstring for the call contract."""
+    """The decoder-only LM. See the module docstring for the call contract.
+
+    ``layers`` is one ``DecoderLayer`` whose parameters are stacked over the L
+    layers ([L, ...], logical axis ``layers``); ``__call__`` runs them with
+    ``jax.lax.scan``, so a program's size does not grow with the depth. Each layer
+    is rematerialised as ``cfg.remat`` says (``remat_policy``)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, seed: int = 0):
         rngs = rngs if rngs is not None else nnx.Rngs(seed)
@@ -448,7 +495,8 @@ class Decoder(nnx.Module):
         self.embed_tokens = _param(
             rngs, (cfg.vocab_size, cfg.hidden_size), (axes.VOCAB, axes.EMBED), pd, 0.02
         )
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        # Built one by one (the same random draws as unstacked layers), then stacked.
+        self.layers = stack_layers([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, compute_dtype=cfg.compute_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(
@@ -461,6 +509,22 @@ class Decoder(nnx.Module):
             return self.embed_tokens[...].T
         return self.lm_head[...]
 
+    def scan_layers(self, body, x, xs=None, *, remat: Remat | None = None):
+        """``jax.lax.scan`` of ``body(layer, x, xs_i) -> (x, ys_i)`` over the stacked
+        layers (``layer``: layer i as a ``DecoderLayer``; ``xs``: a pytree of
+        [L, ...] arrays sliced per layer, or None): (x, ys stacked [L, ...]).
+        ``remat`` (default ``cfg.remat``) rematerialises each layer's body."""
+        graphdef, state = nnx.split(self.layers)
+        enabled, policy = remat_policy(self.cfg.remat if remat is None else remat)
+
+        def step(carry, sliced):
+            layer_state, xs_i = sliced
+            return body(nnx.merge(graphdef, layer_state), carry, xs_i)
+
+        if enabled:
+            step = jax.checkpoint(step, policy=policy)
+        return jax.lax.scan(step, x, (state, xs))
+
     def __call__(
         self,
         tokens_BxT,
@@ -469,9 +533,11 @@ class Decoder(nnx.Module):
         prefix_len_B=None,
         *,
         return_hidden: bool = False,
-        remat: bool = False,
+        remat: bool | Remat | None = None,
         segment_ids_BxT=None,
     ):
+        """``remat``: True = ``Remat.FULL`` (the dense_remat engine), a ``Remat``, or
+        None / False = ``cfg.remat``."""
         cfg = self.cfg
         cd = jnp.dtype(cfg.compute_dtype)
         tokens_BxT = jnp.asarray(tokens_BxT)
@@ -497,23 +563,17 @@ class Decoder(nnx.Module):
         prefix_len_B = jnp.broadcast_to(jnp.asarray(prefix_len_B, jnp.int32), (b,))
         inv_freq = rope_inv_freq(cfg)
         x = cast_embed(self.embed_tokens[...], tokens_BxT, cd, cfg.act_dtype)
-        ks, vs = [], []
-        for i, layer in enumerate(self.layers):
-            args = (x, positions_BxT, kv_prefix.k[i], kv_prefix.v[i], prefix_len_B, segment_ids_BxT)
-            if remat:
-                # Rematerialise the layer's activations in the backward pass.
-                graphdef, state = nnx.split(layer)
 
-                def run(state, *a, graphdef=graphdef):
-                    return nnx.merge(graphdef, state)(*a, inv_freq)
+        def body(layer, x, kv_i):
+            x, k, v = layer(
+                x, positions_BxT, kv_i[0], kv_i[1], prefix_len_B, segment_ids_BxT, inv_freq
+            )
+            return x, (k, v)
 
-                x, k, v = jax.checkpoint(run)(state, *args)
-            else:
-                x, k, v = layer(*args, inv_freq)
-            ks.append(k)
-            vs.append(v)
+        policy = Remat.FULL if remat is True else None
+        x, (k_new, v_new) = self.scan_layers(body, x, (kv_prefix.k, kv_prefix.v), remat=policy)
         x = self.norm(x)
-        kv_new = KVCache(jnp.stack(ks), jnp.stack(vs))
+        kv_new = KVCache(k_new, v_new)
         if return_hidden:
             return x, kv_new
         logits = cast_einsum("bte,ev->btv", x, self.lm_head_weight(), wide=True, dtype=cd)

@@ -9,8 +9,8 @@ are [in, out] with the head axes split). Letters: V vocab, E hidden, H query
 heads, K kv heads, D head dim, F mlp::
 
     model.embed_tokens.weight               [V, E]    -> embed_tokens            [V, E]
-    model.layers.i.input_layernorm.weight   [E]       -> layers[i].input_layernorm.weight
-    model.layers.i.post_attention_layernorm.weight    -> layers[i].post_attention_layernorm.weight
+    model.layers.i.input_layernorm.weight   [E]       -> layers.input_layernorm.weight[i]
+    model.layers.i.post_attention_layernorm.weight    -> layers.post_attention_layernorm.weight[i]
     model.layers.i.self_attn.q_proj.weight  [H*D, E]  -> self_attn.q_proj  [E, H, D] = W.T.reshape
     model.layers.i.self_attn.k_proj.weight  [K*D, E]  -> self_attn.k_proj  [E, K, D] (v_proj alike)
     model.layers.i.self_attn.q_proj.bias    [H*D]     -> self_attn.q_bias  [H, D] (Qwen2; k, v too)
@@ -20,6 +20,9 @@ heads, K kv heads, D head dim, F mlp::
     model.layers.i.mlp.down_proj.weight     [E, F]    -> mlp.down_proj     [F, E]
     model.norm.weight                       [E]       -> norm.weight
     lm_head.weight                          [V, E]    -> lm_head           [E, V] (untied only)
+
+The decoder's layer parameters are stacked ([L, ...], ``Decoder.layers``): layer i
+of every ``model.layers.i.*`` tensor is row i of its ``layers.*`` parameter.
 
 With ``tie_word_embeddings`` the checkpoint has no ``lm_head.weight``; one that
 equals the embedding is accepted and dropped. ``rotary_emb.inv_freq`` buffers
@@ -81,10 +84,17 @@ TOKENIZER_FILES = (
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    path: tuple  # NNX state path, e.g. ("layers", 0, "self_attn", "q_proj")
+    path: tuple  # NNX state path, e.g. ("layers", "self_attn", "q_proj")
     hf_shape: tuple[int, ...]
     to_nnx: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    layer: int | None = None  # the index into a stacked [L, ...] layer parameter
+
+    @property
+    def name(self) -> str:
+        """The parameter's name with its layer: layers/3/self_attn/q_proj."""
+        path = self.path if self.layer is None else self.path[:1] + (self.layer,) + self.path[1:]
+        return "/".join(map(str, path))
 
 
 def _identity(x):
@@ -109,15 +119,17 @@ def _layout(cfg: ModelConfig) -> dict[str, _Entry]:
     out: dict[str, _Entry] = {}
     out["model.embed_tokens.weight"] = _Entry(("embed_tokens",), (v, e), _identity, _identity)
     for i in range(cfg.num_layers):
-        p, lp = f"model.layers.{i}.", ("layers", i)
+        # Layer i is row i of the stacked [L, ...] parameters at ("layers", ...).
+        p, lp = f"model.layers.{i}.", ("layers",)
+        at = lambda path, shape, to_nnx, to_hf, i=i: _Entry(path, shape, to_nnx, to_hf, i)  # noqa: E731
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[p + norm + ".weight"] = _Entry(lp + (norm, "weight"), (e,), _identity, _identity)
+            out[p + norm + ".weight"] = at(lp + (norm, "weight"), (e,), _identity, _identity)
         a, ap = p + "self_attn.", lp + ("self_attn",)
         for name, n in (("q", h), ("k", k), ("v", k)):
-            out[a + f"{name}_proj.weight"] = _Entry(ap + (f"{name}_proj",), (n * d, e), *qkv(n))
+            out[a + f"{name}_proj.weight"] = at(ap + (f"{name}_proj",), (n * d, e), *qkv(n))
             if cfg.attention_bias:
-                out[a + f"{name}_proj.bias"] = _Entry(ap + (f"{name}_bias",), (n * d,), *bias(n))
-        out[a + "o_proj.weight"] = _Entry(
+                out[a + f"{name}_proj.bias"] = at(ap + (f"{name}_bias",), (n * d,), *bias(n))
+        out[a + "o_proj.weight"] = at(
             ap + ("o_proj",),
             (e, h * d),
             lambda w: w.T.reshape(h, d, e),
@@ -125,13 +137,11 @@ def _layout(cfg: ModelConfig) -> dict[str, _Entry]:
         )
         if cfg.qk_norm:
             for norm in ("q_norm", "k_norm"):
-                out[a + norm + ".weight"] = _Entry(
-                    ap + (norm, "weight"), (d,), _identity, _identity
-                )
+                out[a + norm + ".weight"] = at(ap + (norm, "weight"), (d,), _identity, _identity)
         m, mp = p + "mlp.", lp + ("mlp",)
-        out[m + "gate_proj.weight"] = _Entry(mp + ("gate_proj",), (f, e), _transpose, _transpose)
-        out[m + "up_proj.weight"] = _Entry(mp + ("up_proj",), (f, e), _transpose, _transpose)
-        out[m + "down_proj.weight"] = _Entry(mp + ("down_proj",), (e, f), _transpose, _transpose)
+        out[m + "gate_proj.weight"] = at(mp + ("gate_proj",), (f, e), _transpose, _transpose)
+        out[m + "up_proj.weight"] = at(mp + ("up_proj",), (f, e), _transpose, _transpose)
+        out[m + "down_proj.weight"] = at(mp + ("down_proj",), (e, f), _transpose, _transpose)
     out["model.norm.weight"] = _Entry(("norm", "weight"), (e,), _identity, _identity)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = _Entry(("lm_head",), (v, e), _transpose, _transpose)
@@ -333,6 +343,7 @@ def load_hf(
         raise RuntimeError(f"dtarl.model.hf has no HF name for NNX parameters {sorted(unmapped)}")
     pd = jnp.dtype(cfg.param_dtype)
     filled = {}
+    rows: dict[tuple, dict[int, np.ndarray]] = {}  # stacked parameters, by layer
     embed = None
     for fp, names in by_file.items():
         with _safetensors(fp) as f:
@@ -346,9 +357,16 @@ def load_hf(
                     embed = w
                 arr = np.asarray(entry.to_nnx(w)).astype(pd)
                 slot = slots[entry.path]
-                if arr.shape != tuple(slot.shape):
-                    raise RuntimeError(f"{name} -> {entry.path}: {arr.shape} != {slot.shape}")
-                filled[entry.path] = slot.replace(jnp.asarray(arr))
+                want = tuple(slot.shape)[1:] if entry.layer is not None else tuple(slot.shape)
+                if arr.shape != want:
+                    raise RuntimeError(f"{name} -> {entry.name}: {arr.shape} != {want}")
+                if entry.layer is None:
+                    filled[entry.path] = slot.replace(jnp.asarray(arr))
+                else:
+                    rows.setdefault(entry.path, {})[entry.layer] = arr
+    for p_, by_layer in rows.items():
+        stacked = np.stack([by_layer.pop(i) for i in range(cfg.num_layers)])
+        filled[p_] = slots[p_].replace(jnp.asarray(stacked))
     if "__tied_head__" in filled:
         head = filled.pop("__tied_head__")
         if not np.array_equal(head, embed):
@@ -421,10 +439,12 @@ def save_hf(
     np_dtype = _SAVE_DTYPES[dtype]
 
     def hf_tensor(entry: _Entry) -> np.ndarray:
-        arr = np.asarray(jax.device_get(slots[entry.path][...]))
+        arr = slots[entry.path][...]
+        if entry.layer is not None:
+            arr = arr[entry.layer]
+        arr = np.asarray(jax.device_get(arr))
         if not np.isfinite(arr).all():  # never export NaN / inf weights
-            name = "/".join(map(str, entry.path))
-            raise ValueError(f"{path}: parameter {name} holds NaN or inf; not exported")
+            raise ValueError(f"{path}: parameter {entry.name} holds NaN or inf; not exported")
         return np.ascontiguousarray(entry.to_hf(arr).astype(np_dtype))
 
     itemsize = np.dtype(np_dtype).itemsize

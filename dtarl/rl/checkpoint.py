@@ -4,7 +4,7 @@ Layout under ``directory`` (Orbax's own)::
 
     step_00000010/                        a committed checkpoint
       state/                              the pytree (Orbax PyTree/OCDBT), leaves named
-                                          by their paths: params/layers/0/self_attn/q_proj,
+                                          by their paths: params/layers/self_attn/q_proj,
                                           opt_state/0/mu/embed_tokens, ...
       meta/metadata                       JSON: step, layout, fingerprint, user data (a
                                           trainer's: its host record, ``contents``)
@@ -58,6 +58,8 @@ LAYOUT = "dtarl-orbax-1"
 TRAIN_STATE = "dtarl-train-state-1"
 _STATE, _META = "state", "meta"
 _STEP_RE = re.compile(r"^step_(\d{8})$")
+# A leaf of a decoder saved with one parameter per layer (before the layers were stacked).
+_UNSTACKED = re.compile(r"(^|/)layers/\d+/")
 _TRASH = ".deleted"  # Orbax renames dropped steps here (atomic); dtarl empties it
 
 
@@ -417,6 +419,14 @@ class CheckpointManager:
         if extra:
             what.append(f"not expected {extra[:3]}{' ...' if len(extra) > 3 else ''}")
         what += differ[:3]
+        if any(_UNSTACKED.search(n) for n in have) and not any(_UNSTACKED.search(n) for n in need):
+            raise CheckpointError(
+                f"{self.path(step)}: saved by a dtarl whose decoder layers were separate "
+                "parameters (leaves like params/layers/0/...); the decoder now stacks them "
+                "into one [L, ...] parameter each (params/layers/...), and such a checkpoint "
+                "is not converted: resume it with that dtarl, or export it to HF "
+                "safetensors there (dtarl export) and load that with model.hf_path"
+            )
         raise CheckpointError(
             f"{self.path(step)}: saved state does not match the model/optimizer built from "
             f"the config ({len(saved)} saved leaves vs {len(want)} expected; "

@@ -25,7 +25,7 @@ from dtarl.batch import LossNorm
 from dtarl.engines.config import EngineConfig, EngineKind
 from dtarl.errors import ConfigError
 from dtarl.lora.adapters import LoraConfig
-from dtarl.model.config import ModelConfig
+from dtarl.model.config import ModelConfig, Remat
 from dtarl.rl.schedule import Schedule
 from dtarl.rl.tasks import TaskKind
 
@@ -111,6 +111,10 @@ class ModelSection:
     tokenizer_path: str | None = None  # a dir with tokenizer.json; default: hf_path
     tokenizer: TokenizerKind = TokenizerKind.AUTO
     seed: int = 0
+    # What each decoder layer keeps for the backward pass: none (everything), full
+    # (nothing: recomputed), dots_saveable (the weight products), offload (those in
+    # pinned host memory on GPU/TPU, dots_saveable elsewhere).
+    remat: Remat = Remat.NONE
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig fields
     # LoRA adapters on a frozen base (absent: full fine-tuning); docs/lora.md
     lora: LoraConfig | None = None
@@ -149,10 +153,11 @@ class ModelSection:
             os.path.join(self.tokenizer_path, "tokenizer.json")
         ):
             raise ConfigError(f"model.tokenizer_path={self.tokenizer_path!r} has no tokenizer.json")
+        settings = {"remat": self.remat, **self.overrides}
         if self.hf_path is not None:
-            model = load_hf(self.hf_path, **self.overrides)
+            model = load_hf(self.hf_path, **settings)
         else:
-            mc = ModelConfig.preset(self.preset).replace(**self.overrides)
+            mc = ModelConfig.preset(self.preset).replace(**settings)
             model = init_model(mc, seed=self.seed)
         tok_dir = self.tokenizer_dir
         if tok_dir is None:

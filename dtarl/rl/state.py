@@ -12,7 +12,7 @@ number of completed global steps and the run's base PRNG key (raw ``uint32`` key
 data, ``jax.random.key_data``). ``step`` and ``key`` are host numpy arrays, so that
 every process of a multi-process run writes the same values and none needs a
 device array of another. Its leaves are named by field in the checkpoint
-(``params/layers/0/...``, ``opt_state/0/mu/...``, ``ref_params/...``,
+(``params/layers/self_attn/q_proj``, ``opt_state/0/mu/...``, ``ref_params/...``,
 ``value_params/...``, ``value_opt_state/...``, ``step``, ``key``).
 
 ``HostRecord`` is the host-side rest of a resumable run, saved as the checkpoint's

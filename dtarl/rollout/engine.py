@@ -75,7 +75,7 @@ gain of a wider TP in the tail comes with compacting the live requests into fewe
 slots (default: the smallest dp * 2^k that holds them; fewer than config.slots
 only when nothing waits). The host mirror (slot arrays, the group table,
 ``request.slot``) is remapped; the prompt pool keeps its Q rows. Weights move one
-layer at a time and K/V is migrated or recomputed (``dtarl.rollout.reshard``);
+parameter at a time and K/V is migrated or recomputed (``dtarl.rollout.reshard``);
 ``info`` reports the seconds of each stage (weights_s, kv_s, compile_s), the bytes
 moved and the peak extra bytes. Programs are cached per ``ProgramKey`` (kind, mesh,
 slots, statics) for the engine's life: a switch back to a shape seen before, and a

@@ -7,6 +7,10 @@ buffer in place)::
     response pool [N, R, K, D]   one row per decode *slot*: that request's own K/V
 
 A group's members read its prompt row; each member owns only its response row.
+Inside a program the per-layer arrays are stacked ([L, ...], ``_stacked``) and the
+layers run under ``jax.lax.scan`` (``Decoder.scan_layers``) with the response pool in
+the scan's carry, so a program holds one layer's body whatever the depth; the
+arrays go back to per-layer form at the program's end (``_unstacked``).
 Attention of a decode query is a *cascade*: the prompt part is computed with the
 queries grouped by their prompt (a ``[Q, M]`` table of slots, so every prompt row
 is read once per step for all of its members), the response part per slot, and
@@ -37,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dtarl.model.config import Remat
 from dtarl.model.decoder import Decoder, rope_inv_freq
 
 _NEG = -1e30
@@ -100,14 +105,45 @@ class ChunkOut(NamedTuple):
     steps: jax.Array  # [] int32 steps run
 
 
-def _layers(model: Decoder, x, positions, attend):
-    """The decoder stack with a custom attention ``attend(i, q, k, v) -> o``."""
+def _stacked(pool: Pool) -> Pool:
+    """The pool with each per-layer tuple stacked into one [L, ...] array."""
+    stack = lambda t: jnp.stack(t) if isinstance(t, tuple) else t  # noqa: E731
+    return pool._replace(
+        prompt_k=stack(pool.prompt_k),
+        prompt_v=stack(pool.prompt_v),
+        resp_k=stack(pool.resp_k),
+        resp_v=stack(pool.resp_v),
+    )
+
+
+def _unstacked(pool: Pool) -> Pool:
+    """The pool's [L, ...] arrays back as per-layer tuples (the engine's form)."""
+    split = lambda a: tuple(a[i] for i in range(a.shape[0])) if not isinstance(a, tuple) else a  # noqa: E731
+    return pool._replace(
+        prompt_k=split(pool.prompt_k),
+        prompt_v=split(pool.prompt_v),
+        resp_k=split(pool.resp_k),
+        resp_v=split(pool.resp_v),
+    )
+
+
+def _layers(model: Decoder, x, positions, attend, carry):
+    """The decoder stack under ``jax.lax.scan`` with a custom attention
+    ``attend(i, q, k, v, carry) -> (o, carry)`` (i: the layer index, traced; carry:
+    e.g. the stacked response pool, updated in place): (final hidden, carry)."""
     inv = rope_inv_freq(model.cfg)
-    for i, layer in enumerate(model.layers):
+    n = model.cfg.num_layers
+
+    def body(layer, xc, i):
+        x, carry = xc
         q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv)
-        x = x + layer.self_attn.out(attend(i, q, k, v))
+        o, carry = attend(i, q, k, v, carry)
+        x = x + layer.self_attn.out(o)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.norm(x)
+        return (x, carry), None
+
+    (x, carry), _ = model.scan_layers(body, (x, carry), jnp.arange(n), remat=Remat.NONE)
+    return model.norm(x), carry
 
 
 def _partial(s, ok, v, eq_in, eq_out):
@@ -181,25 +217,30 @@ def sample(logits_NxV, slots: Slots, position_N, *, filtered: bool):
 def decode_step(
     model: Decoder, pool: Pool, slots: Slots, table_QxM, *, filtered: bool, window: int = 0
 ):
-    """Feeds every active slot's token, writes its K/V and samples the next one.
+    """Feeds every active slot's token, writes its K/V and samples the next one
+    (``pool``: per-layer tuples or stacked, returned in the same form).
 
     ``window`` > 0: attention reads only response rows [0, window) (every active
     slot's length must stay below it; the host picks it per call)."""
+    if isinstance(pool.resp_k, tuple):
+        pool, tok, lp = decode_step(
+            model, _stacked(pool), slots, table_QxM, filtered=filtered, window=window
+        )
+        return _unstacked(pool), tok, lp
     n = slots.token.shape[0]
-    r = pool.resp_k[0].shape[1]
+    r = pool.resp_k.shape[2]
     rows = jnp.arange(n)
     plen_N = pool.prompt_len[slots.group]
     at_N = plen_N + slots.length  # position of the input token
     write = jnp.where(slots.active, slots.length, r)  # r: dropped
-    new_k, new_v = [], []
     cd = model.cfg.compute_dtype
     x = model.embed_tokens[...].astype(cd)[slots.token][:, None]
 
-    def attend(i, q, k, v):
-        rk = pool.resp_k[i].at[rows, write].set(k[:, 0].astype(pool.resp_k[i].dtype), mode="drop")
-        rv = pool.resp_v[i].at[rows, write].set(v[:, 0].astype(pool.resp_v[i].dtype), mode="drop")
-        new_k.append(rk)
-        new_v.append(rv)
+    def attend(i, q, k, v, resp):
+        rk_all, rv_all = resp
+        rk_all = rk_all.at[i, rows, write].set(k[:, 0].astype(rk_all.dtype), mode="drop")
+        rv_all = rv_all.at[i, rows, write].set(v[:, 0].astype(rv_all.dtype), mode="drop")
+        rk, rv = rk_all[i], rv_all[i]
         o = cascade_decode(
             q[:, 0],
             pool.prompt_k[i],
@@ -211,15 +252,15 @@ def decode_step(
             rv[:, :window] if window else rv,
             slots.length + 1,
         )
-        return o[:, None]
+        return o[:, None], (rk_all, rv_all)
 
-    h = _layers(model, x, at_N[:, None], attend)[:, 0]
+    h, (resp_k, resp_v) = _layers(model, x, at_N[:, None], attend, (pool.resp_k, pool.resp_v))
+    h = h[:, 0]
     logits = jnp.einsum(
         "ne,ev->nv", h, model.lm_head_weight().astype(h.dtype), preferred_element_type=jnp.float32
     )
     tok, lp = sample(logits, slots, at_N + 1, filtered=filtered)
-    pool = pool._replace(resp_k=tuple(new_k), resp_v=tuple(new_v))
-    return pool, tok, lp
+    return pool._replace(resp_k=resp_k, resp_v=resp_v), tok, lp
 
 
 def decode_chunk(
@@ -233,8 +274,9 @@ def decode_chunk(
     window: int = 0,
 ):
     """Up to ``steps`` decode steps (fewer when every slot is done): (pool, slots, ChunkOut)."""
+    pool = _stacked(pool)
     n = slots.token.shape[0]
-    r = pool.resp_k[0].shape[1]
+    r = pool.resp_k.shape[2]
     rows = jnp.arange(n)
     out = ChunkOut(
         tokens=jnp.zeros((n, steps), jnp.int32),
@@ -281,7 +323,7 @@ def decode_chunk(
         return pool, st, o
 
     pool, slots, out = jax.lax.while_loop(cond, body, (pool, slots, out))
-    return pool, slots, out
+    return _unstacked(pool), slots, out
 
 
 def prefill(model: Decoder, pool: Pool, qslot_E, tokens_ExT, len_E):
@@ -289,16 +331,11 @@ def prefill(model: Decoder, pool: Pool, qslot_E, tokens_ExT, len_E):
     e, t = tokens_ExT.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (e, t))
     _, kv = model(tokens_ExT, pos, return_hidden=True)
-    pk = tuple(
-        pool.prompt_k[i].at[qslot_E, :t].set(kv.k[i].astype(pool.prompt_k[i].dtype), mode="drop")
-        for i in range(len(pool.prompt_k))
-    )
-    pv = tuple(
-        pool.prompt_v[i].at[qslot_E, :t].set(kv.v[i].astype(pool.prompt_v[i].dtype), mode="drop")
-        for i in range(len(pool.prompt_v))
-    )
+    pool = _stacked(pool)
+    pk = pool.prompt_k.at[:, qslot_E, :t].set(kv.k.astype(pool.prompt_k.dtype), mode="drop")
+    pv = pool.prompt_v.at[:, qslot_E, :t].set(kv.v.astype(pool.prompt_v.dtype), mode="drop")
     plen = pool.prompt_len.at[qslot_E].set(len_E.astype(jnp.int32), mode="drop")
-    return pool._replace(prompt_k=pk, prompt_v=pv, prompt_len=plen)
+    return _unstacked(pool._replace(prompt_k=pk, prompt_v=pv, prompt_len=plen))
 
 
 def extend(model: Decoder, pool: Pool, slot_E, group_E, length_E, tokens_ExT, count_E):
@@ -339,9 +376,10 @@ def extend_values(
 
 
 def _extend(model: Decoder, pool: Pool, slot_E, group_E, length_E, tokens_ExT, count_E):
+    pool = _stacked(pool)
     e, t = tokens_ExT.shape
-    nslots, r = pool.resp_k[0].shape[:2]
-    p = pool.prompt_k[0].shape[1]
+    nslots, r = pool.resp_k.shape[1:3]
+    p = pool.prompt_k.shape[2]
     cd = model.cfg.compute_dtype
     safe = jnp.minimum(slot_E, nslots - 1)
     plen_E = pool.prompt_len[group_E]
@@ -350,15 +388,15 @@ def _extend(model: Decoder, pool: Pool, slot_E, group_E, length_E, tokens_ExT, c
     row_ExT = jnp.where(valid, length_E[:, None] + offs[None, :], r)
     pos = plen_E[:, None] + length_E[:, None] + offs[None, :]
     x = model.embed_tokens[...].astype(cd)[tokens_ExT]
-    new_k, new_v = list(pool.resp_k), list(pool.resp_v)
     er = jnp.arange(e)[:, None]
 
-    def attend(i, q, k, v):
-        rk = pool.resp_k[i][safe].at[er, row_ExT].set(k.astype(pool.resp_k[i].dtype), mode="drop")
-        rv = pool.resp_v[i][safe].at[er, row_ExT].set(v.astype(pool.resp_v[i].dtype), mode="drop")
+    def attend(i, q, k, v, resp):
+        rk_all, rv_all = resp
+        rk = rk_all[i][safe].at[er, row_ExT].set(k.astype(rk_all.dtype), mode="drop")
+        rv = rv_all[i][safe].at[er, row_ExT].set(v.astype(rv_all.dtype), mode="drop")
         keep = jnp.where(slot_E < nslots, slot_E, nslots)
-        new_k[i] = pool.resp_k[i].at[keep].set(rk, mode="drop")
-        new_v[i] = pool.resp_v[i].at[keep].set(rv, mode="drop")
+        rk_all = rk_all.at[i, keep].set(rk, mode="drop")
+        rv_all = rv_all.at[i, keep].set(rv, mode="drop")
         keys = jnp.concatenate([pool.prompt_k[i][group_E], rk], axis=1).astype(q.dtype)
         vals = jnp.concatenate([pool.prompt_v[i][group_E], rv], axis=1).astype(q.dtype)
         b, tq, h, d = q.shape
@@ -375,7 +413,7 @@ def _extend(model: Decoder, pool: Pool, slot_E, group_E, length_E, tokens_ExT, c
         ok = (ok_prompt | ok_resp)[:, None, None]
         probs = jax.nn.softmax(jnp.where(ok, s, _NEG), axis=-1).astype(vals.dtype)
         o = jnp.einsum("bkgts,bskd->btkgd", probs, vals, preferred_element_type=jnp.float32)
-        return o.reshape(b, tq, h, d).astype(q.dtype)
+        return o.reshape(b, tq, h, d).astype(q.dtype), (rk_all, rv_all)
 
-    h = _layers(model, x, pos, attend)
-    return pool._replace(resp_k=tuple(new_k), resp_v=tuple(new_v)), h
+    h, (resp_k, resp_v) = _layers(model, x, pos, attend, (pool.resp_k, pool.resp_v))
+    return _unstacked(pool._replace(resp_k=resp_k, resp_v=resp_v)), h

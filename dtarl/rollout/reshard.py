@@ -5,14 +5,15 @@ dp * tp = its device count and tp dividing num_kv_heads (``switch_targets``); th
 mesh of a shape is built over the construction mesh's devices in their order, so
 equal shapes give equal meshes and one program cache (``mesh_for``).
 
-*Weights* move one layer (one ``layers/i`` subtree, or one top-level parameter) at a
-time onto the rule table's NamedSharding for the new mesh, device to device (a jitted
-identity with ``out_shardings``: ``transfer``; ``device_put`` between two meshes over
-the same devices would round-trip every array through the host); an old
-layer is freed as soon as its copy exists when the engine owns it (weights a previous
-``reshard`` returned, and copies the caller marked with ``adopt``; the caller's
-weights are never deleted unless ``donate=True``), so the extra memory is one layer
-(plus any growth of the total, e.g. towards a smaller tp).
+*Weights* move one parameter at a time (a stacked layer parameter, [L, ...], holds
+that weight of every layer) onto the rule table's NamedSharding for the new mesh,
+device to device (a jitted identity with ``out_shardings``: ``transfer``;
+``device_put`` between two meshes over the same devices would round-trip every array
+through the host); an old parameter is freed as soon as its copy exists when the
+engine owns it (weights a previous ``reshard`` returned, and copies the caller marked
+with ``adopt``; the caller's weights are never deleted unless ``donate=True``), so the
+extra memory is the largest parameter (plus any growth of the total, e.g. towards a
+smaller tp).
 
 *K/V.* "migrate" gathers the live response rows on the old mesh (into a row count its
 dp divides, so nothing is replicated there), moves them and cuts them to the new slot
@@ -197,17 +198,13 @@ class Resharder:
         ]
 
     def move_weights(self, weights, mesh: Mesh, donate: bool) -> tuple[Any, int, int]:
-        """(weights on ``mesh``, bytes moved, peak extra bytes), one layer at a time."""
+        """(weights on ``mesh``, bytes moved, peak extra bytes), one parameter at a time."""
         target = jax.tree.leaves(param_shardings(weights, mesh, self.rules))
         flat, treedef = jax.tree_util.tree_flatten_with_path(weights)
         if len(target) != len(flat):
             raise EngineError("reshard: weights do not match the model's parameters")
         owned = {id(x) for ref in self.owned if (x := ref()) is not None}
-        groups: dict[tuple, list[int]] = {}
-        for i, (path, _) in enumerate(flat):
-            names = [getattr(k, "key", getattr(k, "name", k)) for k in path]
-            cut = names.index("layers") + 2 if "layers" in names[:-1] else 1
-            groups.setdefault(tuple(names[:cut]), []).append(i)
+        groups = {i: [i] for i in range(len(flat))}
         out: list[Any] = [None] * len(flat)
         extra = peak = moved = 0
         for idx in groups.values():

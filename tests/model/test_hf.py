@@ -214,7 +214,10 @@ def test_layout_covers_every_decoder_param(family, tie):
     for name, e in layout.items():
         x = np.arange(int(np.prod(e.hf_shape)), dtype=np.float32).reshape(e.hf_shape)
         y = e.to_nnx(x)
-        assert y.shape == tuple(slots[e.path].shape), name
+        want = tuple(slots[e.path].shape)
+        # A layer's tensor is one row of its stacked [L, ...] parameter.
+        assert y.shape == (want if e.layer is None else want[1:]), name
+        assert (e.layer is None) == (e.path[0] != "layers"), name
         np.testing.assert_array_equal(e.to_hf(y), x, err_msg=name)
 
 

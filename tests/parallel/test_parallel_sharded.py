@@ -101,11 +101,14 @@ def test_sharded_equals_single_device(kind, dp, tp):
     for lp, rlp in zip(aux.logprobs, ref_logp, strict=True):
         np.testing.assert_allclose(lp, rlp, atol=1e-5, rtol=0)
     # Gradients come back split like the parameters.
-    attn = grads["layers"][0]["self_attn"]
-    assert attn["q_proj"].sharding.spec == (P(None, "tp", None) if tp > 1 else P(None, None, None))
-    kv = P(None, "tp", None) if tp == 2 else P(None, None, None)  # kv_heads=2: tp=4 replicates
+    # (Layer parameters are stacked [L, ...]: the layers axis is replicated.)
+    attn = grads["layers"]["self_attn"]
+    want_q = P(None, None, "tp", None) if tp > 1 else P(None, None, None, None)
+    assert attn["q_proj"].sharding.spec == want_q
+    kv = P(None, None, "tp", None) if tp == 2 else P(None, None, None, None)  # tp=4 replicates
     assert attn["k_proj"].sharding.spec == kv
-    assert sp["layers"][0]["mlp"]["down_proj"].sharding.spec == P("tp" if tp > 1 else None, None)
+    down = sp["layers"]["mlp"]["down_proj"].sharding.spec
+    assert down == P(None, "tp" if tp > 1 else None, None)
     # Every rank got work; the same batch again does not retrace.
     assert len(aux.stats["rank_stats"]) == dp
     assert sharded.trace_count == 1

@@ -49,14 +49,14 @@ def test_saved_leaves_are_named_by_their_paths(tmp_path, params):
     names = sorted(_flat_names(dict(saved)))
     assert names == sorted(leaf_names(tree)) and len(names) == len(jax.tree.leaves(tree))
     for want in (
-        "params/layers/0/self_attn/q_proj",
+        "params/layers/self_attn/q_proj",
         "params/norm/weight",
         "opt_state/0/count",
-        "opt_state/0/mu/layers/1/mlp/down_proj",
+        "opt_state/0/mu/layers/mlp/down_proj",
         "opt_state/0/nu/embed_tokens",
     ):
         assert want in names
-    assert saved["params"]["layers"]["0"]["self_attn"]["q_proj"].shape == (64, 4, 16)
+    assert saved["params"]["layers"]["self_attn"]["q_proj"].shape == (2, 64, 4, 16)
     restored, meta = mgr.restore(7, tree)
     assert jax.tree.structure(restored) == jax.tree.structure(tree)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(tree), strict=True):
@@ -146,7 +146,7 @@ def test_save_returns_before_the_commit_and_keeps_n(tmp_path, monkeypatch):
 def test_restore_onto_a_different_mesh(tmp_path, params):
     """Saved tp-sharded at dp=4, tp=2; restored at dp=8 and on one device."""
     saved = shard_params(params, make_mesh(dp=4, tp=2))
-    q = saved["layers"][0]["self_attn"]["q_proj"].get_value()
+    q = saved["layers"]["self_attn"]["q_proj"].get_value()
     assert "tp" in q.sharding.spec and len(q.addressable_shards) == 8
     mgr = CheckpointManager(tmp_path)
     mgr.save(1, {"params": saved})
@@ -330,3 +330,22 @@ def test_two_processes_write_their_own_shards(tmp_path, capsys):
     # This single process (8 devices) reads the two-process checkpoint back whole.
     tree, _ = CheckpointManager(directory).restore(1, {"w": jnp.zeros((8, 3))})
     np.testing.assert_array_equal(tree["w"], np.arange(24, dtype=np.float32).reshape(8, 3))
+
+
+def test_a_checkpoint_of_unstacked_layers_is_refused(tmp_path, params):
+    """Saved when each decoder layer had its own parameters (params/layers/0/...):
+    refused with what to do, not restored into the stacked [L, ...] layout."""
+    stacked = {"params": params}
+    unstacked = {
+        "params": {
+            "embed_tokens": params["embed_tokens"].get_value(),
+            "layers": {
+                str(i): {"mlp": {"up_proj": params["layers"]["mlp"]["up_proj"].get_value()[i]}}
+                for i in range(2)
+            },
+        }
+    }
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, unstacked)
+    with pytest.raises(CheckpointError, match=r"layers were separate parameters.*not converted"):
+        mgr.restore(1, stacked)
