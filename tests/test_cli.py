@@ -35,7 +35,7 @@ def test_bench_memory_tables(capsys, tmp_path):
     only). Every frontier row fits its budget; dense is the gain's baseline."""
     path = tmp_path / "memory.json"
     args = ["bench", "memory", "--group-sizes", "4", "--prompt", "32", "--response", "8"]
-    args += ["--budget-mib", "4", "--frontier-group", "4", "--max-response", "24"]
+    args += ["--budget-mib", "6", "--frontier-group", "4", "--max-response", "24"]
     assert cli.main([*args, "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "Compiled peak memory" in out and "Capacity frontier" in out
@@ -45,7 +45,7 @@ def test_bench_memory_tables(capsys, tmp_path):
     assert 0 < peak["suffix_phase_MiB"] <= peak["prefix_reuse_MiB"]
     assert [r["engine"] for r in res["frontier"]] == ["dense", "prefix_reuse"]
     for r in res["frontier"]:
-        assert r["peak_MiB"] <= 4 and r["total_tokens"] == 4 * 5 * r["response_len"]
+        assert r["peak_MiB"] <= 6 and r["total_tokens"] == 4 * 5 * r["response_len"]
     assert res["frontier"][0]["gain"] == 1.0
     assert res["frontier"][1]["response_len"] < 24  # found by the budget, not the cap
     assert cli.main(["bench", "memory", "--budget-mib", "0"]) == 2

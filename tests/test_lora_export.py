@@ -86,16 +86,17 @@ def test_peft_adapter_and_merged_export_match_dtarl(hf_base, tmp_path):
 
 
 def test_peft_tensors_of_a_stacked_adapter_equal_the_listed_ones():
-    """Layers under a scan ([L, ...] adapters) write the same file as layers in a list."""
+    """Layers under a scan ([L, ...] adapters, the model's layout) write the same file
+    as the same adapters listed per layer (``layers/i/...``)."""
     _, base = nnx.split(init_model(tiny_config(), seed=0), nnx.Param)
-    ad = _adapters(base)
-    listed = peft_tensors(ad)
-    stacked = {}
-    for t in CFG.targets:
-        keys = sorted(k for k in ad if k.endswith("/" + t))
-        stacked[f"layers/{keys[0].split('/', 2)[2]}"] = Adapter(
-            a=np.stack([ad[k].a for k in keys]), b=np.stack([ad[k].b for k in keys])
-        )
+    stacked = _adapters(base)
+    listed_ad = {}
+    for k, ad in stacked.items():
+        rest = k.split("/", 1)[1]
+        assert k.startswith("layers/") and ad.a.ndim == 3, (k, ad.a.shape)
+        for i in range(ad.a.shape[0]):
+            listed_ad[f"layers/{i}/{rest}"] = Adapter(a=ad.a[i], b=ad.b[i])
+    listed = peft_tensors(listed_ad)
     got = peft_tensors(stacked)
     assert sorted(got) == sorted(listed)
     for k in listed:
