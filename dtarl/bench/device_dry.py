@@ -99,8 +99,8 @@ def _target_chip(platform: str, tpu_kind: str = "TPU v5 lite"):
 def _dry_engines(check, platforms) -> None:
     from flax import nnx
 
-    from dtarl.bench.train import _engine_config, workload_capacity
-    from dtarl.engines import EngineKind, make_engine
+    from dtarl.bench.train import workload_capacity
+    from dtarl.engines import DFSConfig, EngineConfig, EngineKind, make_engine
     from dtarl.losses import ClippedSurrogateLoss
     from dtarl.model import ModelConfig, init_model
     from dtarl.testing import grpo_groups
@@ -110,7 +110,7 @@ def _dry_engines(check, platforms) -> None:
     batch = grpo_groups(num_groups=2, group_size=4, prompt_len=24, response_len=(6, 12), seed=0)
     loss = ClippedSurrogateLoss.grpo()
     for kind in (EngineKind.DENSE, EngineKind.DFS, EngineKind.PREFIX_REUSE):
-        engine = make_engine(kind, model, _engine_config(16, 8))
+        engine = make_engine(kind, model, EngineConfig(dfs=DFSConfig(chunk_len=16)))
         engine.reserve(workload_capacity(batch))
         prepared = engine.prepare(batch, loss)
         fn = engine.jit.get(loss, prepared.static)

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dtarl.bench.pat_profile import ProfileGrid, _Profiler, _tree_bytes
+from dtarl.bench.pat_profile import ProfileGrid, Profiler, tree_bytes
 from dtarl.rollout import pat
 from dtarl.rollout.engine import RolloutEngine
 from dtarl.rollout.pool import slot_arrays
@@ -86,7 +86,7 @@ def analytic_profile(
     d, kv = len(devs), model.cfg.num_kv_heads
     tps = [t for t in grid.tps if d % t == 0 and kv % t == 0]
     first = tuple(int(x) for x in engine.mesh.devices.shape)
-    prof = _Profiler(engine, weights, 0)
+    prof = Profiler(engine, weights, 0)
     cells = c.prompt_slots * c.group_size * c.prompt_len
     windows = sorted({int(x) for x in _windows(c.response_len)})
     dec: list[dict[str, Any]] = []
@@ -117,7 +117,7 @@ def analytic_profile(
         window=c.response_len,
         decode=tuple(dec),
         prefill=tuple(pre),
-        weight_bytes=_tree_bytes(weights),
+        weight_bytes=tree_bytes(weights),
         weights_bytes_per_s=m.bytes_per_s,
         kv_bytes_per_s=m.bytes_per_s,
         compile_s=0.0,

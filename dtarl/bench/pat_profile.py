@@ -133,7 +133,7 @@ class ProfileGrid:
         ]
 
 
-def _tree_bytes(tree) -> int:
+def tree_bytes(tree) -> int:
     return int(
         sum(
             np.asarray(x).nbytes if not hasattr(x, "nbytes") else x.nbytes
@@ -142,7 +142,7 @@ def _tree_bytes(tree) -> int:
     )
 
 
-class _Profiler:
+class Profiler:
     """Runs the points on one engine, resharded (idle) between them."""
 
     def __init__(self, engine: RolloutEngine, weights, seed: int):
@@ -235,7 +235,7 @@ def _bandwidths(weights, model_cfg, meshes: dict[int, Any]) -> tuple[float, floa
     w_lo = shard_params(weights, meshes[lo])
     w_hi = shard_params(weights, meshes[hi])
     jax.block_until_ready((w_lo, w_hi))
-    nbytes = _tree_bytes(w_lo)
+    nbytes = tree_bytes(w_lo)
     kv_shape = (8 * meshes[lo].shape["dp"], 256, model_cfg.num_kv_heads, model_cfg.head_dim)
     kv = np.zeros(kv_shape, np.dtype(model_cfg.compute_dtype))
     spec = P("dp", None, "tp", None)
@@ -308,7 +308,7 @@ def profile_engine(
     if engine is None:
         engine = RolloutEngine(model, c, mesh=make_mesh(d // tps[0], tps[0], devices=devs))
     first_mesh = tuple(int(x) for x in engine.mesh.devices.shape)
-    prof = _Profiler(engine, weights, seed)
+    prof = Profiler(engine, weights, seed)
     keys = grid.points(d)
     compiles: dict[tuple[int, int], float] = {}
     for tp, s in keys:  # compile every point first ...
@@ -404,7 +404,7 @@ def profile_engine(
         window=c.response_len,
         decode=tuple(dec),
         prefill=tuple(pre),
-        weight_bytes=_tree_bytes(weights),
+        weight_bytes=tree_bytes(weights),
         weights_bytes_per_s=weights_bw,
         kv_bytes_per_s=kv_bw,
         compile_s=float(np.median(list(compiles.values()))),
@@ -416,4 +416,4 @@ def profile_engine(
     )
 
 
-__all__ = ["ProfileGrid", "profile_engine"]
+__all__ = ["Profiler", "ProfileGrid", "profile_engine", "tree_bytes"]

@@ -28,36 +28,16 @@ from dtarl.rl.config import ConfigError, MeshSection, load_config
 from dtarl.rl.metrics import read_metrics
 from dtarl.rl.state import HostRecord
 from dtarl.rl.trainer import Trainer
+from tests.rl.test_trainer_mesh import RUN, mesh_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-RUN = [
-    "model.overrides={num_layers: 1}",
-    "task.max_operand=5",
-    "sft.steps=0",
-    "steps=2",
-    "rollout.prompts_per_step=4",
-    "rollout.group_size=2",
-    "rollout.max_new_tokens=2",
-    "algo.engine=dfs",
-    "algo.entropy_coef=0.01",
-    "algo.kl_coef=0.05",
-    "optim.lr=0.5",
-    "optim.eps=1.0",
-    "eval.num_problems=0",
-    "console=false",
-    "resume=false",
-]
-
-
-def _reward(problem, completion: str) -> float:
-    """Deterministic in the completion and spread over {0, 0.5, 1}."""
-    return (sum(completion.encode()) % 3) / 2
+# RUN and mesh_reward: the mesh tests' run, which FSDP must equal on one device too.
 
 
 def _run(out_dir, *mesh):
     cfg = load_config(None, [*RUN, f"out_dir={out_dir}", *mesh])
-    trainer = Trainer(cfg, reward_fn=_reward)
+    trainer = Trainer(cfg, reward_fn=mesh_reward)
     start = jax.tree.map(np.asarray, trainer.params)
     return trainer, start, trainer.run()
 

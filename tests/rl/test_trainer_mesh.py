@@ -59,14 +59,14 @@ RUN = [
 ]
 
 
-def _reward(problem, completion: str) -> float:
+def mesh_reward(problem, completion: str) -> float:
     """Deterministic in the completion and spread over {0, 0.5, 1}."""
     return (sum(completion.encode()) % 3) / 2
 
 
 def _run(out_dir, *mesh, max_steps=None):
     cfg = load_config(None, [*RUN, f"out_dir={out_dir}", *mesh])
-    trainer = Trainer(cfg, reward_fn=_reward)
+    trainer = Trainer(cfg, reward_fn=mesh_reward)
     start = jax.tree.map(np.asarray, trainer.params)
     res = trainer.run(max_steps=max_steps)
     return trainer, start, res
