@@ -40,6 +40,7 @@ from flax import nnx
 
 from dtarl import axes
 from dtarl.model.config import AttentionBackend, ModelConfig, Remat
+from dtarl.model.scan_hook import current_layer_hook
 
 _NEG = -1e30
 
@@ -513,12 +514,17 @@ class Decoder(nnx.Module):
         """``jax.lax.scan`` of ``body(layer, x, xs_i) -> (x, ys_i)`` over the stacked
         layers (``layer``: layer i as a ``DecoderLayer``; ``xs``: a pytree of
         [L, ...] arrays sliced per layer, or None): (x, ys stacked [L, ...]).
-        ``remat`` (default ``cfg.remat``) rematerialises each layer's body."""
+        ``remat`` (default ``cfg.remat``) rematerialises each layer's body. A hook set
+        with ``dtarl.model.scan_hook.layer_state_hook`` maps each layer's sliced state
+        first, inside the rematerialised step."""
         graphdef, state = nnx.split(self.layers)
         enabled, policy = remat_policy(self.cfg.remat if remat is None else remat)
+        hook = current_layer_hook()  # FSDP's per-layer gather (``dtarl.model.scan_hook``)
 
         def step(carry, sliced):
             layer_state, xs_i = sliced
+            if hook is not None:  # inside the checkpoint: recomputed in the backward pass
+                layer_state = hook(layer_state)
             return body(nnx.merge(graphdef, layer_state), carry, xs_i)
 
         if enabled:

@@ -8,7 +8,8 @@ training mesh), or three, ('dp', 'fsdp', 'tp') (``make_train_mesh``, when fsdp >
     fsdp  data parallel too (the batch is cut over dp x fsdp ranks), and the
           parameters, gradients and optimiser moments are split over it (ZeRO-3,
           ``FSDP_ORDER``): each parameter is all-gathered where the step uses it
-          and its gradient reduce-scattered (``dtarl.parallel.sharded``).
+          and its gradient reduce-scattered (``dtarl.parallel.sharded``): before
+          the step, or layer by layer inside the layer scan (``FsdpGather``).
     tp    tensor parallel: parameters are split along the axes the rule table maps
           to 'tp'; the compiler (GSPMD / Shardy) inserts the collectives.
 
@@ -40,6 +41,7 @@ builds the global mesh on every host.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -71,6 +73,7 @@ __all__ = [
     "DEFAULT_RULES",
     "DP",
     "FSDP",
+    "FsdpGather",
     "FSDP_ORDER",
     "MESH_AXES",
     "TP",
@@ -95,6 +98,26 @@ __all__ = [
 
 class MeshError(ValueError):
     """A mesh shape that does not fit the devices, or a bad rule table."""
+
+
+class FsdpGather(enum.Enum):
+    """Where FSDP all-gathers the weights (``mesh.fsdp_gather``; ``dtarl.parallel.fsdp``).
+
+    STEP:  the whole model before the engine's program, once per step.
+    LAYER: each stacked decoder layer inside the layer scan's step, one at a time
+           (the embedding, final norm and lm_head before the program)."""
+
+    STEP = "step"
+    LAYER = "layer"
+
+    @classmethod
+    def parse(cls, value, field: str = "mesh.fsdp_gather") -> FsdpGather:
+        """``value`` (a member or its name) as a member; MeshError naming ``field``."""
+        try:
+            return cls(value)
+        except ValueError:
+            accepted = [g.value for g in cls]
+            raise MeshError(f"{field}={value!r}; accepted: {accepted}") from None
 
 
 Rules = Mapping[str, str | None]

@@ -188,6 +188,7 @@ class ShardedEngine:
       strategy: ``Strategy.SHARD_MAP`` (default) or ``Strategy.JIT``.
       gather_dtype: the dtype fsdp gathers floating weights in (None: their own;
         ``dtarl.parallel.fsdp``).
+      fsdp_gather: where fsdp gathers (``FsdpGather``); ``gather_used[static]``: what ran.
 
     ``stats["partition_cost_model"]`` names the cost used: the engine's kind
     ("dense", "dfs", "prefix_reuse"), "given:<class>" for ``cost`` or
@@ -203,6 +204,7 @@ class ShardedEngine:
     strategy: Strategy = Strategy.SHARD_MAP
     fallback_cost: CostModel | None = None
     gather_dtype: Any = None
+    fsdp_gather: mesh_lib.FsdpGather = mesh_lib.FsdpGather.LAYER
 
     def __post_init__(self):
         missing = [a for a in mesh_lib.MESH_AXES if a not in self.mesh.shape]
@@ -218,6 +220,8 @@ class ShardedEngine:
                     "needs the prepare / device_fn / finish API (dtarl.engines.base.Engine)"
                 )
         self.strategy = Strategy(self.strategy)
+        self.fsdp_gather = mesh_lib.FsdpGather.parse(self.fsdp_gather, "fsdp_gather")
+        self.gather_used: dict[Any, str] = {}
         self._fns: dict[tuple, Any] = {}
         self.trace_count = 0
         self._param_shardings = None
@@ -470,34 +474,36 @@ class ShardedEngine:
             if dims is not None:  # split over fsdp on entry and exit (ZeRO-3)
                 p_spec = jax.tree.unflatten(treedef, fsdp_lib.manual_specs(p_shard))
 
-            def per_rank(params, *args):
-                args = jax.tree.map(lambda a: a[0], args)  # this rank's [1, ...] block
-                if dims is not None:
-                    leaves = fsdp_lib.gather(jax.tree.leaves(params), dims, self.gather_dtype)
-                    params = jax.tree.unflatten(treedef, leaves)
-                total, grads, out = fn(params, *args)
-                total = jax.lax.psum(total, data)
-                if dims is None:
-                    grads = jax.lax.psum(grads, mesh_lib.DP)
-                else:
-                    leaves = fsdp_lib.reduce_grads(jax.tree.leaves(grads), dims)
-                    grads = jax.tree.unflatten(treedef, leaves)
-                return total, grads, jax.tree.map(lambda o: o[None], out)
+            def mapped(mode):
+                call = dims and fsdp_lib.sharded_call(fn, params, dims, mode, self.gather_dtype)
 
-            mapped = jax.shard_map(
-                per_rank,
-                mesh=self.mesh,
-                in_specs=(p_spec,) + (P(data),) * num_args,
-                out_specs=(P(), p_spec, P(data)),
-                axis_names=set(data),
-                # The engines' scan carries start dp-invariant (zeros) and become
-                # dp-varying; without vma checks psum is the plain all-reduce.
-                check_vma=False,
-            )
+                def per_rank(params, *args):
+                    args = jax.tree.map(lambda a: a[0], args)  # this rank's [1, ...] block
+                    if not call:  # no fsdp
+                        total, grads, out = fn(params, *args)
+                        grads = jax.lax.psum(grads, mesh_lib.DP)
+                    else:
+                        total, grads, out = call(params, *args)
+                    total = jax.lax.psum(total, data)
+                    return total, grads, jax.tree.map(lambda o: o[None], out)
+
+                return jax.shard_map(
+                    per_rank,
+                    mesh=self.mesh,
+                    in_specs=(p_spec,) + (P(data),) * num_args,
+                    out_specs=(P(), p_spec, P(data)),
+                    axis_names=set(data),
+                    # The engines' scan carries start dp-invariant (zeros) and become
+                    # dp-varying; without vma checks psum is the plain all-reduce.
+                    check_vma=False,
+                )
 
             def run(params, *args):
                 self.trace_count += 1
-                return mapped(params, *args)
+                mode = self.fsdp_gather if dims is not None else mesh_lib.FsdpGather.STEP
+                mode = fsdp_lib.safe_mode(mode, mapped, params, *args)  # dfs: STEP
+                self.gather_used[static] = mode.value
+                return mapped(mode)(params, *args)
 
         else:
             batched = jax.vmap(fn, in_axes=(None,) + (0,) * num_args)
@@ -583,6 +589,7 @@ class ShardedEngine:
             dp=self.dp,
             fsdp=self.fsdp,
             tp=self.tp,
+            fsdp_gather=self.gather_used.get(prepared.static, "step"),
             host_seconds=prepared.host_seconds,
             seconds=device_s,
             trace_count=self.trace_count,
