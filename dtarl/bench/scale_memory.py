@@ -100,12 +100,15 @@ def parse_mesh(text: str, num_devices: int | None = None) -> dict[str, int]:
     return out
 
 
-def model_config(name: str, layers: int | None = None) -> ModelConfig:
-    """The preset with bf16 compute on fp32 master weights, at depth ``layers``."""
+def model_config(name: str, layers: int | None = None, remat: str | None = None) -> ModelConfig:
+    """The preset with bf16 compute on fp32 master weights, at depth ``layers``, with
+    the layers' ``remat`` (None: the preset's)."""
     if name not in (*MODELS, "tiny"):  # tiny: the tests' model
         raise ConfigError(f"--model {name!r}: accepted {MODELS}")
     cfg = ModelConfig.preset(name)
     cfg = dataclasses.replace(cfg, param_dtype="float32", compute_dtype="bfloat16")
+    if remat is not None:
+        cfg = dataclasses.replace(cfg, remat=remat)
     if layers is not None:
         if layers < 1:
             raise ConfigError(f"--layers={layers}: must be >= 1")
@@ -145,9 +148,11 @@ def measure(
     devices: Sequence[jax.Device] | None = None,
     strategy: Strategy = Strategy.SHARD_MAP,
     gather_dtype=jnp.bfloat16,
+    fsdp_gather: mesh_lib.FsdpGather | str = mesh_lib.FsdpGather.LAYER,
+    remat: str | None = None,
 ) -> dict:
     """One row (``KEYS``) for a model, mesh and engine, compiled at depth ``layers``."""
-    cfg = model_config(model_name, layers)
+    cfg = model_config(model_name, layers, remat)
     devs = list(jax.devices() if devices is None else devices)
     n = mesh_shape["dp"] * mesh_shape["fsdp"] * mesh_shape["tp"]
     if n > len(devs):
@@ -169,7 +174,11 @@ def measure(
     )
     loss = ClippedSurrogateLoss.grpo()
     sharded = ShardedEngine(
-        _engine(engine, model), mesh, gather_dtype=gather_dtype, strategy=strategy
+        _engine(engine, model),
+        mesh,
+        gather_dtype=gather_dtype,
+        strategy=strategy,
+        fsdp_gather=mesh_lib.FsdpGather.parse(fsdp_gather, "--fsdp-gather"),
     )
     t0 = time.perf_counter()
     prepared = sharded.prepare(batch, loss)
@@ -226,6 +235,8 @@ def measure(
         step_peak_bytes=int(step_peak),
         update_peak_bytes=int(upd_peak),
         prepare_s=round(t1 - t0, 2),
+        fsdp_gather=sharded.gather_used.get(prepared.static, "step"),  # what the step ran
+        remat=cfg.remat.value,
     )
 
 
@@ -254,6 +265,8 @@ def run(
     extrapolate_from: tuple[int, int] | None = None,
     device_memory_gib: float | None = None,
     say=print,
+    fsdp_gather: mesh_lib.FsdpGather | str = mesh_lib.FsdpGather.LAYER,
+    remat: str | None = None,
 ) -> list[dict]:
     """Rows for every (model, mesh, engine); see the module docstring."""
     rows = []
@@ -261,11 +274,12 @@ def run(
         for mesh_shape in meshes:
             for engine in engines:
                 kw = dict(group=group, prompt=prompt, response=response)
+                kw.update(fsdp_gather=fsdp_gather, remat=remat)
                 if extrapolate_from is not None:
                     lo, hi = extrapolate_from
                     a = measure(name, mesh_shape, engine, layers=lo, **kw)
                     b = measure(name, mesh_shape, engine, layers=hi, **kw)
-                    row = extrapolate(a, b, model_config(name).num_layers)
+                    row = extrapolate(a, b, model_config(name, None, remat).num_layers)
                 else:
                     row = measure(name, mesh_shape, engine, layers=layers, **kw)
                 rows.append(row)

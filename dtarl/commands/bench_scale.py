@@ -108,6 +108,18 @@ def add_scale_memory_arguments(p) -> None:
         help="compile at depths L1 and L2 and extrapolate bytes linearly to the model's depth",
     )
     p.add_argument("--device-memory", type=float, metavar="GiB", help="per-device budget")
+    p.add_argument(
+        "--fsdp-gather",
+        choices=["step", "layer"],
+        default="layer",
+        help="memory report: FSDP gathers the whole model before the step, or each layer "
+        "inside the layer scan (mesh.fsdp_gather; default layer)",
+    )
+    p.add_argument(
+        "--remat",
+        choices=["none", "full", "dots_saveable", "offload"],
+        help="memory report: the layers' rematerialisation (default: the preset's, none)",
+    )
     p.add_argument("--json", help="write the rows here")
 
 
@@ -193,6 +205,8 @@ def scale_memory(args: argparse.Namespace) -> int:
         layers=args.layers,
         extrapolate_from=tuple(args.extrapolate) if args.extrapolate else None,
         device_memory_gib=args.device_memory,
+        fsdp_gather=args.fsdp_gather,
+        remat=args.remat,
     )
     if args.json:
         report.write_json(args.json, m.json_rows(rows), say=print)

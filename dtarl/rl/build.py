@@ -261,9 +261,10 @@ def build_parts(
         sft_engine = cfg.algo.build_engine(model, cfg.engine)
     if mesh is not None:
         cost = partition_cost(model)
-        sharded = ShardedEngine(engine, mesh, fallback_cost=cost)
+        gather = cfg.mesh.fsdp_gather
+        sharded = ShardedEngine(engine, mesh, fallback_cost=cost, fsdp_gather=gather)
         if sft_engine is not engine:
-            sft_engine = ShardedEngine(sft_engine, mesh, fallback_cost=cost)
+            sft_engine = ShardedEngine(sft_engine, mesh, fallback_cost=cost, fsdp_gather=gather)
         else:
             sft_engine = sharded
         engine = sharded

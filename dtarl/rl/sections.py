@@ -26,6 +26,7 @@ from dtarl.engines.config import EngineConfig, EngineKind
 from dtarl.errors import ConfigError
 from dtarl.lora.adapters import LoraConfig
 from dtarl.model.config import ModelConfig, Remat
+from dtarl.parallel.mesh import FsdpGather
 from dtarl.rl.schedule import Schedule
 from dtarl.rl.tasks import TaskKind
 
@@ -523,6 +524,9 @@ class MeshSection:
     dp: int | None = None
     fsdp: int = 1  # data-parallel ranks that also split params, grads and Adam moments (ZeRO-3)
     tp: int = 1
+    # Where fsdp all-gathers the weights: per decoder layer inside the layer scan
+    # (layer), or the whole model before the step (step); dtarl.parallel.fsdp.
+    fsdp_gather: FsdpGather = FsdpGather.LAYER
 
     def __post_init__(self):
         if self.dp is not None:

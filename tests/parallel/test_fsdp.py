@@ -11,23 +11,30 @@ Checked structurally: params, the KL reference and both Adam moments stay split 
 """
 
 import os
+import re
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dtarl import axes
+from dtarl.engines import make_engine
+from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
 from dtarl.parallel import mesh as mesh_lib
+from dtarl.parallel.mesh import FsdpGather
+from dtarl.parallel.sharded import ShardedEngine
 from dtarl.rl.checkpoint import CheckpointManager
 from dtarl.rl.config import ConfigError, MeshSection, load_config
 from dtarl.rl.metrics import read_metrics
 from dtarl.rl.state import HostRecord
 from dtarl.rl.trainer import Trainer
+from dtarl.testing import grpo_groups
 from tests.rl.test_trainer_mesh import RUN, mesh_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -199,3 +206,96 @@ def test_bad_fsdp_meshes_name_the_axis_and_the_accepted_values():
         MeshSection(dp=2, fsdp=4, tp=2).resolve3(8)
     with pytest.raises(ConfigError, match=r"mesh.fsdp"):
         load_config(None, ["mesh.fsdp=0"])
+
+
+# ------------------------------------------------------ per-layer gather (fsdp_gather)
+
+LAYER_CFG = dict(num_layers=3, hidden_size=32, intermediate_size=64, head_dim=8)
+
+
+@pytest.fixture(scope="module")
+def layer_setup():
+    model = init_model(ModelConfig.tiny(**LAYER_CFG), seed=0)
+    _, params = nnx.split(model, nnx.Param)
+    batch = grpo_groups(num_groups=2, group_size=4, prompt_len=6, response_len=5, vocab_size=256)
+    loss = ClippedSurrogateLoss.grpo()
+    ref_loss, ref_grads, _ = make_engine("dense", model).value_and_grad(params, batch, loss)
+    return model, params, batch, loss, float(ref_loss), _leaves(ref_grads)
+
+
+@pytest.mark.parametrize("kind", ["dense", "dense_remat", "prefix_reuse", "dfs", "auto"])
+def test_layer_gather_grads_are_dense_jax_grad(layer_setup, kind):
+    """``fsdp_gather=layer`` on dp=2 x fsdp=2 x tp=2: loss and every gradient tensor are
+    the single-device dense engine's (``jax.grad`` of the dense loss) at 1e-5. The dfs
+    engine's per-layer gathers would sit under its rank-dependent ``lax.switch``: that
+    program gathers per step instead, and says so."""
+    model, params, batch, loss, ref_loss, ref_grads = layer_setup
+    sharded = ShardedEngine(
+        make_engine(kind, model), mesh_lib.make_train_mesh(2, 2, 2), fsdp_gather="layer"
+    )
+    total, grads, aux = sharded.value_and_grad(params, batch, loss)
+    ran = aux.stats.get("chosen_engine", kind)
+    assert aux.stats["fsdp_gather"] == ("step" if ran == "dfs" else "layer"), ran
+    # GRPO's loss is ~0 at the sampling policy (zero-mean advantages): its noise is ~1e-8.
+    np.testing.assert_allclose(float(total), ref_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(ref_grads, _leaves(grads), strict=True):
+        assert np.abs(a).max() > 0
+        assert np.abs(b - a).max() <= 1e-5 * np.abs(a).max(), (kind, a.shape)
+
+
+def _compiled(mode: str, remat: str):
+    """The dense step at fsdp=8 (3 layers, bf16 gathers), compiled; and the fp32 bytes
+    of the whole stacked layer parameters (what a gather before the step holds)."""
+    cfg = ModelConfig.tiny(**LAYER_CFG, remat=remat)
+    model = init_model(cfg, seed=0)
+    _, params = nnx.split(model, nnx.Param)
+    batch = grpo_groups(num_groups=1, group_size=8, prompt_len=2, response_len=2, vocab_size=256)
+    loss = ClippedSurrogateLoss.grpo()
+    sharded = ShardedEngine(
+        make_engine("dense", model),
+        mesh_lib.make_train_mesh(1, 8, 1),
+        fsdp_gather=mode,
+        gather_dtype=jnp.bfloat16,
+    )
+    prepared = sharded.prepare(batch, loss)
+    placed = sharded.place_params(params)
+    step = sharded.get_fn(loss, prepared, params).lower(placed, *sharded.device_args(prepared))
+    layer_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
+    assert sharded.gather_used[prepared.static] == mode
+    return step.compile(), layer_bytes
+
+
+def _gathers(hlo: str) -> list[str]:
+    """The result shapes of the program's all-gathers."""
+    return re.findall(r"= (\w+\[[\d,]*\])[^=]*? all-gather(?:-start)?\(", hlo)
+
+
+@pytest.mark.parametrize("remat", ["full"])
+def test_layer_gather_holds_no_gathered_model(remat):
+    """Structural: in layer mode no all-gather yields a stacked [L=3, ...] layer leaf
+    (the gathers sit in the layer scan's body) and the step's temporaries stay below
+    the whole gathered stack; in step mode both are there (the test would fail if the
+    gather were hoisted out of the scan). With ``remat=none`` the layers' bf16 operands
+    are residuals (``dtarl.parallel.fsdp``), still below the fp32 stack."""
+    layer, layer_bytes = _compiled("layer", remat)
+    step, _ = _compiled("step", remat)
+    stacked = lambda shapes: [s for s in shapes if re.search(r"\[3,", s)]  # noqa: E731
+    assert stacked(_gathers(step.as_text())), _gathers(step.as_text())
+    assert _gathers(layer.as_text()) and not stacked(_gathers(layer.as_text()))
+    temp = lambda c: c.memory_analysis().temp_size_in_bytes  # noqa: E731
+    assert temp(step) >= layer_bytes > temp(layer), (temp(step), layer_bytes, temp(layer))
+
+
+def test_fsdp_gather_config_names_the_key_and_the_accepted_values():
+    assert load_config(None, ["mesh.fsdp_gather=step"]).mesh.fsdp_gather is FsdpGather.STEP
+    assert MeshSection().fsdp_gather is FsdpGather.LAYER
+    with pytest.raises(
+        ConfigError, match=r"mesh.fsdp_gather='rows'.*accepted: \['step', 'layer'\]"
+    ):
+        load_config(None, ["mesh.fsdp_gather=rows"])
+    with pytest.raises(mesh_lib.MeshError, match=r"fsdp_gather='rows'; accepted"):
+        ShardedEngine(
+            make_engine("dense", init_model(ModelConfig.tiny())),
+            mesh_lib.make_train_mesh(1, 8, 1),
+            fsdp_gather="rows",
+        )
