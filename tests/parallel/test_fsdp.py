@@ -3,11 +3,17 @@ simulated CPU devices, and over 2 processes, is the single-device run.
 
 The run is ``Trainer(cfg, reward_fn=...).run()`` (what ``dtarl train`` does): tiny
 model, 2 GRPO steps with an entropy bonus and a KL term, the ``dfs`` engine, fp32,
+``mesh.fsdp_gather`` step and layer (dfs runs step either way: see below),
 ``optim.eps=1`` so that AdamW's update is linear in the gradient (why:
 ``tests/rl/test_trainer_mesh.py``). Compared per step: loss, grad norm, KL (1e-5);
 per tensor: the update and the final value (1e-5 relative, + 2 ulp on the update).
 Checked structurally: params, the KL reference and both Adam moments stay split over
 'fsdp' by the rule (``dtarl.parallel.mesh.FSDP_ORDER``), each a 1/fsdp slice per device.
+
+Per-layer gather (``fsdp_gather=layer``, ``dtarl.parallel.fsdp``): every engine's loss
+and gradients on dp=2 x fsdp=2 x tp=2 equal the single-device dense ``jax.grad`` at 1e-5
+(dfs falls back to step mode: its gathers would sit under ``lax.switch``), and the
+compiled step holds no gathered [L, ...] stack (all-gather shapes, temp bytes).
 """
 
 import os
@@ -77,12 +83,17 @@ def _assert_same_params(start, ref, params):
         assert np.abs(b - a).max() <= 1e-5 * np.abs(a).max(), name
 
 
-@pytest.mark.parametrize("dp, fsdp, tp", [(1, 8, 1), (1, 4, 2), (2, 2, 2)])
-def test_fsdp_run_equals_single_device(single, tmp_path, dp, fsdp, tp):
+@pytest.mark.parametrize(
+    "dp, fsdp, tp, gather", [(1, 8, 1, "layer"), (1, 4, 2, "step"), (2, 2, 2, "layer")]
+)
+def test_fsdp_run_equals_single_device(single, tmp_path, dp, fsdp, tp, gather):
     one, start, ref = single
     assert one.mesh is None
-    mesh = [f"mesh.dp={dp}", f"mesh.fsdp={fsdp}", f"mesh.tp={tp}"]
+    mesh = [f"mesh.dp={dp}", f"mesh.fsdp={fsdp}", f"mesh.tp={tp}", f"mesh.fsdp_gather={gather}"]
     tr, start_m, res = _run(tmp_path, *mesh)
+    # dfs: per-layer gathers would sit under its lax.switch, so layer mode runs step.
+    assert set(tr.engine.gather_used.values()) == {"step"}
+    assert tr.engine.fsdp_gather is FsdpGather(gather)
     assert tuple(tr.mesh.axis_names) == mesh_lib.TRAIN_AXES
     assert dict(tr.mesh.shape) == {"dp": dp, "fsdp": fsdp, "tp": tp}
     for b in res.history:
