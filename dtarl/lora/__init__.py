@@ -17,10 +17,12 @@ from dtarl.lora.adapters import (
     checksum,
     init_adapters,
     merge,
+    merge_adapted,
     merged,
     num_adapter_params,
     path_key,
     target_weights,
+    with_weights,
 )
 
 __all__ = [
@@ -35,8 +37,10 @@ __all__ = [
     "checksum",
     "init_adapters",
     "merge",
+    "merge_adapted",
     "merged",
     "num_adapter_params",
     "path_key",
     "target_weights",
+    "with_weights",
 ]
