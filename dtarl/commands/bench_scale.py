@@ -108,6 +108,15 @@ def add_scale_memory_arguments(p) -> None:
         help="compile at depths L1 and L2 and extrapolate bytes linearly to the model's depth",
     )
     p.add_argument("--device-memory", type=float, metavar="GiB", help="per-device budget")
+    p.add_argument(
+        "--lora",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="RANK",
+        help="LoRA ranks, a row each (0: full fine-tuning; default 0), e.g. --lora 0 16; "
+        "memory report only",
+    )
     p.add_argument("--json", help="write the rows here")
 
 
@@ -145,6 +154,11 @@ def _scale(args: argparse.Namespace) -> int:
 def scale_compile(args: argparse.Namespace) -> int:
     """``dtarl bench scale --compile``: compile and step seconds per depth."""
     _defaults(args, COMPILE)
+    if getattr(args, "lora", [0]) != [0]:
+        raise bench_scale_memory.ConfigError(
+            f"--lora {args.lora} is for the memory report; --compile times full fine-tuning "
+            "only (drop --lora, or drop --compile)"
+        )
     if len(args.model) != 1:
         raise bench_scale_memory.ConfigError(f"--compile takes one --model, got {args.model}")
     try:
@@ -183,6 +197,7 @@ def scale_memory(args: argparse.Namespace) -> int:
     for name in ("group", "prompt", "response"):
         if getattr(args, name) < 1:
             raise m.ConfigError(f"--{name}={getattr(args, name)}: must be >= 1")
+    m.check_ranks(args.lora)
     rows = m.run(
         args.model,
         meshes,
@@ -193,6 +208,7 @@ def scale_memory(args: argparse.Namespace) -> int:
         layers=args.layers,
         extrapolate_from=tuple(args.extrapolate) if args.extrapolate else None,
         device_memory_gib=args.device_memory,
+        lora_ranks=args.lora,
     )
     if args.json:
         report.write_json(args.json, m.json_rows(rows), say=print)
