@@ -3,7 +3,7 @@ real model's shape, from compiled programs, without running them.
 
     dtarl bench scale --model qwen3_8b --mesh dp=1,fsdp=8,tp=1 --group 8 \\
         --prompt 1024 --response 1024 [--engine dense dfs prefix_reuse] \\
-        [--layers N] [--device-memory GiB] [--json PATH]
+        [--layers N] [--extrapolate L1 L2] [--lora 0 16] [--device-memory GiB] [--json PATH]
 
 The parameters are ``jax.eval_shape``'s (nothing is initialised); the mesh is made of
 simulated CPU devices (dp x fsdp x tp of them). One GRPO group (G sequences of one
@@ -18,13 +18,39 @@ device, from XLA's memory analysis and the shardings:
     opt_bytes    Adam's two moments' shards (resident through the step)
     grad_bytes   the step's gradient output (split like the params)
     peak_bytes   max(step peak + opt_bytes, update peak); a program's peak is
-                 arguments + outputs + temporaries - aliased (``bench.memory.peak_bytes``)
-    compile_s    seconds to lower and compile both programs
+                 arguments + outputs + temporaries - aliased (``bench.memory.peak_bytes``).
+                 Not in it: the KL reference (``ref_bytes``), the rollout's weights and
+                 KV cache (the rollout runs before the step; its weights are gathered
+                 to its ('dp', 'tp') layout, ``dtarl.parallel.mesh.rollout_view``)
+    ref_bytes    the KL reference policy (GRPO with ``algo.kl_coef > 0``): a second
+                 copy of the params split like them (= param_bytes); resident through
+                 the step, so the step's peak with a reference is peak + ref
+    lora_rank    0 (full fine-tuning) or the LoRA rank of the row (``--lora``)
+    compile_s    seconds to lower and compile the programs
 
-Not counted: the KL reference policy (GRPO with ``algo.kl_coef > 0`` keeps another
-param-sized copy, split like the params), the rollout's weights and KV cache (the
-rollout runs before the step; its weights are gathered to its ('dp', 'tp') layout,
-``dtarl.parallel.mesh.rollout_view``).
+``--lora R [R ...]``: a row per rank (0 = full fine-tuning, the rows above). A LoRA
+row (rank r, alpha = 2r, all seven projections) compiles the step as the trainer runs
+it (``LoraEngine`` around the ``ShardedEngine``, ``dtarl.lora``): the frozen base in
+the model's dtype (fp32 here, split like the params), the adapters and their AdamW
+moments in fp32 (replicated), four programs in turn: the merge W' = W + (alpha/r) A@B
+of the adapted weights (placed like W), the sharded loss-and-gradient step on W' (the
+same program as the full row's: W' has W's shapes and shardings), the adapters'
+gradients (2) from dL/dW', and AdamW over the adapters. Its columns:
+
+    param_bytes  the base's shards + the adapters
+    opt_bytes    Adam's moments of the adapters (2 x adapter bytes + step counts)
+    grad_bytes   dL/dW', the step's gradient output: fp32, every parameter, split like
+                 the params (the engines differentiate the merged weights; (2) turns
+                 it into the adapters' gradient afterwards)
+    peak_bytes   max over the four programs of (the buffers held beside it + its
+                 outputs and temporaries): base, adapters and moments throughout; W''s
+                 adapted leaves during the step; dL/dW' until (2) has run
+                 (``measure_lora``; ``peak_phase`` names the program)
+    ref_bytes    0: the reference is the base with the adapters off
+
+and in ``LORA_KEYS`` (JSON too) ``adapter_bytes``, ``merged_bytes`` (W''s adapted
+leaves), the merge's and (2)'s program peaks and ``peak_phase``. The table's ``lora``
+column marks LoRA rows (``-``: full fine-tuning).
 
 ``--layers N`` compiles at depth N instead of the model's (CPU compile time grows with
 depth while the decoder is unrolled); the row then says ``layers`` = N. With
