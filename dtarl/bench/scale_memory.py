@@ -49,7 +49,11 @@ gradients (2) from dL/dW', and AdamW over the adapters. Its columns:
     ref_bytes    0: the reference is the base with the adapters off
 
 and in ``LORA_KEYS`` (JSON too) ``adapter_bytes``, ``merged_bytes`` (W''s adapted
-leaves), the merge's and (2)'s program peaks and ``peak_phase``. The table's ``lora``
+leaves), the merge's and (2)'s program peaks, ``peak_phase``, and
+``fused_peak_bytes``: the peak if merge, step and (2) ran as one program
+(``dtarl.lora.fused_step``, the same operations: W' and dL/dW' become temporaries the
+compiler can overlap with the activations) followed by the update; the trainer runs
+the four programs (``peak_bytes``). The table's ``lora``
 column marks LoRA rows (``-``: full fine-tuning).
 
 ``--layers N`` compiles at depth N instead of the model's (CPU compile time grows with
@@ -100,13 +104,15 @@ KEYS = (
 )
 
 # A LoRA row's breakdown (in its JSON too): the adapters (fp32, replicated), W''s
-# adapted leaves, the merge's and (2)'s program peaks, and the phase that peaks.
+# adapted leaves, the merge's and (2)'s program peaks, the phase that peaks, and the
+# peak if merge, step and (2) were one program (``dtarl.lora.fused_step``).
 LORA_KEYS = (
     "adapter_bytes",
     "merged_bytes",
     "merge_peak_bytes",
     "adapter_grads_peak_bytes",
     "peak_phase",
+    "fused_peak_bytes",
 )
 
 __all__ = [
@@ -311,8 +317,16 @@ def measure_lora(
 
     ``full``: the rank-0 row of the same model, mesh, engine, shape and depth, whose
     step program is this one's (W' has W's shapes, dtypes and shardings): its numbers
-    are reused instead of compiling it again."""
-    from dtarl.lora import LoraConfig, adapter_grads, init_adapters, merge_adapted, path_key
+    are reused instead of compiling it again. ``fused_peak_bytes``: the same step as
+    one program (``dtarl.lora.fused_step``: merge, step and (2)), then the update."""
+    from dtarl.lora.adapters import (
+        LoraConfig,
+        adapter_grads,
+        fused_step,
+        init_adapters,
+        merge_adapted,
+        path_key,
+    )
 
     cfg = model_config(model_name, layers)
     lcfg = LoraConfig(rank=rank, alpha=2.0 * rank)
@@ -337,30 +351,31 @@ def measure_lora(
     adapters = jax.eval_shape(lambda b: init_adapters(b, lcfg, jax.random.key(0)), base)
     a_abs = _abstract(adapters, jax.tree.map(lambda _: repl, adapters))
     t0 = time.perf_counter()
-    prepare_s = 0.0
+    batch = grpo_groups(
+        num_groups=1,
+        group_size=group,
+        prompt_len=prompt,
+        response_len=response,
+        vocab_size=min(cfg.vocab_size, 32000),
+    )
+    loss = ClippedSurrogateLoss.grpo()
+    prepared = sharded.prepare(batch, loss)
+    data = sharded.data_sharding()
+    args = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=data),
+        prepared.args,
+    )
+    prepare_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fn = sharded.get_fn(loss, prepared, base)
     if full is None:
-        batch = grpo_groups(
-            num_groups=1,
-            group_size=group,
-            prompt_len=prompt,
-            response_len=response,
-            vocab_size=min(cfg.vocab_size, 32000),
-        )
-        loss = ClippedSurrogateLoss.grpo()
-        prepared = sharded.prepare(batch, loss)
-        data = sharded.data_sharding()
-        args = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=data),
-            prepared.args,
-        )
-        prepare_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        step = sharded.get_fn(loss, prepared, base).lower(b_abs, *args).compile()
+        step = fn.lower(b_abs, *args).compile()
         _, grads_out, _ = step.out_info
         step_peak = peak_bytes(step.memory_analysis())
     else:
         grads_out = b_abs  # dL/dW': the params' shapes, dtypes and shardings
         step_peak = full["step_peak_bytes"]
+    fused = fused_step(fn, lcfg).lower(b_abs, a_abs, *args).compile()
     g_abs = _abstract(grads_out, jax.tree.map(lambda x: x.sharding, grads_out))
     flat = {path_key(p): x.sharding for p, x in jax.tree_util.tree_flatten_with_path(b_abs)[0]}
     m_shard = {k: flat[k] for k in adapters}  # W' placed like W (``dtarl.lora.merged``)
@@ -401,6 +416,9 @@ def measure_lora(
     def beside(k, extra):
         return held + extra + peak_bytes(mems[k]) - mems[k].argument_size_in_bytes
 
+    # The fused program (``dtarl.lora.fused_step``: merge, step and (2) in one) holds
+    # beside it the moments; the update then runs as above.
+    fused_peak = max(peak_bytes(fused.memory_analysis()) + opt_b, beside("update", nbytes(da_abs)))
     phases = dict(
         merge=beside("merge", 0),
         step=step_peak + merged_b + adapter_b + opt_b,  # its arguments: W' and the batch
@@ -423,7 +441,8 @@ def measure_lora(
         adapter_grads_peak_bytes=int(grads_peak),
         merged_bytes=int(merged_b),
         peak_phase=max(phases, key=phases.get),
-        prepare_s=round(prepare_s, 2) if full is None else full["prepare_s"],
+        fused_peak_bytes=int(fused_peak),
+        prepare_s=round(prepare_s, 2),
         lora_rank=rank,
         adapter_bytes=int(adapter_b),
         ref_bytes=0,

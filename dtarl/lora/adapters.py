@@ -254,6 +254,21 @@ def merged(base, adapters, cfg: LoraConfig):
     return with_weights(base, new)
 
 
+def fused_step(fn, cfg: LoraConfig):
+    """``jit(f)``, ``f(base, adapters, *args) -> (loss, adapter grads, out)``: the merge
+    (1), a device step ``fn(params, *args) -> (loss, grads, out)`` (a
+    ``ShardedEngine.get_fn`` program) and (2) as ONE program, so that W' and dL/dW'
+    are the program's temporaries instead of buffers passed between three programs
+    (same operations, same values). ``dtarl bench scale --lora`` measures its peak
+    (``fused_peak_bytes``); ``LoraEngine`` does not run it yet."""
+
+    def f(base, adapters, *args):
+        loss, grads, out = fn(with_weights(base, merge_adapted(base, adapters, cfg)), *args)
+        return loss, adapter_grads(grads, adapters, cfg), out
+
+    return jax.jit(f)
+
+
 class LoraEngine:
     """Any engine trained through adapters: ``value_and_grad(adapters, batch, loss)``
     merges (1), runs ``engine.value_and_grad`` on the merged params and returns the
@@ -387,6 +402,7 @@ __all__ = [
     "checksum",
     "delta",
     "file_checksum",
+    "fused_step",
     "init_adapters",
     "merge",
     "merge_adapted",

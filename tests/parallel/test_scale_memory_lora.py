@@ -104,10 +104,42 @@ def test_merged_copies_only_the_adapted_weights():
     adapters = init_adapters(base, cfg, jax.random.key(1))
     adapters = jax.tree.map(lambda x: x + 0.01, adapters)  # B != 0: W' != W
     out, ref = merged(base, adapters, cfg), merge(base, adapters, cfg)
-    flat = jax.tree_util.tree_flatten_with_path
-    for (path, w), m, r in zip(flat(base)[0], jax.tree.leaves(out), jax.tree.leaves(ref)):
+    leaves = (
+        jax.tree_util.tree_flatten_with_path(base)[0],
+        jax.tree.leaves(out),
+        jax.tree.leaves(ref),
+    )
+    for (path, w), m, r in zip(*leaves, strict=True):
         if path_key(path) in adapters:
             assert m is not w and not np.array_equal(m, w)
             np.testing.assert_array_equal(m, r)
         else:
             assert m is w  # the base's own array
+
+
+def test_fused_step_equals_the_lora_engine_on_a_mesh():
+    from dtarl.engines import DenseEngine
+    from dtarl.lora import LoraEngine, fused_step
+    from dtarl.losses import ClippedSurrogateLoss
+    from dtarl.parallel import mesh as mesh_lib
+    from dtarl.parallel.sharded import ShardedEngine
+    from dtarl.testing import grpo_groups
+
+    model = init_model(sm.ModelConfig.tiny(), seed=0)
+    _, base = nnx.split(model, nnx.Param)
+    mesh = mesh_lib.make_train_mesh(1, 2, 1, devices=jax.devices()[:2])
+    sharded = ShardedEngine(DenseEngine(model), mesh)
+    base = sharded.shard_params(base)
+    cfg = LoraConfig(rank=2, alpha=4.0)
+    adapters = init_adapters(base, cfg, jax.random.key(1))
+    adapters = jax.tree.map(lambda x: x + 0.05, adapters)  # B != 0: dL/dA != 0
+    batch = grpo_groups(num_groups=1, group_size=4, prompt_len=6, response_len=(3, 7), seed=0)
+    loss = ClippedSurrogateLoss.grpo()
+    want_loss, want, _ = LoraEngine(sharded, base, cfg).value_and_grad(adapters, batch, loss)
+    prepared = sharded.prepare(batch, loss)
+    fn = fused_step(sharded.get_fn(loss, prepared, base), cfg)
+    got_loss, got, _ = fn(base, adapters, *sharded.device_args(prepared))
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.abs(w).max() > 0
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
