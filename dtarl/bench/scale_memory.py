@@ -49,8 +49,8 @@ gradients (2) from dL/dW', and AdamW over the adapters. Its columns:
     ref_bytes    0: the reference is the base with the adapters off
 
 and in ``LORA_KEYS`` (JSON too) ``adapter_bytes``, ``merged_bytes`` (W''s adapted
-leaves), the merge's and (2)'s program peaks, ``peak_phase``, and
-``fused_peak_bytes``: the peak if merge, step and (2) ran as one program
+leaves), the merge's and (2)'s program peaks, ``peak_phase``; with ``--lora-fused``
+also ``fused_peak_bytes``: the peak if merge, step and (2) ran as one program
 (``dtarl.lora.fused_step``, the same operations: W' and dL/dW' become temporaries the
 compiler can overlap with the activations) followed by the update; the trainer runs
 the four programs (``peak_bytes``). The table's ``lora``
@@ -104,15 +104,14 @@ KEYS = (
 )
 
 # A LoRA row's breakdown (in its JSON too): the adapters (fp32, replicated), W''s
-# adapted leaves, the merge's and (2)'s program peaks, the phase that peaks, and the
-# peak if merge, step and (2) were one program (``dtarl.lora.fused_step``).
+# adapted leaves, the merge's and (2)'s program peaks, the phase that peaks (and with
+# ``--lora-fused`` ``fused_peak_bytes``).
 LORA_KEYS = (
     "adapter_bytes",
     "merged_bytes",
     "merge_peak_bytes",
     "adapter_grads_peak_bytes",
     "peak_phase",
-    "fused_peak_bytes",
 )
 
 __all__ = [
@@ -297,6 +296,7 @@ def measure_lora(
     rank: int,
     *,
     full: dict | None = None,
+    fused: bool = False,
     group: int = 8,
     prompt: int = 1024,
     response: int = 1024,
@@ -317,8 +317,9 @@ def measure_lora(
 
     ``full``: the rank-0 row of the same model, mesh, engine, shape and depth, whose
     step program is this one's (W' has W's shapes, dtypes and shardings): its numbers
-    are reused instead of compiling it again. ``fused_peak_bytes``: the same step as
-    one program (``dtarl.lora.fused_step``: merge, step and (2)), then the update."""
+    are reused instead of compiling it again. ``fused``: also compile the same step as
+    one program (``dtarl.lora.fused_step``: merge, step and (2)) and report its peak,
+    then the update's, as ``fused_peak_bytes``."""
     from dtarl.lora.adapters import (
         LoraConfig,
         adapter_grads,
@@ -375,7 +376,7 @@ def measure_lora(
     else:
         grads_out = b_abs  # dL/dW': the params' shapes, dtypes and shardings
         step_peak = full["step_peak_bytes"]
-    fused = fused_step(fn, lcfg).lower(b_abs, a_abs, *args).compile()
+    one = fused_step(fn, lcfg).lower(b_abs, a_abs, *args).compile() if fused else None
     g_abs = _abstract(grads_out, jax.tree.map(lambda x: x.sharding, grads_out))
     flat = {path_key(p): x.sharding for p, x in jax.tree_util.tree_flatten_with_path(b_abs)[0]}
     m_shard = {k: flat[k] for k in adapters}  # W' placed like W (``dtarl.lora.merged``)
@@ -418,7 +419,10 @@ def measure_lora(
 
     # The fused program (``dtarl.lora.fused_step``: merge, step and (2) in one) holds
     # beside it the moments; the update then runs as above.
-    fused_peak = max(peak_bytes(fused.memory_analysis()) + opt_b, beside("update", nbytes(da_abs)))
+    extra = {}
+    if one is not None:
+        upd_phase = beside("update", nbytes(da_abs))
+        extra["fused_peak_bytes"] = int(max(peak_bytes(one.memory_analysis()) + opt_b, upd_phase))
     phases = dict(
         merge=beside("merge", 0),
         step=step_peak + merged_b + adapter_b + opt_b,  # its arguments: W' and the batch
@@ -441,11 +445,11 @@ def measure_lora(
         adapter_grads_peak_bytes=int(grads_peak),
         merged_bytes=int(merged_b),
         peak_phase=max(phases, key=phases.get),
-        fused_peak_bytes=int(fused_peak),
         prepare_s=round(prepare_s, 2),
         lora_rank=rank,
         adapter_bytes=int(adapter_b),
         ref_bytes=0,
+        **extra,
     )
 
 
@@ -490,6 +494,7 @@ def run(
     extrapolate_from: tuple[int, int] | None = None,
     device_memory_gib: float | None = None,
     lora_ranks: Sequence[int] = (0,),
+    lora_fused: bool = False,
     say=print,
 ) -> list[dict]:
     """Rows for every (model, mesh, engine, LoRA rank: 0 = full fine-tuning); see the
@@ -511,7 +516,14 @@ def run(
                             full
                             if rank == 0
                             else measure_lora(
-                                name, mesh_shape, engine, rank, full=full, layers=depth, **kw
+                                name,
+                                mesh_shape,
+                                engine,
+                                rank,
+                                full=full,
+                                fused=lora_fused,
+                                layers=depth,
+                                **kw,
                             )
                         )
                 for a, *b in per_rank.values():
@@ -578,6 +590,10 @@ def json_rows(rows: Sequence[dict]) -> list[dict]:
     return [
         {k: r[k] for k in KEYS}
         | ({"extrapolated": True} if r.get("extrapolated") else {})
-        | ({k: r[k] for k in LORA_KEYS} if r.get("lora_rank") else {})
+        | (
+            {k: r[k] for k in (*LORA_KEYS, "fused_peak_bytes") if k in r}
+            if r.get("lora_rank")
+            else {}
+        )
         for r in rows
     ]

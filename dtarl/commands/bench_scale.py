@@ -117,6 +117,12 @@ def add_scale_memory_arguments(p) -> None:
         help="LoRA ranks, a row each (0: full fine-tuning; default 0), e.g. --lora 0 16; "
         "memory report only",
     )
+    p.add_argument(
+        "--lora-fused",
+        action="store_true",
+        help="LoRA rows: also compile merge + step + adapter gradients as one program "
+        "(dtarl.lora.fused_step) and report its peak (fused_peak_bytes)",
+    )
     p.add_argument("--json", help="write the rows here")
 
 
@@ -209,6 +215,7 @@ def scale_memory(args: argparse.Namespace) -> int:
         extrapolate_from=tuple(args.extrapolate) if args.extrapolate else None,
         device_memory_gib=args.device_memory,
         lora_ranks=args.lora,
+        lora_fused=args.lora_fused,
     )
     if args.json:
         report.write_json(args.json, m.json_rows(rows), say=print)

@@ -26,7 +26,8 @@ def rows():
     mesh = sm.parse_mesh("dp=1,fsdp=2,tp=1")
     full = sm.measure("tiny", mesh, "dense", **SHAPE)
     lora = sm.measure_lora("tiny", mesh, "dense", RANK, full=full, **SHAPE)
-    own = sm.measure_lora("tiny", mesh, "dense", RANK, **SHAPE)  # compiles its own step
+    # Compiles its own step, and the fused program.
+    own = sm.measure_lora("tiny", mesh, "dense", RANK, fused=True, **SHAPE)
     return full, lora, own
 
 
@@ -57,6 +58,10 @@ def test_the_step_program_is_the_full_rows(rows):
     for k in (*sm.KEYS, *sm.LORA_KEYS):
         if k.endswith("_bytes"):
             assert own[k] == lora[k], k
+    # merge + step + (2) as one program: the base and adapters are its arguments.
+    assert own["fused_peak_bytes"] >= own["param_bytes"] + own["opt_bytes"]
+    assert "fused_peak_bytes" not in lora
+    assert sm.json_rows([own])[0]["fused_peak_bytes"] == own["fused_peak_bytes"]
 
 
 def test_json_and_table_mark_the_lora_rows(rows):
