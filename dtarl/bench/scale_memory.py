@@ -80,6 +80,14 @@ from jax.sharding import PartitionSpec as P
 
 from dtarl.bench.memory import peak_bytes
 from dtarl.errors import ConfigError
+from dtarl.lora.adapters import (
+    LoraConfig,
+    adapter_grads,
+    fused_step,
+    init_adapters,
+    merge_adapted,
+    path_key,
+)
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
 from dtarl.parallel import mesh as mesh_lib
@@ -320,15 +328,6 @@ def measure_lora(
     are reused instead of compiling it again. ``fused``: also compile the same step as
     one program (``dtarl.lora.fused_step``: merge, step and (2)) and report its peak,
     then the update's, as ``fused_peak_bytes``."""
-    from dtarl.lora.adapters import (
-        LoraConfig,
-        adapter_grads,
-        fused_step,
-        init_adapters,
-        merge_adapted,
-        path_key,
-    )
-
     cfg = model_config(model_name, layers)
     lcfg = LoraConfig(rank=rank, alpha=2.0 * rank)
     devs = list(jax.devices() if devices is None else devices)
@@ -381,8 +380,7 @@ def measure_lora(
     flat = {path_key(p): x.sharding for p, x in jax.tree_util.tree_flatten_with_path(b_abs)[0]}
     m_shard = {k: flat[k] for k in adapters}  # W' placed like W (``dtarl.lora.merged``)
     mrg = jax.jit(merge_adapted, static_argnums=2, out_shardings=m_shard)
-    mrg = mrg.lower(b_abs, a_abs, lcfg)
-    mrg = mrg.compile()
+    mrg = mrg.lower(b_abs, a_abs, lcfg).compile()
     grd = jax.jit(adapter_grads, static_argnums=2).lower(g_abs, a_abs, lcfg).compile()
     da_abs = _abstract(*_with_shardings(grd.out_info))
     tx = optax.adamw(1e-6)
@@ -459,8 +457,6 @@ def _with_shardings(tree):
 
 def _merged_bytes(b_abs, adapters) -> int:
     """Per-device bytes of W''s adapted leaves (the merge's new arrays)."""
-    from dtarl.lora import path_key
-
     keys = set(adapters)
     return sum(
         _shard_bytes(x, x.sharding)
