@@ -43,18 +43,20 @@ gradients (2) from dL/dW', and AdamW over the adapters. Its columns:
                  the params (the engines differentiate the merged weights; (2) turns
                  it into the adapters' gradient afterwards)
     peak_bytes   max over the four programs of (the buffers held beside it + its
-                 outputs and temporaries): base, adapters and moments throughout; W''s
-                 adapted leaves during the step; dL/dW' until (2) has run
+                 outputs and temporaries): base, adapters and moments throughout; the
+                 adapted leaves of W' during the step; dL/dW' until (2) has run
                  (``measure_lora``; ``peak_phase`` names the program)
     ref_bytes    0: the reference is the base with the adapters off
 
-and in ``LORA_KEYS`` (JSON too) ``adapter_bytes``, ``merged_bytes`` (W''s adapted
-leaves), the merge's and (2)'s program peaks, ``peak_phase``; with ``--lora-fused``
-also ``fused_peak_bytes``: the peak if merge, step and (2) ran as one program
-(``dtarl.lora.fused_step``, the same operations: W' and dL/dW' become temporaries the
-compiler can overlap with the activations) followed by the update; the trainer runs
-the four programs (``peak_bytes``). The table's ``lora``
-column marks LoRA rows (``-``: full fine-tuning).
+and in ``LORA_KEYS`` (JSON too) ``adapter_bytes``, ``merged_bytes`` (the adapted
+leaves of W'), the merge's and (2)'s program peaks, ``peak_phase``; with
+``--lora-fused`` also ``fused_peak_bytes``: the peak if merge, step and (2) ran as one
+program (``dtarl.lora.fused_step``, the same operations: W' and dL/dW' become
+temporaries the compiler can overlap with the activations) followed by the update;
+the trainer runs the four programs (``peak_bytes``). The table's ``lora`` column marks
+LoRA rows (``-``: full fine-tuning). Compiled at the model's depth, not extrapolated:
+under the layer scan the depth-1 and depth-2 programs are not on a line through the
+deep one (``docs/lora.md``).
 
 ``--layers N`` compiles at depth N instead of the model's (CPU compile time grows with
 depth while the decoder is unrolled); the row then says ``layers`` = N. With
@@ -111,8 +113,8 @@ KEYS = (
     "ref_bytes",
 )
 
-# A LoRA row's breakdown (in its JSON too): the adapters (fp32, replicated), W''s
-# adapted leaves, the merge's and (2)'s program peaks, the phase that peaks (and with
+# A LoRA row's breakdown (in its JSON too): the adapters (fp32, replicated), the
+# adapted leaves of W', the merge's and (2)'s program peaks, the phase that peaks (and with
 # ``--lora-fused`` ``fused_peak_bytes``).
 LORA_KEYS = (
     "adapter_bytes",
@@ -399,15 +401,15 @@ def measure_lora(
     nbytes = lambda tree: sum(_shard_bytes(x, x.sharding) for x in jax.tree.leaves(tree))  # noqa: E731
     base_b, adapter_b, opt_b = nbytes(b_abs), nbytes(a_abs), nbytes(opt_abs)
     grad_b = nbytes(g_abs)
-    merged_b = _merged_bytes(b_abs, adapters)  # W''s adapted leaves
+    merged_b = _merged_bytes(b_abs, adapters)  # the adapted leaves of W'
     mems = dict(merge=mrg.memory_analysis(), grads=grd.memory_analysis())
     mems["update"] = upd.memory_analysis()
     merge_peak, grads_peak, upd_peak = (peak_bytes(mems[k]) for k in ("merge", "grads", "update"))
     # Each phase: the buffers the trainer holds while that program runs, plus the
     # program's outputs and temporaries (its peak less its arguments, which are
     # among the held buffers; jit drops unused arguments, e.g. the merge's
-    # embeddings). Held throughout: the base, the adapters, their moments; W''s
-    # adapted leaves (its others are the base's arrays) during the step; dL/dW'
+    # embeddings). Held throughout: the base, the adapters, their moments; the
+    # adapted leaves of W' (its others are the base's arrays) during the step; dL/dW'
     # (every leaf, split like the params) from the step's end through (2); the
     # adapters' gradient through the update.
     held = base_b + adapter_b + opt_b
@@ -456,7 +458,7 @@ def _with_shardings(tree):
 
 
 def _merged_bytes(b_abs, adapters) -> int:
-    """Per-device bytes of W''s adapted leaves (the merge's new arrays)."""
+    """Per-device bytes of the adapted leaves of W' (the merge's new arrays)."""
     keys = set(adapters)
     return sum(
         _shard_bytes(x, x.sharding)
