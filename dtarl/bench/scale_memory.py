@@ -100,6 +100,7 @@ from dtarl.testing import grpo_groups
 GiB = 2**30
 MODELS = ("qwen3_0p6b", "qwen3_1p7b", "qwen3_4b", "qwen3_8b")
 ENGINES = ("dense", "dfs", "prefix_reuse")
+BASE_DTYPES = ("float32", "bfloat16")  # --lora-base-dtype
 KEYS = (
     "model",
     "mesh",
@@ -118,6 +119,7 @@ KEYS = (
 # adapted leaves of W', the merge's and (2)'s program peaks, the phase that peaks (and with
 # ``--lora-fused`` ``fused_peak_bytes``).
 LORA_KEYS = (
+    "base_dtype",
     "adapter_bytes",
     "merged_bytes",
     "merge_peak_bytes",
@@ -308,6 +310,7 @@ def measure_lora(
     *,
     full: dict | None = None,
     fused: bool = False,
+    base_dtype: str | None = None,
     group: int = 8,
     prompt: int = 1024,
     response: int = 1024,
@@ -330,8 +333,16 @@ def measure_lora(
     step program is this one's (W' has W's shapes, dtypes and shardings): its numbers
     are reused instead of compiling it again. ``fused``: also compile the same step as
     one program (``dtarl.lora.fused_step``: merge, step and (2)) and report its peak,
-    then the update's, as ``fused_peak_bytes``."""
+    then the update's, as ``fused_peak_bytes``. ``base_dtype``: the frozen base's
+    dtype (default the model config's, fp32); a bfloat16 base compiles its own step
+    (the trainer with ``model.param_dtype: bfloat16``: W' and dL/dW' in bf16)."""
     cfg = model_config(model_name, layers)
+    if base_dtype is not None:
+        if base_dtype not in BASE_DTYPES:
+            raise ConfigError(f"--lora-base-dtype {base_dtype!r}: accepted {BASE_DTYPES}")
+        if full is not None and base_dtype != cfg.param_dtype:
+            full = None  # another step program: the params are another dtype
+        cfg = dataclasses.replace(cfg, param_dtype=base_dtype)
     lcfg = LoraConfig(rank=rank, alpha=2.0 * rank)
     devs = list(jax.devices() if devices is None else devices)
     n = mesh_shape["dp"] * mesh_shape["fsdp"] * mesh_shape["tp"]
@@ -450,6 +461,7 @@ def measure_lora(
         lora_rank=rank,
         adapter_bytes=int(adapter_b),
         ref_bytes=0,
+        base_dtype=cfg.param_dtype,
         **extra,
     )
 
@@ -494,6 +506,7 @@ def run(
     device_memory_gib: float | None = None,
     lora_ranks: Sequence[int] = (0,),
     lora_fused: bool = False,
+    lora_base_dtype: str | None = None,
     say=print,
 ) -> list[dict]:
     """Rows for every (model, mesh, engine, LoRA rank: 0 = full fine-tuning); see the
@@ -521,6 +534,7 @@ def run(
                                 rank,
                                 full=full,
                                 fused=lora_fused,
+                                base_dtype=lora_base_dtype,
                                 layers=depth,
                                 **kw,
                             )

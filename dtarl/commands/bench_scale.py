@@ -123,6 +123,12 @@ def add_scale_memory_arguments(p) -> None:
         help="LoRA rows: also compile merge + step + adapter gradients as one program "
         "(dtarl.lora.fused_step) and report its peak (fused_peak_bytes)",
     )
+    p.add_argument(
+        "--lora-base-dtype",
+        choices=bench_scale_memory.BASE_DTYPES,
+        help="LoRA rows: the frozen base's dtype (default float32, the full rows' master "
+        "weights; bfloat16: the trainer with model.param_dtype bfloat16)",
+    )
     p.add_argument("--json", help="write the rows here")
 
 
@@ -216,6 +222,7 @@ def scale_memory(args: argparse.Namespace) -> int:
         device_memory_gib=args.device_memory,
         lora_ranks=args.lora,
         lora_fused=args.lora_fused,
+        lora_base_dtype=args.lora_base_dtype,
     )
     if args.json:
         report.write_json(args.json, m.json_rows(rows), say=print)
