@@ -335,7 +335,8 @@ def measure_lora(
     one program (``dtarl.lora.fused_step``: merge, step and (2)) and report its peak,
     then the update's, as ``fused_peak_bytes``. ``base_dtype``: the frozen base's
     dtype (default the model config's, fp32); a bfloat16 base compiles its own step
-    (the trainer with ``model.param_dtype: bfloat16``: W' and dL/dW' in bf16)."""
+    (the trainer with ``model.param_dtype: bfloat16``: W' in bf16; the step's dL/dW'
+    is fp32 all the same)."""
     cfg = model_config(model_name, layers)
     if base_dtype is not None:
         if base_dtype not in BASE_DTYPES:

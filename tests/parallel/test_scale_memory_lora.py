@@ -148,3 +148,18 @@ def test_fused_step_equals_the_lora_engine_on_a_mesh():
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert np.abs(w).max() > 0
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
+def test_a_bf16_base_halves_the_base_and_compiles_its_own_step(rows):
+    full, lora, _ = rows
+    mesh = sm.parse_mesh("dp=1,fsdp=2,tp=1")
+    bf16 = sm.measure_lora("tiny", mesh, "dense", RANK, full=full, base_dtype="bfloat16", **SHAPE)
+    assert bf16["base_dtype"] == "bfloat16" and lora["base_dtype"] == "float32"
+    adapter_b = lora["adapter_bytes"]
+    assert bf16["adapter_bytes"] == adapter_b and bf16["opt_bytes"] == lora["opt_bytes"]
+    assert (bf16["param_bytes"] - adapter_b) * 2 == full["param_bytes"]
+    assert bf16["merged_bytes"] * 2 == lora["merged_bytes"]
+    assert bf16["grad_bytes"] == full["grad_bytes"]  # dL/dW' still fp32
+    assert bf16["step_peak_bytes"] != full["step_peak_bytes"]  # not the fp32 step's
+    with pytest.raises(ConfigError, match=r"--lora-base-dtype 'float16': accepted"):
+        sm.measure_lora("tiny", mesh, "dense", RANK, base_dtype="float16", **SHAPE)
