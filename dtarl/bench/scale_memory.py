@@ -31,7 +31,8 @@ device, from XLA's memory analysis and the shardings:
 ``--lora R [R ...]``: a row per rank (0 = full fine-tuning, the rows above). A LoRA
 row (rank r, alpha = 2r, all seven projections) compiles the step as the trainer runs
 it (``LoraEngine`` around the ``ShardedEngine``, ``dtarl.lora``): the frozen base in
-the model's dtype (fp32 here, split like the params), the adapters and their AdamW
+the model's dtype (fp32 here, or ``--lora-base-dtype bfloat16``; split like the
+params), the adapters and their AdamW
 moments in fp32 (replicated), four programs in turn: the merge W' = W + (alpha/r) A@B
 of the adapted weights (placed like W), the sharded loss-and-gradient step on W' (the
 same program as the full row's: W' has W's shapes and shardings), the adapters'
