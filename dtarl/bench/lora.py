@@ -3,7 +3,8 @@
 1. Memory (from the configs, nothing built): per-device bytes of the training state of
    each Qwen3 preset with full fine-tuning and with ``model.lora`` (weights, merged
    weights, the engine's fp32 gradient, adapters, AdamW moments, the KL reference),
-   ``dtarl.lora.memory.state_bytes``.
+   ``dtarl.lora.memory.state_bytes``. The compiled step's bytes, activations
+   included, on a mesh: ``dtarl bench scale --lora 0 16`` (``dtarl.bench.scale_memory``).
 2. Step time on this machine's CPU, tiny model, one GRPO batch: per engine, one
    update (engine value_and_grad + AdamW) of full fine-tuning vs LoRA (merge, the
    same engine on the merged params, the adapters' gradient (2), AdamW on the
@@ -149,6 +150,10 @@ def run(
             f"{r['full_bytes'] / GiB:>10.2f}{r['lora_bytes'] / GiB:>10.2f}"
             f"{r['saved_bytes'] / GiB:>11.2f}{r['reference_saved_bytes'] / GiB:>9.2f}"
         )
+    say(
+        "(the state only, from the configs; the compiled step with its activations, "
+        f"per device on a mesh: dtarl bench scale --lora 0 {lora.rank})"
+    )
     times = []
     if engines:
         say(

@@ -120,6 +120,27 @@ def add_scale_memory_arguments(p) -> None:
         choices=["none", "full", "dots_saveable", "offload"],
         help="memory report: the layers' rematerialisation (default: the preset's, none)",
     )
+    p.add_argument(
+        "--lora",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="RANK",
+        help="LoRA ranks, a row each (0: full fine-tuning; default 0), e.g. --lora 0 16; "
+        "memory report only",
+    )
+    p.add_argument(
+        "--lora-fused",
+        action="store_true",
+        help="LoRA rows: also compile merge + step + adapter gradients as one program "
+        "(dtarl.lora.fused_step) and report its peak (fused_peak_bytes)",
+    )
+    p.add_argument(
+        "--lora-base-dtype",
+        choices=bench_scale_memory.BASE_DTYPES,
+        help="LoRA rows: the frozen base's dtype (default float32, the full rows' master "
+        "weights; bfloat16: the trainer with model.param_dtype bfloat16)",
+    )
     p.add_argument("--json", help="write the rows here")
 
 
@@ -157,6 +178,11 @@ def _scale(args: argparse.Namespace) -> int:
 def scale_compile(args: argparse.Namespace) -> int:
     """``dtarl bench scale --compile``: compile and step seconds per depth."""
     _defaults(args, COMPILE)
+    if getattr(args, "lora", [0]) != [0]:
+        raise bench_scale_memory.ConfigError(
+            f"--lora {args.lora} is for the memory report; --compile times full fine-tuning "
+            "only (drop --lora, or drop --compile)"
+        )
     if len(args.model) != 1:
         raise bench_scale_memory.ConfigError(f"--compile takes one --model, got {args.model}")
     try:
@@ -195,6 +221,7 @@ def scale_memory(args: argparse.Namespace) -> int:
     for name in ("group", "prompt", "response"):
         if getattr(args, name) < 1:
             raise m.ConfigError(f"--{name}={getattr(args, name)}: must be >= 1")
+    m.check_ranks(args.lora)
     rows = m.run(
         args.model,
         meshes,
@@ -207,6 +234,9 @@ def scale_memory(args: argparse.Namespace) -> int:
         device_memory_gib=args.device_memory,
         fsdp_gather=args.fsdp_gather,
         remat=args.remat,
+        lora_ranks=args.lora,
+        lora_fused=args.lora_fused,
+        lora_base_dtype=args.lora_base_dtype,
     )
     if args.json:
         report.write_json(args.json, m.json_rows(rows), say=print)

@@ -15,12 +15,15 @@ from dtarl.lora.adapters import (
     adapter_grads,
     check_adapters,
     checksum,
+    fused_step,
     init_adapters,
     merge,
+    merge_adapted,
     merged,
     num_adapter_params,
     path_key,
     target_weights,
+    with_weights,
 )
 
 __all__ = [
@@ -33,10 +36,13 @@ __all__ = [
     "adapter_grads",
     "check_adapters",
     "checksum",
+    "fused_step",
     "init_adapters",
     "merge",
+    "merge_adapted",
     "merged",
     "num_adapter_params",
     "path_key",
     "target_weights",
+    "with_weights",
 ]

@@ -199,17 +199,26 @@ def delta(ad: Adapter, shape, scale: float):
     return (scale * jnp.matmul(ad.a, ad.b)).reshape(shape)
 
 
+def merge_adapted(base, adapters: dict[str, Adapter], cfg: LoraConfig) -> dict[str, Any]:
+    """``{path: W'}``: (1) for the adapted weights only, each in its weight's dtype."""
+    flat = {path_key(p): w for p, w in jax.tree_util.tree_flatten_with_path(base)[0]}
+    out = {}
+    for k, ad in adapters.items():
+        w = flat[k]
+        out[k] = (w.astype(jnp.float32) + delta(ad, w.shape, cfg.scale)).astype(w.dtype)
+    return out
+
+
+def with_weights(base, new: dict[str, Any]):
+    """``base`` with the leaves at the paths of ``new`` replaced by its values; the
+    other leaves are ``base``'s own arrays (no copy)."""
+    return jax.tree_util.tree_map_with_path(lambda p, w: new.get(path_key(p), w), base)
+
+
 def merge(base, adapters: dict[str, Adapter], cfg: LoraConfig):
     """``base`` with every adapted weight replaced by (1), in the weight's dtype; the
     other leaves are ``base``'s own arrays (no copy)."""
-
-    def one(path, w):
-        ad = adapters.get(path_key(path))
-        if ad is None:
-            return w
-        return (w.astype(jnp.float32) + delta(ad, w.shape, cfg.scale)).astype(w.dtype)
-
-    return jax.tree_util.tree_map_with_path(one, base)
+    return with_weights(base, merge_adapted(base, adapters, cfg))
 
 
 def adapter_grads(grads, adapters: dict[str, Adapter], cfg: LoraConfig) -> dict[str, Adapter]:
@@ -226,17 +235,38 @@ def adapter_grads(grads, adapters: dict[str, Adapter], cfg: LoraConfig) -> dict[
     return out
 
 
-_merge_jit = jax.jit(merge, static_argnums=2)
+_merge_jit = jax.jit(merge_adapted, static_argnums=2)
 _grads_jit = jax.jit(adapter_grads, static_argnums=2)
 
 
 def merged(base, adapters, cfg: LoraConfig):
-    """``merge`` compiled (one program per layout); on a mesh every merged weight is
-    placed like its base weight (the layout the engines and samplers were given)."""
-    out = _merge_jit(base, adapters, cfg)
-    return jax.tree.map(
-        lambda m, w: jax.device_put(m, w.sharding) if isinstance(w, jax.Array) else m, out, base
-    )
+    """``merge`` compiled (one program per layout): the program returns the adapted
+    weights only, so the other leaves stay the base's own arrays (a jit returning the
+    whole tree would copy every leaf: the embeddings and norms too). On a mesh every
+    merged weight is placed like its base weight (the layout the engines and samplers
+    were given)."""
+    new = _merge_jit(base, adapters, cfg)
+    flat = {path_key(p): w for p, w in jax.tree_util.tree_flatten_with_path(base)[0]}
+    new = {
+        k: jax.device_put(m, flat[k].sharding) if isinstance(flat[k], jax.Array) else m
+        for k, m in new.items()
+    }
+    return with_weights(base, new)
+
+
+def fused_step(fn, cfg: LoraConfig):
+    """``jit(f)``, ``f(base, adapters, *args) -> (loss, adapter grads, out)``: the merge
+    (1), a device step ``fn(params, *args) -> (loss, grads, out)`` (a
+    ``ShardedEngine.get_fn`` program) and (2) as ONE program, so that W' and dL/dW'
+    are the program's temporaries instead of buffers passed between three programs
+    (same operations, same values). ``dtarl bench scale --lora`` measures its peak
+    (``fused_peak_bytes``); ``LoraEngine`` does not run it yet."""
+
+    def f(base, adapters, *args):
+        loss, grads, out = fn(with_weights(base, merge_adapted(base, adapters, cfg)), *args)
+        return loss, adapter_grads(grads, adapters, cfg), out
+
+    return jax.jit(f)
 
 
 class LoraEngine:
@@ -372,10 +402,13 @@ __all__ = [
     "checksum",
     "delta",
     "file_checksum",
+    "fused_step",
     "init_adapters",
     "merge",
+    "merge_adapted",
     "merged",
     "num_adapter_params",
     "path_key",
     "target_weights",
+    "with_weights",
 ]

@@ -118,12 +118,20 @@ def reduce_grads(
     scattered = [False] * len(dims) if scattered is None else scattered
     out = []
     for g, d, done in zip(leaves, dims, scattered, strict=True):
+        dtype, g = g.dtype, _wide(g)
         if d is None:
             g = jax.lax.psum(g, FSDP)
         elif not done:
             g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=d, tiled=True)
-        out.append(jax.lax.psum(g, DP) if dp else g)
+        out.append((jax.lax.psum(g, DP) if dp else g).astype(dtype))
     return out
+
+
+def _wide(g: jax.Array) -> jax.Array:
+    """A low-precision (bf16) gradient as fp32 for its sums: rounded once at the end,
+    and XLA's CPU all-reduce promotion aborts on bf16 reduce-scatters."""
+    low = jnp.issubdtype(g.dtype, jnp.floating) and jnp.finfo(g.dtype).bits < 32
+    return g.astype(jnp.float32) if low else g
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -139,7 +147,8 @@ def _gather_leaf_fwd(x, dim, gather_dtype):
 
 
 def _gather_leaf_bwd(dim, gather_dtype, _, g):
-    return (jax.lax.psum_scatter(g, FSDP, scatter_dimension=dim, tiled=True),)
+    h = jax.lax.psum_scatter(_wide(g), FSDP, scatter_dimension=dim, tiled=True)
+    return (h.astype(g.dtype),)
 
 
 gather_leaf.defvjp(_gather_leaf_fwd, _gather_leaf_bwd)
