@@ -60,8 +60,8 @@ under the layer scan the depth-1 and depth-2 programs are not on a line through 
 deep one (qwen3_8b dense, fsdp=8: 181 GiB extrapolated, 144 compiled at 36 layers;
 ``docs/lora.md``).
 
-``--layers N`` compiles at depth N instead of the model's (CPU compile time grows with
-depth while the decoder is unrolled); the row then says ``layers`` = N. With
+``--layers N`` compiles at depth N instead of the model's (the layers run under one
+scan, so a full-depth compile takes about as long); the row then says ``layers`` = N. With
 ``--extrapolate`` two depths are compiled and every byte count is fitted as
 a + b x layers and evaluated at the model's depth: such rows carry ``"extrapolated":
 true`` and the table marks them. ``--device-memory GiB`` is a budget: a row whose peak

@@ -105,7 +105,8 @@ def add_scale_memory_arguments(p) -> None:
         type=int,
         nargs=2,
         metavar=("L1", "L2"),
-        help="compile at depths L1 and L2 and extrapolate bytes linearly to the model's depth",
+        help="compile at depths L1 and L2 and extrapolate bytes linearly to the model's depth "
+        "(rough: under the layer scan the peak is not linear in depth; prefer full depth)",
     )
     p.add_argument("--device-memory", type=float, metavar="GiB", help="per-device budget")
     p.add_argument(
