@@ -411,23 +411,26 @@ class DFSEngine(base.BucketState):
                 ),
             )
 
-        nb = len(sizes)
-        branches = [noop]
-        branches += [functools.partial(push, p) for p in sizes]
-        branches += [functools.partial(pop, p) for p in sizes]
-        base_index = {Op.PUSH: 1, Op.POP: 1 + nb}
+        # One body per op, attending the whole path buffer (the model masks the
+        # stack rows past ``start``), or one per (op, prefix bucket).
+        bucketed = self.config.bucket_bodies
+        bodies = sizes if bucketed else sizes[-1:]
+        ops = {Op.PUSH: push, Op.POP: pop}
         if rows > 1:
-            base_index[Op.POP_ROWS] = len(branches)
-            branches += [functools.partial(pop_rows, rows, c, p) for p in sizes]
+            ops[Op.POP_ROWS] = functools.partial(pop_rows, rows, c)
         if wide > 1:
-            base_index[Op.POP_WIDE] = len(branches)
-            branches += [functools.partial(pop_rows, rows, wide * c, p) for p in sizes]
+            ops[Op.POP_WIDE] = functools.partial(pop_rows, rows, wide * c)
+        branches, base_index = [noop], {}
+        for op, fn in ops.items():
+            base_index[op] = len(branches)
+            branches += [functools.partial(fn, p) for p in bodies]
 
         def body(cr, plan_step: PlanSteps):
             st = expand_step(plan_step, entries, rows * max(wide, 1) * c)
+            offset = st.pbucket if bucketed else 0
             index = jnp.select(
                 [st.op == op for op in base_index],
-                [v + st.pbucket for v in base_index.values()],
+                [v + offset for v in base_index.values()],
                 0,
             )
             return jax.lax.switch(index, branches, cr, st), None
@@ -565,7 +568,8 @@ class DFSEngine(base.BucketState):
         width = np.where(op == Op.POP_ROWS, float(st.rows), width)
         width = np.where(op == Op.POP_WIDE, float(st.rows * st.wide), width)
         passes = np.where(op == Op.PUSH, 1.0, 3.0) * width
-        ctx = sizes[np.asarray(steps.pbucket)] + np.where(op == Op.POP_WIDE, c * st.wide, c)
+        prefix = sizes[np.asarray(steps.pbucket)] if self.config.bucket_bodies else sizes[-1]
+        ctx = prefix + np.where(op == Op.POP_WIDE, c * st.wide, c)
         return base.WorkFeatures(
             lin_flops=float(c * f0 * passes.sum()),
             attn_flops=float(c * fa * (passes * ctx).sum()),
