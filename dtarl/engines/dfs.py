@@ -30,28 +30,32 @@ in. A POP_WIDE step pops up to ``leaf_rows`` rows of ``wide_chunks`` chunks
 that shares nothing is computed once forward and once backward, batched, as in
 dense training.
 
-The scan's body is one ``lax.switch`` with one branch per op: noop, push, pop and,
-when the plan has them, row pop and wide pop. A step's prefix length is data: every
-body attends the whole path buffer's first S rows, and the model masks the rows at
-and past the step's ``start`` (their scores are -inf, their cotangents exactly 0), so
-the program holds one model copy per op whatever the plan's prefix buckets. With
-``bucket_bodies`` it holds one per (op, prefix bucket) instead, each attending only
-its bucket's ``prefix_sizes[pbucket]`` rows: cheaper attention for the short prefixes
-(the XLA attention computes masked rows; the Pallas kernel skips them), a program
-that grows with the buckets. Lowered and compiled once on a 2-core CPU shared with
-other jobs (qwen3_0p6b width at 2 layers, one GRPO group of 4 x (64 + 32) tokens;
-the program does not grow with depth; CPU seconds of ``jit.lower`` + ``compile``;
-dense 4.5 s, 0.52 MB of HLO):
+The scan's body is one ``lax.switch``. By default (``bucket_bodies``) it has one
+branch per (op, prefix bucket): noop, then push, pop and, when the plan has them,
+row pop and wide pop at each of the plan's ``prefix_sizes``; a step attends only its
+bucket's first ``prefix_sizes[pbucket]`` stack rows. With ``bucket_bodies=False``
+the prefix length is data: one branch per op attends the whole path buffer's first
+S rows and the model masks the rows at and past the step's ``start`` (scores -inf,
+cotangents exactly 0), so the program holds one model copy per op whatever the
+buckets, at the price of attention over masked rows (the XLA attention computes
+them; the Pallas kernel skips their blocks, not measured here). On a 2-core CPU
+shared with other jobs (commit of this change; before = 9ec9dbb, whose program is
+``bucket_bodies=True``), qwen3_0p6b width at 2 layers (the programs do not grow with
+depth), one GRPO group of 4 x (64 + 32) tokens, CPU seconds of ``jit.lower`` +
+``compile`` (dense: 4.5 s, 0.52 MB of HLO):
 
-    program                                   branches  HLO      compile   / dense
-    per (op, bucket) (before, 9ec9dbb)        10        4.36 MB  18.7 s    4.1
-    per op (now)                              4         1.60 MB  11.3 s    2.5
-    per op, leaf_rows=1 (no row pop)          3         0.94 MB   6.8 s    1.5
+    program                                  branches  HLO      compile   / dense
+    per (op, bucket) (default, as before)    10        4.36 MB  18.7 s    4.1
+    per op                                   4         1.60 MB  11.3 s    2.5
+    per op, leaf_rows=1 (no row pop)         3         0.94 MB   6.8 s    1.5
 
-A backward body (pop, row pop, wide pop) costs about as much to compile as dense's
-whole program; the push body about 0.5 s. The step at G=8, prompt 512, response 64
-(2 layers, vocab 8192; 2 rounds side by side, same run): dense 85.7 s; per op 25.0 s
-(3.52x dense); per (op, bucket) 22.7 s (3.77x); per op with leaf_rows=1 27.9 s (3.12x).
+Each backward body (pop, row pop, wide pop) costs about what dense's whole program
+does to compile; a push body about 0.5 s. The default is per bucket because the
+steps measured faster: at G=8, prompt 512, response 64 (same width, 2 layers, vocab
+8192; 2 side-by-side rounds in one run) dense 85.7 s, per (op, bucket) 22.7 s (3.77x
+dense), per op 25.0 s (3.52x), per op with leaf_rows=1 27.9 s (3.12x); on the tiny
+model (``dtarl bench train --quick``, grpo_G8_prompt>>resp) 1.75x dense per bucket
+against 1.18x per op, each in its own run.
 
 Letters: L layers, S path buffer, C chunk, K kv heads, D head dim, T steps.
 """

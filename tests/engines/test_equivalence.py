@@ -278,9 +278,9 @@ def test_dfs_prefix_buckets_and_packing(bucket_bodies):
     seqs += [stem[:12] + list(rs.randint(3, 256, 20)) for _ in range(2)]
     seqs += [list(rs.randint(3, 256, 5)) for _ in range(3)]  # unrelated short roots
     batch = with_logprob_data(RolloutBatch.create(tokens=seqs, advantages=rs.randn(len(seqs))))
-    if bucket_bodies:
+    if not bucket_bodies:  # the shared engines have the default, per-bucket bodies
         model, params = _model(ModelFamily.QWEN3)
-        engine = DFSEngine(model, chunk_len=16, prefix_levels=3, bucket_bodies=True)
+        engine = DFSEngine(model, chunk_len=16, prefix_levels=3, bucket_bodies=False)
         aux = check_engine(engine, params, batch, LOSSES["dapo"], model=model)
     else:
         aux = check("dfs", ModelFamily.QWEN3, batch, LOSSES["dapo"], chunk=16, levels=3)
@@ -350,14 +350,13 @@ def test_dfs_wide_pops(wide):
     assert unrelated.pushed_tokens == 0 and unrelated.wide_steps == 1
     assert unrelated.num_steps == 1
     # The engine's FLOP count of that step (``features``): 4 rows of 32 entries,
-    # each attending the whole path buffer (one body per op: the prefix length is
-    # data) and its whole 32-entry row (the program computes the masked part too);
-    # pop = recompute + backward.
+    # each attending its prefix bucket and its whole 32-entry row (the program
+    # computes the masked part too); pop = recompute + backward.
     engine = DFSEngine(_model(ModelFamily.QWEN3)[0], chunk_len=8, leaf_rows=4, wide_chunks=4)
     prepared = engine.prepare(RolloutBatch.create(tokens=alone), LOSSES["nll"])
     assert prepared.stats["num_steps"] == 1
     work = engine.features(prepared)
-    p0 = prepared.static.prefix_sizes[-1]
+    p0 = prepared.static.prefix_sizes[int(prepared.args[0].pbucket[0])]
     f0, fa = token_flops(engine.cfg)
     assert work.lin_flops == pytest.approx(3 * 4 * 32 * f0, rel=1e-12)
     assert work.attn_flops == pytest.approx(3 * 4 * 32 * (p0 + 32) * fa, rel=1e-12)
