@@ -104,7 +104,7 @@ class DFSConfig:
     # One program body per (op, prefix bucket): attention reads only the bucket's
     # stack rows (faster steps), at the price of a program that grows with the
     # buckets. False: one body per op attends the whole path buffer (masked past each
-    # step's start): a smaller program, slower steps (engines.md, "One body per op").
+    # step's start): a smaller program, slower steps (engines.md, "Program bodies").
     bucket_bodies: bool = True
 
     def __post_init__(self):
