@@ -39,7 +39,7 @@ S rows and the model masks the rows at and past the step's ``start`` (scores -in
 cotangents exactly 0), so the program holds one model copy per op whatever the
 buckets, at the price of attention over masked rows (the XLA attention computes
 them; the Pallas kernel skips their blocks, not measured here). On a 2-core CPU
-shared with other jobs (commit of this change; before = 9ec9dbb, whose program is
+shared with other jobs (commit 203eef2; before = 9ec9dbb, whose program is
 ``bucket_bodies=True``), qwen3_0p6b width at 2 layers (the programs do not grow with
 depth), one GRPO group of 4 x (64 + 32) tokens, CPU seconds of ``jit.lower`` +
 ``compile`` (dense: 4.5 s, 0.52 MB of HLO):
