@@ -28,9 +28,34 @@ then evaluated on the path logprobs with that segment's chunk entries scattered
 in. A POP_WIDE step pops up to ``leaf_rows`` rows of ``wide_chunks`` chunks
 (leaves longer than a chunk, or a long leaf's tail) the same way, so a leaf
 that shares nothing is computed once forward and once backward, batched, as in
-dense training. Each step attends only to the first ``prefix_sizes[pbucket]``
-stack rows: one ``lax.switch`` branch per (op, prefix bucket), all compiled into
-the same program.
+dense training.
+
+The scan's body is one ``lax.switch``. By default (``bucket_bodies``) it has one
+branch per (op, prefix bucket): noop, then push, pop and, when the plan has them,
+row pop and wide pop at each of the plan's ``prefix_sizes``; a step attends only its
+bucket's first ``prefix_sizes[pbucket]`` stack rows. With ``bucket_bodies=False``
+the prefix length is data: one branch per op attends the whole path buffer's first
+S rows and the model masks the rows at and past the step's ``start`` (scores -inf,
+cotangents exactly 0), so the program holds one model copy per op whatever the
+buckets, at the price of attention over masked rows (the XLA attention computes
+them; the Pallas kernel skips their blocks, not measured here). On a 2-core CPU
+shared with other jobs (commit 203eef2; before = 9ec9dbb, whose program is
+``bucket_bodies=True``), qwen3_0p6b width at 2 layers (the programs do not grow with
+depth), one GRPO group of 4 x (64 + 32) tokens, CPU seconds of ``jit.lower`` +
+``compile`` (dense: 4.5 s, 0.52 MB of HLO):
+
+    program                                  branches  HLO      compile   / dense
+    per (op, bucket) (default, as before)    10        4.36 MB  18.7 s    4.1
+    per op                                   4         1.60 MB  11.3 s    2.5
+    per op, leaf_rows=1 (no row pop)         3         0.94 MB   6.8 s    1.5
+
+Each backward body (pop, row pop, wide pop) costs about what dense's whole program
+does to compile; a push body about 0.5 s. The default is per bucket because the
+steps measured faster: at G=8, prompt 512, response 64 (same width, 2 layers, vocab
+8192; 2 side-by-side rounds in one run) dense 85.7 s, per (op, bucket) 22.7 s (3.77x
+dense), per op 25.0 s (3.52x), per op with leaf_rows=1 27.9 s (3.12x); on the tiny
+model (``dtarl bench train --quick``, grpo_G8_prompt>>resp) 1.75x dense per bucket
+against 1.18x per op, each in its own run.
 
 Letters: L layers, S path buffer, C chunk, K kv heads, D head dim, T steps.
 """
@@ -411,23 +436,26 @@ class DFSEngine(base.BucketState):
                 ),
             )
 
-        nb = len(sizes)
-        branches = [noop]
-        branches += [functools.partial(push, p) for p in sizes]
-        branches += [functools.partial(pop, p) for p in sizes]
-        base_index = {Op.PUSH: 1, Op.POP: 1 + nb}
+        # One body per op, attending the whole path buffer (the model masks the
+        # stack rows past ``start``), or one per (op, prefix bucket).
+        bucketed = self.config.bucket_bodies
+        bodies = sizes if bucketed else sizes[-1:]
+        ops = {Op.PUSH: push, Op.POP: pop}
         if rows > 1:
-            base_index[Op.POP_ROWS] = len(branches)
-            branches += [functools.partial(pop_rows, rows, c, p) for p in sizes]
+            ops[Op.POP_ROWS] = functools.partial(pop_rows, rows, c)
         if wide > 1:
-            base_index[Op.POP_WIDE] = len(branches)
-            branches += [functools.partial(pop_rows, rows, wide * c, p) for p in sizes]
+            ops[Op.POP_WIDE] = functools.partial(pop_rows, rows, wide * c)
+        branches, base_index = [noop], {}
+        for op, fn in ops.items():
+            base_index[op] = len(branches)
+            branches += [functools.partial(fn, p) for p in bodies]
 
         def body(cr, plan_step: PlanSteps):
             st = expand_step(plan_step, entries, rows * max(wide, 1) * c)
+            offset = st.pbucket if bucketed else 0
             index = jnp.select(
                 [st.op == op for op in base_index],
-                [v + st.pbucket for v in base_index.values()],
+                [v + offset for v in base_index.values()],
                 0,
             )
             return jax.lax.switch(index, branches, cr, st), None
@@ -552,8 +580,9 @@ class DFSEngine(base.BucketState):
         """Each step's entries: PUSH and POP run one chunk of C, POP_ROWS ``rows``
         chunks, POP_WIDE ``rows`` rows of ``wide`` chunks; a push is a forward, a pop
         a recomputed forward and a backward. Every entry attends its prefix bucket
-        and its whole row (C, or C * wide for a wide row). NOOP padding steps run
-        nothing and are not counted as steps: a reserved plan pads to a bound of
+        (``bucket_bodies``; else the whole path buffer, masked) and its whole row
+        (C, or C * wide for a wide row). NOOP padding steps run nothing and are
+        not counted as steps: a reserved plan pads to a bound of
         several times its real steps, and on this CPU 14 and 1024 padded steps of the
         same 13-step plan took the same time (within the machine's noise)."""
         steps, st = prepared.args[0], prepared.static
@@ -565,7 +594,8 @@ class DFSEngine(base.BucketState):
         width = np.where(op == Op.POP_ROWS, float(st.rows), width)
         width = np.where(op == Op.POP_WIDE, float(st.rows * st.wide), width)
         passes = np.where(op == Op.PUSH, 1.0, 3.0) * width
-        ctx = sizes[np.asarray(steps.pbucket)] + np.where(op == Op.POP_WIDE, c * st.wide, c)
+        prefix = sizes[np.asarray(steps.pbucket)] if self.config.bucket_bodies else sizes[-1]
+        ctx = prefix + np.where(op == Op.POP_WIDE, c * st.wide, c)
         return base.WorkFeatures(
             lin_flops=float(c * f0 * passes.sum()),
             attn_flops=float(c * fa * (passes * ctx).sum()),

@@ -268,15 +268,22 @@ def test_dfs_chunk_sizes(chunk):
     assert aux.stats["computed_tokens"] < aux.stats["num_tokens"]
 
 
-def test_dfs_prefix_buckets_and_packing():
-    """Several static prefix lengths per program, packed sibling leaves, deep tree."""
+@pytest.mark.parametrize("bucket_bodies", [False, True])
+def test_dfs_prefix_buckets_and_packing(bucket_bodies):
+    """Several static prefix lengths per program, packed sibling leaves, deep tree;
+    one switch body per op (the prefix length as data) or per (op, prefix bucket)."""
     rs = np.random.RandomState(4)
     stem = list(rs.randint(3, 256, 30))
     seqs = [stem + list(rs.randint(3, 256, rs.randint(1, 6))) for _ in range(6)]
     seqs += [stem[:12] + list(rs.randint(3, 256, 20)) for _ in range(2)]
     seqs += [list(rs.randint(3, 256, 5)) for _ in range(3)]  # unrelated short roots
     batch = with_logprob_data(RolloutBatch.create(tokens=seqs, advantages=rs.randn(len(seqs))))
-    aux = check("dfs", ModelFamily.QWEN3, batch, LOSSES["dapo"], chunk=16, levels=3)
+    if not bucket_bodies:  # the shared engines have the default, per-bucket bodies
+        model, params = _model(ModelFamily.QWEN3)
+        engine = DFSEngine(model, chunk_len=16, prefix_levels=3, bucket_bodies=False)
+        aux = check_engine(engine, params, batch, LOSSES["dapo"], model=model)
+    else:
+        aux = check("dfs", ModelFamily.QWEN3, batch, LOSSES["dapo"], chunk=16, levels=3)
     assert aux.stats["packed_steps"] >= 2
 
 

@@ -1,5 +1,7 @@
 """Structural invariants of the engines: no retrace, bounded memory, bad input."""
 
+import re
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -35,6 +37,37 @@ def test_dfs_no_retrace_within_bucket(model_params):
     engine.value_and_grad(params, big, loss)
     engine.value_and_grad(params, first, loss)
     assert engine.trace_count == 2
+
+
+def _program_size(engine, params, batch, loss):
+    """The DFS program's (prefix buckets, switch branches, dot products), lowered."""
+    prepared = engine.prepare(batch, loss)
+    lowered = engine.jit.lower(loss, prepared.static, params, prepared.args)
+    hlo = lowered.as_text(dialect="hlo")
+    (branches,) = re.findall(r"branch_computations=\{([^}]*)\}", hlo)
+    dots = lowered.as_text().count("stablehlo.dot_general")
+    return len(prepared.static.prefix_sizes), len(branches.split(",")), dots
+
+
+def test_dfs_program_does_not_grow_with_prefix_buckets(model_params):
+    """One switch body per op (noop, push, pop, row pop, wide pop): 2 or 4 prefix
+    buckets lower to the same program; per-bucket bodies (``bucket_bodies``) grow."""
+    model, params = model_params
+    loss = MaskedNLLLoss()
+    batch = grpo_groups(num_groups=1, group_size=4, prompt_len=28, response_len=(2, 12), seed=0)
+
+    def size(levels, bucket_bodies):
+        engine = DFSEngine(
+            model, chunk_len=8, prefix_levels=levels, leaf_rows=2, bucket_bodies=bucket_bodies
+        )
+        return _program_size(engine, params, batch, loss)
+
+    few, many = size(1, False), size(3, False)
+    assert (few[0], many[0]) == (2, 4)
+    assert few[1:] == many[1:] and few[1] == 5  # noop + 4 ops, whatever the buckets
+    few_b, many_b = size(1, True), size(3, True)
+    assert (few_b[1], many_b[1]) == (1 + 4 * 2, 1 + 4 * 4)
+    assert many_b[2] > few_b[2] > few[2]  # model copies grow with per-bucket bodies
 
 
 def test_dense_no_retrace_within_bucket(model_params):
