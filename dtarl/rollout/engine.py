@@ -552,7 +552,7 @@ class RolloutEngine:
         t0 = time.perf_counter()
         if mode == "migrate":
             self.pool.arrays, kv_moved, kv_peak, rows_compile_s = self.resharder.migrate(
-                self.pool.arrays, old_at, (mesh, n), src
+                self.pool.arrays, old_at, (mesh, n), src, sched
             )
         else:
             kv_moved, kv_peak, rows_compile_s = 0, self._recompute(new_weights, calls), 0.0
