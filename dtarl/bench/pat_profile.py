@@ -41,10 +41,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dtarl.model.decoder import Decoder
-from dtarl.parallel.mesh import make_mesh, shard_params
+from dtarl.parallel.mesh import make_mesh, param_shardings, shard_params
 from dtarl.rollout.config import ContinuousConfig, length_buckets
 from dtarl.rollout.engine import RolloutEngine
 from dtarl.rollout.pat import TP_DEGREES, PatError, Profile
+from dtarl.rollout.reshard import transfer
 from dtarl.timing import compile_seconds
 
 
@@ -229,8 +230,9 @@ def _time_kv_calls(engine: RolloutEngine, weights, tp: int, repeats: int) -> lis
 
 
 def _bandwidths(weights, model_cfg, meshes: dict[int, Any]) -> tuple[float, float]:
-    """(weight bytes/s, K/V bytes per source rank/s): ``jax.device_put`` of the weights
-    and of a K/V-shaped array between the shardings of the smallest and largest TP."""
+    """(weight bytes/s, K/V bytes per source rank/s): the weights and a K/V-shaped array
+    moved between the shardings of the smallest and largest TP the way a switch moves
+    them (``dtarl.rollout.reshard.transfer``: device to device)."""
     lo, hi = min(meshes), max(meshes)
     w_lo = shard_params(weights, meshes[lo])
     w_hi = shard_params(weights, meshes[hi])
@@ -245,11 +247,11 @@ def _bandwidths(weights, model_cfg, meshes: dict[int, Any]) -> tuple[float, floa
     wt, kt = [], []
     for src, dst, tp_src in ((w_lo, meshes[hi], lo), (w_hi, meshes[lo], hi)) * 2:
         t0 = time.perf_counter()
-        jax.block_until_ready(shard_params(src, dst))
+        jax.block_until_ready(jax.tree.map(transfer, src, param_shardings(src, dst)))
         wt.append(time.perf_counter() - t0)
         a, m = (kv_lo, meshes[hi]) if tp_src == lo else (kv_hi, meshes[lo])
         t0 = time.perf_counter()
-        jax.block_until_ready(jax.device_put(a, NamedSharding(m, spec)))
+        jax.block_until_ready(transfer(a, NamedSharding(m, spec)))
         kt.append((kv.nbytes / tp_src, time.perf_counter() - t0))
     weights_bw = nbytes / max(float(np.median(wt)), 1e-9)
     kv_bw = float(np.median([b / max(s, 1e-9) for b, s in kt]))
