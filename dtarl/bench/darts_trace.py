@@ -440,6 +440,20 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         )
     g, d = out["grpo"], out["darts"]
     out["speedup"] = {k: g[k] / d[k] for k in ("rollout_s", "train_s", "step_s")}
+    # Paired: both arms ran the same draws at each (round, step); the ratio of their
+    # summed seconds over the pairs in which neither arm compiled.
+    by = {(r["round"], r["step"], r["arm"]): r for r in rows}
+    pairs = [
+        (by[(r, s, "grpo")], by[(r, s, "darts")])
+        for r, s, a in by
+        if a == "grpo" and (r, s, "darts") in by
+    ]
+    pairs = [(a, b) for a, b in pairs if not (a["compiled"] or b["compiled"])]
+    out["paired_steps"] = len(pairs)
+    out["paired_speedup"] = {
+        k: sum(a[k] for a, _ in pairs) / sum(b[k] for _, b in pairs) if pairs else float("nan")
+        for k in ("rollout_s", "train_s", "step_s")
+    }
     out["length_bias"] = d["kept_len_mean"] / g["kept_len_mean"]
     return out
 
@@ -461,6 +475,12 @@ def format_table(res: dict[str, Any]) -> str:
     ]  # fmt: skip
     sp = s["speedup"]
     out = "\n".join(report.markdown(header, cells, compact=True))
+    ps = s["paired_speedup"]
+    out += (
+        f"\npaired speedup grpo/darts (summed seconds of the {s['paired_steps']} (round, step) "
+        f"pairs on the same draws, neither compiled): step {ps['step_s']:.2f}x, rollout "
+        f"{ps['rollout_s']:.2f}x, train {ps['train_s']:.2f}x"
+    )
     out += (
         f"\nspeedup grpo/darts (medians of steps that compiled nothing): step "
         f"{sp['step_s']:.2f}x (goal >= 1.5 on verl_math), rollout {sp['rollout_s']:.2f}x, "
