@@ -188,8 +188,12 @@ def transfer(x, target):
     """``x`` onto the sharding ``target``, device to device when ``x`` is a jax array
     on the same devices (any mesh over them): on jax 0.10, ``device_put`` between two
     meshes over the same devices fetches every array to the host and uploads it
-    again, which JAX's transfer guards do not see. Anything else (host arrays,
-    another device set) goes through ``device_put``."""
+    again, which JAX's transfer guards do not see. An array already on ``target``
+    (the same sharding) is returned as is: a switch that keeps the TP moves no
+    weights. Anything else (host arrays, another device set) goes through
+    ``device_put``."""
+    if isinstance(x, jax.Array) and x.sharding == target:  # equal, not just equivalent:
+        return x  # an equivalent sharding on another mesh would retrace the programs
     if (
         isinstance(x, jax.Array)
         and isinstance(target, NamedSharding)
@@ -307,8 +311,8 @@ class Resharder:
             nonlocal extra, peak, moved
             pack, unpack, i_old, i_new, compact = prog
             chain = [x, pack(x, i_old)]
-            chain.append(transfer(chain[-1], compact))
-            moved += new_bytes(chain[-1], chain[-2])
+            chain.append(transfer(chain[-1], compact))  # as is when the mesh is kept
+            moved += device_bytes(chain[-1])  # the valid rows, rewritten into the new pool
             chain.append(unpack(chain[-1], i_new))
             z = chain[-1]
             z.block_until_ready()

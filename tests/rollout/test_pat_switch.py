@@ -485,3 +485,13 @@ def test_migrate_moves_only_the_valid_rows(eng, weights, reference, target):
     assert info["live_kv_bytes"] == (prompt + resp) * tb
     assert info["moved_kv_bytes"] == (prompt_pad + resp_pad) * tb
     assert info["moved_kv_bytes"] < allocated // 2
+
+
+def test_a_switch_that_keeps_the_tp_moves_no_weights(eng, weights, reference):
+    """Compaction into fewer slots on the same mesh: the weights stay where they are (no
+    copy, nothing freed), as the switch cost's weight term (0 at the same TP) assumes."""
+    got, infos = _generate(eng, weights, {1: (4, 2), 2: (4, 2, 4)}, "migrate")
+    _assert_same(got, reference)
+    assert infos[0]["moved_weight_bytes"] > 0
+    assert infos[1]["slots"] == 4 and infos[1]["moved_weight_bytes"] == 0
+    assert infos[1]["weights_peak_extra_bytes"] == 0 and infos[1]["moved_kv_bytes"] > 0
