@@ -229,7 +229,7 @@ def _time_kv_calls(engine: RolloutEngine, weights, tp: int, repeats: int) -> lis
     return rows
 
 
-def _bandwidths(weights, model_cfg, meshes: dict[int, Any]) -> tuple[float, float]:
+def bandwidths(weights, model_cfg, meshes: dict[int, Any]) -> tuple[float, float]:
     """(weight bytes/s, K/V bytes per source rank/s): the weights and a K/V-shaped array
     moved between the shardings of the smallest and largest TP the way a switch moves
     them (``dtarl.rollout.reshard.transfer``: device to device)."""
@@ -245,14 +245,19 @@ def _bandwidths(weights, model_cfg, meshes: dict[int, Any]) -> tuple[float, floa
     kv_hi = jax.device_put(kv, NamedSharding(meshes[hi], spec))
     jax.block_until_ready((kv_lo, kv_hi))
     wt, kt = [], []
-    for src, dst, tp_src in ((w_lo, meshes[hi], lo), (w_hi, meshes[lo], hi)) * 2:
-        t0 = time.perf_counter()
-        jax.block_until_ready(jax.tree.map(transfer, src, param_shardings(src, dst)))
-        wt.append(time.perf_counter() - t0)
-        a, m = (kv_lo, meshes[hi]) if tp_src == lo else (kv_hi, meshes[lo])
-        t0 = time.perf_counter()
-        jax.block_until_ready(transfer(a, NamedSharding(m, spec)))
-        kt.append((kv.nbytes / tp_src, time.perf_counter() - t0))
+    # The first pass compiles the movers (one jitted identity per target sharding, as a
+    # switch's first use does; the switch cost counts compiles apart): untimed.
+    for timed in (False, True, True):
+        for src, dst, tp_src in ((w_lo, meshes[hi], lo), (w_hi, meshes[lo], hi)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(jax.tree.map(transfer, src, param_shardings(src, dst)))
+            w_s = time.perf_counter() - t0
+            a, m = (kv_lo, meshes[hi]) if tp_src == lo else (kv_hi, meshes[lo])
+            t0 = time.perf_counter()
+            jax.block_until_ready(transfer(a, NamedSharding(m, spec)))
+            if timed:
+                wt.append(w_s)
+                kt.append((kv.nbytes / tp_src, time.perf_counter() - t0))
     weights_bw = nbytes / max(float(np.median(wt)), 1e-9)
     kv_bw = float(np.median([b / max(s, 1e-9) for b, s in kt]))
     return weights_bw, kv_bw
@@ -390,7 +395,7 @@ def profile_engine(
             )
             say(f"  tp={tp} slots={s} (B={s // dp}): {per}; compile {compiles[tp, s]:.1f} s")
     meshes = {tp: engine.mesh_for(d // tp, tp) for tp in tps}
-    weights_bw, kv_bw = _bandwidths(weights, model.cfg, meshes)
+    weights_bw, kv_bw = bandwidths(weights, model.cfg, meshes)
     dev = devs[0]
     return Profile(
         model={
@@ -418,4 +423,4 @@ def profile_engine(
     )
 
 
-__all__ = ["Profiler", "ProfileGrid", "profile_engine", "tree_bytes"]
+__all__ = ["Profiler", "ProfileGrid", "bandwidths", "profile_engine", "tree_bytes"]

@@ -148,3 +148,32 @@ def test_analytic_check_reports_each_held_out_window():
     assert got["window_mean_rel_error"] == pytest.approx(0.1 / 1.1 / 3, 1e-9)
     # leave_one_out's points count in the overall mean too (all exact on linear data).
     assert got["held_out_points"] == 3 + len(pat.leave_one_out(prof))
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_bandwidths_time_no_compile(monkeypatch):
+    """The switch bandwidths time moves whose programs are compiled: the first pass of
+    each direction (it compiles the jitted identities) is untimed, so no timed interval
+    holds a backend compile (they used to: a 0.3 MB/s "bandwidth" under load)."""
+    import time
+
+    from flax import nnx
+
+    from dtarl.bench import pat_profile
+    from dtarl.model import ModelConfig, init_model
+    from dtarl.parallel.mesh import make_mesh
+    from dtarl.rollout.compiles import compile_count
+
+    cfg = ModelConfig.tiny(num_heads=8, num_kv_heads=8, head_dim=8)
+    weights = nnx.split(init_model(cfg, seed=0), nnx.Param)[1]
+    marks, real = [], time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: (marks.append(compile_count()), real())[1])
+    w_bw, kv_bw = pat_profile.bandwidths(weights, cfg, {1: make_mesh(8, 1), 8: make_mesh(1, 8)})
+    monkeypatch.setattr(time, "perf_counter", real)
+    assert w_bw > 0 and kv_bw > 0
+    # 2 untimed moves (3 clock reads each: the last one is not read), then 4 timed ones
+    # of 4 reads: (start, end) of the weights, (start, end) of the K/V.
+    assert len(marks) == 2 * 3 + 4 * 4
+    timed = marks[6:]
+    for k in range(0, len(timed), 2):
+        assert timed[k] == timed[k + 1], f"a compile inside timed interval {k // 2}"
