@@ -79,6 +79,20 @@ JSON_KEYS = (
     "kept_len_mean",
 )
 
+# The step's breakdown in the --json rows besides JSON_KEYS: host planning (DARTS' plan),
+# selection (+ EMA update), the rest of the step outside rollout and training (batch
+# assembly included), the candidates generated, and the trained batch's prefix-tree
+# tokens, DFS plan steps and padded (reserved) steps.
+EXTRA_KEYS = (
+    "plan_s",
+    "select_s",
+    "other_s",
+    "candidates",
+    "train_tree_tokens",
+    "train_plan_steps",
+    "train_padded_steps",
+)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TraceBenchConfig:
@@ -271,8 +285,9 @@ class TraceBench:
         rank = {id(r): k for k, r in enumerate(finished)}
         return [g.requests for g in groups], rank, seconds
 
-    def train(self, picks, reqs, kept) -> float:
-        """Loss and gradients of the kept candidates (seconds, blocked)."""
+    def train(self, picks, reqs, kept) -> tuple[float, dict[str, Any]]:
+        """Loss and gradients of the kept candidates: (seconds, blocked; the engine's
+        stats: tree tokens, plan steps and padded steps)."""
         toks, masks, olds, gids = [], [], [], []
         for g, ((p, _, _), rs, idx) in enumerate(zip(picks, reqs, kept, strict=True)):
             for j in idx:
@@ -297,9 +312,9 @@ class TraceBench:
             group_ids=np.asarray(gids, np.int32),
         )
         t0 = time.perf_counter()
-        _, grads, _ = self.trainer.value_and_grad(self.weights, batch, self.loss)
+        _, grads, aux = self.trainer.value_and_grad(self.weights, batch, self.loss)
         jax.block_until_ready(grads)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, aux.stats
 
     def step(self, arm: str, rnd: int, step: int) -> dict[str, Any]:
         cfg, m = self.cfg, self.cfg.group_size
@@ -314,7 +329,9 @@ class TraceBench:
                 lam=cfg.lam, units="relative",
             )  # fmt: skip
             counts, early = list(plan.counts), list(plan.early_stop)
+        plan_s = time.perf_counter() - t0
         reqs, rank, rollout_s = self.generate(picks, counts, early)
+        t1 = time.perf_counter()
         kept, update = [], {}
         k = cfg.short_k or m - 1
         for (p, _, trunc), rs, stop in zip(picks, reqs, early, strict=True):
@@ -332,7 +349,8 @@ class TraceBench:
             ]
         if arm == "darts":
             self.state.update(update)
-        train_s = self.train(picks, reqs, kept)
+        select_s = time.perf_counter() - t1
+        train_s, stats = self.train(picks, reqs, kept)
         step_s = time.perf_counter() - t0
         gen = [len(r.tokens) for rs in reqs for r in rs]
         cancelled = [len(r.tokens) for rs in reqs for r in rs if r.finish is FinishReason.CANCELLED]
@@ -349,6 +367,12 @@ class TraceBench:
             cancelled_tokens=int(sum(cancelled)),
             kept_len_mean=float(np.mean(kept_lens)),
             kept_lens=kept_lens,
+            plan_s=plan_s,
+            select_s=select_s,
+            other_s=step_s - rollout_s - train_s,
+            train_tree_tokens=int(stats.get("tree_tokens", 0)),
+            train_plan_steps=int(stats.get("num_steps", 0)),
+            train_padded_steps=int(stats.get("padded_steps", 0)),
             candidates=int(sum(counts)),
             early_stop_groups=int(sum(early)),
             compiled=compile_count() != compiles,
@@ -401,8 +425,11 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             compiled_steps=len(mine) - len([r for r in mine if not r["compiled"]]),
             **{
                 k: float(np.median([r[k] for r in clean]))
-                for k in ("rollout_s", "train_s", "step_s")
+                for k in ("rollout_s", "train_s", "step_s", "other_s")
             },
+            train_tree_tokens=float(np.mean([r["train_tree_tokens"] for r in mine])),
+            train_plan_steps=float(np.mean([r["train_plan_steps"] for r in mine])),
+            train_padded_steps=float(np.mean([r["train_padded_steps"] for r in mine])),
             generated_tokens=float(np.mean([r["generated_tokens"] for r in mine])),
             cancelled_tokens=float(np.mean([r["cancelled_tokens"] for r in mine])),
             candidates=float(np.mean([r["candidates"] for r in mine])),
@@ -413,16 +440,33 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         )
     g, d = out["grpo"], out["darts"]
     out["speedup"] = {k: g[k] / d[k] for k in ("rollout_s", "train_s", "step_s")}
+    # Paired: both arms ran the same draws at each (round, step); the ratio of their
+    # summed seconds over the pairs in which neither arm compiled.
+    by = {(r["round"], r["step"], r["arm"]): r for r in rows}
+    pairs = [
+        (by[(r, s, "grpo")], by[(r, s, "darts")])
+        for r, s, a in by
+        if a == "grpo" and (r, s, "darts") in by
+    ]
+    pairs = [(a, b) for a, b in pairs if not (a["compiled"] or b["compiled"])]
+    out["paired_steps"] = len(pairs)
+    out["paired_speedup"] = {
+        k: sum(a[k] for a, _ in pairs) / sum(b[k] for _, b in pairs) if pairs else float("nan")
+        for k in ("rollout_s", "train_s", "step_s")
+    }
     out["length_bias"] = d["kept_len_mean"] / g["kept_len_mean"]
     return out
 
 
 def format_table(res: dict[str, Any]) -> str:
     s = res["summary"]
-    header = ("arm", "steps", "rollout s", "train s", "step s", "candidates", "generated tok",
-              "cancelled tok", "kept len mean", "p50", "p90", "max")  # fmt: skip
+    header = ("arm", "steps", "rollout s", "train s", "other s", "step s", "train plan steps",
+              "candidates", "generated tok", "cancelled tok", "kept len mean", "p50", "p90",
+              "max")  # fmt: skip
     cells = [
-        (arm, s[arm]["steps"], *(f"{s[arm][k]:.3f}" for k in ("rollout_s", "train_s", "step_s")),
+        (arm, s[arm]["steps"],
+         *(f"{s[arm][k]:.3f}" for k in ("rollout_s", "train_s", "other_s", "step_s")),
+         f"{s[arm]['train_plan_steps']:.0f} / {s[arm]['train_padded_steps']:.0f}",
          f"{s[arm]['candidates']:.1f}", f"{s[arm]['generated_tokens']:.0f}",
          f"{s[arm]['cancelled_tokens']:.0f}", f"{s[arm]['kept_len_mean']:.1f}",
          f"{s[arm]['kept_len_p50']:.0f}", f"{s[arm]['kept_len_p90']:.0f}",
@@ -431,6 +475,12 @@ def format_table(res: dict[str, Any]) -> str:
     ]  # fmt: skip
     sp = s["speedup"]
     out = "\n".join(report.markdown(header, cells, compact=True))
+    ps = s["paired_speedup"]
+    out += (
+        f"\npaired speedup grpo/darts (summed seconds of the {s['paired_steps']} (round, step) "
+        f"pairs on the same draws, neither compiled): step {ps['step_s']:.2f}x, rollout "
+        f"{ps['rollout_s']:.2f}x, train {ps['train_s']:.2f}x"
+    )
     out += (
         f"\nspeedup grpo/darts (medians of steps that compiled nothing): step "
         f"{sp['step_s']:.2f}x (goal >= 1.5 on verl_math), rollout {sp['rollout_s']:.2f}x, "
@@ -442,9 +492,10 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 def json_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """One object per arm and timed step (``JSON_KEYS``, plus step and compiled)."""
+    """One object per arm and timed step (``JSON_KEYS``, plus step, compiled and the
+    breakdown: ``EXTRA_KEYS``)."""
     return [
-        {**{k: r[k] for k in JSON_KEYS}, "step": r["step"], "compiled": r["compiled"]}
+        {**{k: r[k] for k in JSON_KEYS}, **{k: r[k] for k in ("step", "compiled", *EXTRA_KEYS)}}
         for r in res["rows"]
     ]
 
@@ -463,6 +514,7 @@ def run(
 
 __all__ = [
     "ARMS",
+    "EXTRA_KEYS",
     "JSON_KEYS",
     "TRACES",
     "TraceBench",

@@ -15,13 +15,18 @@ beta are nominal constants (``Machine``), not this machine's: the profile is a
 model of a machine, and since it has no timing noise, how well the predictor's
 piecewise-linear interpolation reproduces held-out grid points
 (``pat.leave_one_out``) measures the interpolation alone (goal <= 2%; the timed
-profile's goal of <= 4% stays for real hardware). XLA's cost analysis counts the
-body of the decode program's step loop once, so the seconds are per step.
+profile's goal of <= 4% stays for real hardware). The profile holds the engine's decode
+windows (R/4, R/2, R); the check also computes the analytic points at the windows
+k R / 8 between them that the profile does not hold (``held_out_windows``: 3R/8, 5R/8,
+3R/4, 7R/8) and predicts each from the profile, reporting the error per window. XLA's
+cost analysis counts the body of the decode program's step loop once, so the seconds
+are per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -29,6 +34,7 @@ import numpy as np
 
 from dtarl.bench.pat_profile import ProfileGrid, Profiler, tree_bytes
 from dtarl.rollout import pat
+from dtarl.rollout.config import decode_windows
 from dtarl.rollout.engine import RolloutEngine
 from dtarl.rollout.pool import slot_arrays
 from dtarl.rollout.programs import ProgramKey, ProgramKind
@@ -75,10 +81,27 @@ def step_seconds(cost: dict[str, float], *, tp: int, b: int, hidden: int, layers
     return s
 
 
-def analytic_profile(
-    model, weights, grid: ProfileGrid, engine: RolloutEngine, machine: Machine | None = None
-) -> pat.Profile:
-    """The analytic ``Profile`` of ``grid`` on ``engine`` (idle, on a mesh of its
+def held_out_windows(response_len: int) -> list[int]:
+    """The windows k R / 8 strictly between the engine's smallest and largest decode
+    window that are not engine windows (R = 256: 96, 160, 192, 224): the check's
+    held-out windows, which the profile does not hold."""
+    ws = decode_windows(response_len)
+    lo, hi = min(ws), max(ws)
+    return sorted(
+        {w for k in range(1, 8) if lo < (w := k * response_len // 8) < hi and w not in ws}
+    )
+
+
+def analytic_points(
+    model,
+    weights,
+    grid: ProfileGrid,
+    engine: RolloutEngine,
+    windows: Sequence[int],
+    machine: Machine | None = None,
+) -> list[dict[str, Any]]:
+    """The analytic decode rows ``{tp, b, l, t, seconds, flops, bytes}`` of every grid
+    point (tp, slots) at each window in ``windows`` (``engine`` idle on a mesh of its
     devices; left on its first mesh)."""
     m = machine or Machine()
     c = grid.engine
@@ -88,12 +111,11 @@ def analytic_profile(
     first = tuple(int(x) for x in engine.mesh.devices.shape)
     prof = Profiler(engine, weights, 0)
     cells = c.prompt_slots * c.group_size * c.prompt_len
-    windows = sorted({int(x) for x in _windows(c.response_len)})
     dec: list[dict[str, Any]] = []
     for tp, s in dataclasses.replace(grid, tps=tuple(tps)).points(d):
         dp = d // tp
         prof.move_to(dp, tp, s)
-        for w in windows:
+        for w in sorted({int(x) for x in windows}):
             cost = program_cost(engine, weights, w)
             sec = step_seconds(
                 cost, tp=tp, b=s // dp, hidden=model.cfg.hidden_size,
@@ -101,8 +123,25 @@ def analytic_profile(
             )  # fmt: skip
             dec.append(dict(tp=tp, b=s // dp, l=w, t=(cells + s * w) / dp, seconds=sec, **cost))
     prof.move_to(*first, c.slots)
+    return dec
+
+
+def analytic_profile(
+    model, weights, grid: ProfileGrid, engine: RolloutEngine, machine: Machine | None = None,
+    rows: Sequence[dict[str, Any]] | None = None,
+) -> pat.Profile:  # fmt: skip
+    """The analytic ``Profile`` of ``grid`` on ``engine`` at the engine's decode windows
+    (``rows``: ``analytic_points`` already computed; those at other windows are left
+    out)."""
+    m = machine or Machine()
+    c = grid.engine
+    windows = decode_windows(c.response_len)
+    if rows is None:
+        rows = analytic_points(model, weights, grid, engine, windows, m)
+    dec = [dict(r) for r in rows if r["l"] in windows]
+    d = engine.mesh.devices.size
     pre = [dict(tp=r["tp"], b=r["b"], l=c.prompt_len, t=r["b"] * c.prompt_len, seconds=r["seconds"])
-           for r in dec if r["l"] == windows[0]]  # fmt: skip
+           for r in dec if r["l"] == min(windows)]  # fmt: skip
     return pat.Profile(
         model={
             k: v if isinstance(v, int | float | str | bool) or v is None else str(v)
@@ -127,24 +166,53 @@ def analytic_profile(
     )
 
 
-def _windows(response_len: int):
-    from dtarl.rollout.config import decode_windows
-
-    return decode_windows(response_len)
-
-
-def check(profile: pat.Profile) -> dict[str, Any]:
-    """Held-out interpolation error on the analytic profile (``pat.leave_one_out``)."""
+def check(profile: pat.Profile, held_out: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """Held-out interpolation error on the analytic profile: each row of ``held_out``
+    (analytic points at windows the profile does not hold, ``held_out_windows``)
+    predicted from the profile, per window and in all; and ``pat.leave_one_out``'s
+    points inside the grid (between windows of one B: ``t_error``; between B levels:
+    ``b_error``). ``mean_rel_error``: over every held-out point of both kinds."""
     loo = pat.leave_one_out(profile)
-    errs = [e["rel_error"] for e in loo]
+    predictor = pat.Predictor(profile)
+    scale = profile.decode_scale
+    between = []
+    for r in held_out:
+        pred = float(predictor.step_seconds(r["tp"], r["b"], r["t"])) / scale
+        between.append(dict(r, predicted=pred, rel_error=abs(pred - r["seconds"]) / r["seconds"]))
+    per_window = [
+        dict(
+            window=w,
+            points=len(errs),
+            mean_rel_error=float(np.mean(errs)),
+            max_rel_error=float(np.max(errs)),
+        )
+        for w in sorted({r["l"] for r in between})
+        if (errs := [r["rel_error"] for r in between if r["l"] == w])
+    ]
+    errs = [e["rel_error"] for e in loo] + [r["rel_error"] for r in between]
+
+    def mean(xs):
+        return float(np.mean(xs)) if xs else float("nan")
+
     return dict(
         label="PREDICTION (analytic profile)",
-        held_out_points=len(loo),
-        mean_rel_error=float(np.mean(errs)) if errs else float("nan"),
+        held_out_points=len(errs),
+        mean_rel_error=mean(errs),
         max_rel_error=float(np.max(errs)) if errs else float("nan"),
-        t_error=float(np.mean([e["rel_error"] for e in loo if e["kind"] == "t"] or [np.nan])),
-        b_error=float(np.mean([e["rel_error"] for e in loo if e["kind"] == "b"] or [np.nan])),
+        t_error=mean([e["rel_error"] for e in loo if e["kind"] == "t"]),
+        b_error=mean([e["rel_error"] for e in loo if e["kind"] == "b"]),
+        windows=per_window,
+        window_points=len(between),
+        window_mean_rel_error=mean([r["rel_error"] for r in between]),
     )
 
 
-__all__ = ["Machine", "analytic_profile", "check", "program_cost", "step_seconds"]
+__all__ = [
+    "Machine",
+    "analytic_points",
+    "analytic_profile",
+    "check",
+    "held_out_windows",
+    "program_cost",
+    "step_seconds",
+]

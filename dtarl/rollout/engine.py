@@ -506,8 +506,8 @@ class RolloutEngine:
         mesh: a ('dp', 'tp') Mesh over the engine's devices or a (dp, tp) pair (see
           ``switch_targets``). slots: the new slot count (default: the smallest dp * 2^k
           holding every live request, capped at config.slots; config.slots while a request
-          waits); below config.slots only when no request waits. mode: "migrate" (gather
-          the live response rows and move them, layer by layer) or "recompute" (rebuild
+          waits); below config.slots only when no request waits. mode: "migrate" (pack
+          only the valid K/V rows and move them, layer by layer) or "recompute" (rebuild
           every resident prompt by prefill and every live request's rows by extend from
           its tokens). A switch to the current (mesh, slots) does nothing.
           donate: also free the caller's weight buffers as they move (weights a
@@ -515,7 +515,7 @@ class RolloutEngine:
 
         Returns (weights on the new mesh, info); info: mode, dp, tp, slots, live,
         weights_s, kv_s, compile_s (the target's decode program, and the prefill/extend
-        or row-gather programs the K/V stage runs; excluded from kv_s; ~0 when cached),
+        or row pack/unpack programs the K/V stage runs; excluded from kv_s; ~0 cached),
         seconds, compiled (programs traced), moved_weight_bytes, moved_kv_bytes,
         live_kv_bytes, peak_extra_bytes, weights_peak_extra_bytes, kv_peak_extra_bytes
         (summed over the addressable shards of every device; ``dtarl.rollout.reshard``).
@@ -552,7 +552,7 @@ class RolloutEngine:
         t0 = time.perf_counter()
         if mode == "migrate":
             self.pool.arrays, kv_moved, kv_peak, rows_compile_s = self.resharder.migrate(
-                self.pool.arrays, old_at, (mesh, n), src
+                self.pool.arrays, old_at, (mesh, n), src, sched
             )
         else:
             kv_moved, kv_peak, rows_compile_s = 0, self._recompute(new_weights, calls), 0.0

@@ -43,7 +43,8 @@ and *to what*:
   windows of one B; between B levels).
 * **Switch cost** (``switch_cost``): weight bytes / reshard bandwidth +
   min(T_move, T_recomp) + a compile when the target program is not cached.
-  T_move is Eq. 1-2 (valid K/V bytes per source rank / per-rank bandwidth).
+  T_move is Eq. 1-2 (K/V bytes per source rank / per-rank bandwidth) over the rows
+  the engine's migrate moves: the valid ones, padded as ``reshard.migrate_rows`` pads.
   T_recomp is what the engine's recompute runs (``Predictor.recompute_seconds``):
   the prefill calls over the resident prompts and the extend calls over every
   request holding a slot, chunked and padded as the engine does

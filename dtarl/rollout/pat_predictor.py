@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from dtarl.rollout.config import recompute_calls
+from dtarl.rollout.reshard import migrate_rows
 
 FORMAT = "dtarl.pat.profile/1"
 TP_DEGREES = (1, 2, 4, 8)
@@ -475,6 +476,11 @@ def switch_cost(
     lengths ``contexts`` (prompt + generated): weights + min(T_move, T_recomp) +
     compile (when the target program is not ``cached``).
 
+    T_move is Eq. 1-2 over the rows the engine's migrate moves when ``live_lengths``
+    is given (each resident prompt's ``length - 1`` rows once, each live request's
+    response rows, each sum padded as ``dtarl.rollout.reshard.migrate_rows`` pads it);
+    without an engine layout, over the full ``contexts`` (the paper's form).
+
     T_recomp is what the engine's recompute runs when the profile has ``kv_calls`` and
     ``live_lengths`` is given (the response rows of every request holding a slot, slot
     order; ``resident``: the resident prompts' lengths): ``Predictor.recompute_seconds``
@@ -488,7 +494,12 @@ def switch_cost(
     ctx = np.asarray(contexts, np.float64)
     if ctx.size == 0:
         return SwitchCost(weights_s, 0.0, 0.0, 0.0 if cached else prof.compile_s)
-    move_s = kv_rank_bytes(prof.model, ctx.astype(np.int64), tp_src) / prof.kv_bytes_per_s
+    if live_lengths is not None:  # what the engine's migrate moves (valid rows, padded)
+        prompt_rows = [int(x) - 1 for x in (() if resident is None else resident)]
+        rows = migrate_rows(prompt_rows, live_lengths, prof.devices // tp_src, dp_dst)
+        move_s = kv_rank_bytes(prof.model, rows, tp_src) / prof.kv_bytes_per_s
+    else:
+        move_s = kv_rank_bytes(prof.model, ctx.astype(np.int64), tp_src) / prof.kv_bytes_per_s
     if predictor.has_kv_calls and live_lengths is not None:
         recompute_s = predictor.recompute_seconds(
             tp_dst, () if resident is None else resident, live_lengths

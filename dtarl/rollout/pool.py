@@ -130,6 +130,14 @@ class KVPool:
         self._placements[key] = out
         return out
 
+    def compact(self, mesh: Mesh, rows: int) -> NamedSharding:
+        """The sharding of a migrate's compact K/V ([rows, kv_heads, head_dim]: valid rows
+        packed, ``dtarl.rollout.reshard``): rows over dp, kv heads over tp."""
+        cfg = self.model_cfg
+        logical = (axes.BATCH, axes.KV_HEADS, axes.HEAD_DIM)
+        shape = (rows, cfg.num_kv_heads, cfg.head_dim)
+        return NamedSharding(mesh, logical_to_spec(logical, shape, mesh, self.rules, exclude=())[0])
+
     def zeros(self, n: int, placement: Placement | None) -> K.Pool:
         """An empty pool of ``n`` slots, created in place (on ``placement``'s
         shardings, or the default device without one)."""

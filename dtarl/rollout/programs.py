@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -31,8 +32,9 @@ class ProgramKind(enum.Enum):
     DECODE = "decode"  # steps decode steps of every slot (kernels.decode_chunk)
     PREFILL = "prefill"  # prefill_batch prompts into prompt rows (kernels.prefill)
     EXTEND = "extend"  # extend_batch requests' appended tokens (kernels.extend)
-    GATHER = "gather"  # rows idx of one response layer, out on ``rows`` slots
-    CUT = "cut"  # the first ``rows`` rows of one response layer
+    PACK = "pack"  # ``rows`` valid rows of one K/V layer into a compact [rows, K, D]
+    UNPACK_PROMPT = "unpack_prompt"  # a compact array into an empty prompt layer
+    UNPACK_RESPONSE = "unpack_response"  # ... into an empty response layer of ``slots``
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,7 +42,7 @@ class ProgramKey:
     """One program: ``kind`` on ``mesh`` (None: one device) with ``slots`` slots, and
     the statics of its kind (the others stay 0/False): decode ``steps``, ``filtered``
     (top-k/top-p on), ``window`` (response rows read); prefill/extend ``length`` (the
-    padded tokens per row, a ``len_bucket``); gather/cut ``rows`` (output rows)."""
+    padded tokens per row, a ``len_bucket``); pack/unpack ``rows`` (compact rows)."""
 
     kind: ProgramKind
     mesh: Mesh | None
@@ -179,18 +181,21 @@ class ProgramCache:
 
             return self._jit(fn, key, pool_only=True)
         rows = key.rows
-        out = self.pool.placement(key.mesh, rows).pool.resp_k[0]
-        if kind is ProgramKind.GATHER:
+        if kind is ProgramKind.PACK:
 
             def fn(x, idx):
                 count()
-                return x[idx]
+                return x.reshape((-1,) + x.shape[2:])[idx]
 
-        else:
+            return jax.jit(fn, out_shardings=self.pool.compact(key.mesh, rows))
+        part = "prompt_k" if kind is ProgramKind.UNPACK_PROMPT else "resp_k"
+        like = getattr(self.pool.shapes(key.slots), part)[0]
+        out = getattr(self.pool.placement(key.mesh, key.slots).pool, part)[0]
 
-            def fn(x):
-                count()
-                return x[:rows]
+        def fn(c, idx):
+            count()
+            flat = jnp.zeros((like.shape[0] * like.shape[1],) + like.shape[2:], like.dtype)
+            return flat.at[idx].set(c, mode="drop").reshape(like.shape)
 
         return jax.jit(fn, out_shardings=out)
 

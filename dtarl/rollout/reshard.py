@@ -15,12 +15,18 @@ with ``adopt``; the caller's weights are never deleted unless ``donate=True``), 
 extra memory is the largest parameter (plus any growth of the total, e.g. towards a
 smaller tp).
 
-*K/V.* "migrate" gathers the live response rows on the old mesh (into a row count its
-dp divides, so nothing is replicated there), moves them and cuts them to the new slot
-count on the new mesh, layer by layer, each old buffer freed as soon as its copy
-exists; the prompt pool moves as is. "recompute" frees the old pool, creates the empty
-one and rebuilds every resident prompt by prefill and every live request's rows by
-extend from its tokens (``recompute_calls``; the engine runs the calls).
+*K/V.* "migrate" moves only the valid K/V (``migrate_rows``): on the old mesh it packs
+the valid rows of each layer (each resident prompt's ``prompt.size - 1`` rows, each live
+request's ``length`` response rows) into one compact [V, K, D] array per pool part,
+V padded up to a multiple of lcm(old dp, new dp) so the rows split over dp on both
+meshes and nothing is replicated; moves the compact arrays (``transfer``) and scatters
+them into the empty pool of the new slot count on the new mesh (new slot j takes old
+slot ``src[j]``'s rows, prompt rows keep their rows), layer by layer, each old buffer
+freed as soon as its copy exists. Padded slot rows, free slots and free prompt rows
+never move; the prompt lengths are the host's (scheduler) values, uploaded. "recompute"
+frees the old pool, creates the empty one and rebuilds every resident prompt by prefill
+and every live request's rows by extend from its tokens (``recompute_calls``; the
+engine runs the calls).
 
 Bytes are host bookkeeping of jax buffers (``dtarl.rollout.pool``): a "peak extra" is
 the largest sum, during the switch, of the buffers it created minus the old buffers it
@@ -30,11 +36,14 @@ already freed, taken after each transfer completes.
 from __future__ import annotations
 
 import functools
+import math
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
@@ -43,6 +52,7 @@ from dtarl.rollout import kernels as K
 from dtarl.rollout.config import EngineError, merged_slots
 from dtarl.rollout.pool import KVPool, buffer_ids, device_bytes, free_array, new_bytes
 from dtarl.rollout.programs import ProgramCache, ProgramKey, ProgramKind
+from dtarl.rollout.scheduler import Scheduler
 
 # The keys of ``reshard``'s info dict.
 INFO_KEYS = (
@@ -149,6 +159,20 @@ def target_mesh(base: Mesh | None, mesh, kv_heads: int, field: str = "mesh") -> 
     return mesh if isinstance(mesh, Mesh) else mesh_for(base, *shape)
 
 
+def migrate_rows(
+    prompt_rows: Sequence[int], response_rows: Sequence[int], dp_src: int, dp_dst: int
+) -> tuple[int, int]:
+    """(prompt rows, response rows) a migrate moves: the valid rows of each pool part
+    (each resident prompt's, each live request's), each sum padded up to a multiple of
+    lcm(dp_src, dp_dst) so the compact rows split over dp on both meshes (0 stays 0)."""
+    m = math.lcm(int(dp_src), int(dp_dst))
+
+    def pad(v) -> int:
+        return -(-int(sum(int(x) for x in v)) // m) * m
+
+    return pad(prompt_rows), pad(response_rows)
+
+
 def _identity(x):
     return x
 
@@ -164,8 +188,12 @@ def transfer(x, target):
     """``x`` onto the sharding ``target``, device to device when ``x`` is a jax array
     on the same devices (any mesh over them): on jax 0.10, ``device_put`` between two
     meshes over the same devices fetches every array to the host and uploads it
-    again, which JAX's transfer guards do not see. Anything else (host arrays,
-    another device set) goes through ``device_put``."""
+    again, which JAX's transfer guards do not see. An array already on ``target``
+    (the same sharding) is returned as is: a switch that keeps the TP moves no
+    weights. Anything else (host arrays, another device set) goes through
+    ``device_put``."""
+    if isinstance(x, jax.Array) and x.sharding == target:  # equal, not just equivalent:
+        return x  # an equivalent sharding on another mesh would retrace the programs
     if (
         isinstance(x, jax.Array)
         and isinstance(target, NamedSharding)
@@ -223,41 +251,69 @@ class Resharder:
         return jax.tree_util.tree_unflatten(treedef, out), moved, peak
 
     def migrate(
-        self, old: K.Pool, old_at: tuple[Mesh, int], new_at: tuple[Mesh, int], src: np.ndarray
+        self,
+        old: K.Pool,
+        old_at: tuple[Mesh, int],
+        new_at: tuple[Mesh, int],
+        src: np.ndarray,
+        sched: Scheduler,
     ) -> tuple[K.Pool, int, int, float]:
-        """The pool on ``new_at`` = (mesh, slots), new slot j holding old row ``src[j]``;
+        """The pool on ``new_at`` = (mesh, slots) holding only the valid K/V (module
+        docstring): new slot j takes old slot ``src[j]``'s rows, ``sched`` (already
+        reshaped to the new slots) names the live requests and resident prompts;
         (pool, bytes moved, peak extra bytes, compile seconds of the row programs)."""
-        old_mesh, _ = old_at
-        mesh, n = new_at
-        sh = self.pool.placement(mesh, n).pool
-        dp0 = old_mesh.shape["dp"]
-        pad = -(-n // dp0) * dp0
+        c = self.pool.config
+        (old_mesh, old_n), (mesh, n) = old_at, new_at
+        dp0, dp1 = old_mesh.shape["dp"], mesh.shape["dp"]
+        resident = sched.resident()
+        live = [(j, r) for j, r in enumerate(sched.slot_req) if r is not None and r.length]
+        p_rows = [g.prompt.size - 1 for g in resident]
+        vp, vr = migrate_rows(p_rows, [r.length for _, r in live], dp0, dp1)
+        p_at = [
+            g.pslot * c.prompt_len + np.arange(k) for g, k in zip(resident, p_rows, strict=True)
+        ]
+        r_old = [int(src[j]) * c.response_len + np.arange(r.length) for j, r in live]
+        r_new = [j * c.response_len + np.arange(r.length) for j, r in live]
+        plen = np.zeros(c.prompt_slots, np.int32)
+        for g, k in zip(resident, p_rows, strict=True):
+            plen[g.pslot] = k
         programs = self.programs
-        gather = programs.get(
-            ProgramKey(kind=ProgramKind.GATHER, mesh=old_mesh, slots=old_at[1], rows=pad)
-        )
-        idx = np.zeros(pad, np.int32)  # uncommitted: follows x onto its mesh
-        idx[:n] = src
+        sh = self.pool.placement(mesh, n).pool
+        parts = []  # (pool part, its programs and indices or None: no valid rows)
         t0 = time.perf_counter()  # compile (or find cached) the row programs first
-        gather.lower(old.resp_k[0], idx).compile()
-        mid = cut = None
-        if pad != n:
-            mid = self.pool.placement(mesh, pad).pool.resp_k[0]
-            cut = programs.get(ProgramKey(kind=ProgramKind.CUT, mesh=mesh, slots=pad, rows=n))
-            a = old.resp_k[0]
-            cut.lower(jax.ShapeDtypeStruct((pad,) + a.shape[1:], a.dtype, sharding=mid)).compile()
+        for name, rows, at_old, at_new, drop, kind in (
+            ("prompt", vp, p_at, p_at, c.prompt_slots * c.prompt_len, ProgramKind.UNPACK_PROMPT),
+            ("resp", vr, r_old, r_new, n * c.response_len, ProgramKind.UNPACK_RESPONSE),
+        ):
+            if not rows:
+                parts.append((name, None))
+                continue
+            i_old = np.zeros(rows, np.int32)  # pad rows read row 0 and are dropped
+            i_new = np.full(rows, drop, np.int32)
+            if at_old:
+                i_old[: sum(x.size for x in at_old)] = np.concatenate(at_old)
+                i_new[: sum(x.size for x in at_new)] = np.concatenate(at_new)
+            pack = programs.get(
+                ProgramKey(kind=ProgramKind.PACK, mesh=old_mesh, slots=old_n, rows=rows)
+            )
+            unpack = programs.get(ProgramKey(kind=kind, mesh=mesh, slots=n, rows=rows))
+            x = getattr(old, f"{name}_k")[0]
+            pack.lower(x, i_old).compile()
+            compact = self.pool.compact(mesh, rows)
+            unpack.lower(
+                jax.ShapeDtypeStruct((rows,) + x.shape[2:], x.dtype, sharding=compact), i_new
+            ).compile()
+            parts.append((name, (pack, unpack, i_old, i_new, compact)))
         compile_s = time.perf_counter() - t0
         extra = peak = moved = 0
 
-        def move(x, target, rows):
+        def move(x, prog):
             nonlocal extra, peak, moved
-            chain = [x]
-            if rows:
-                chain.append(gather(x, idx))
-            chain.append(transfer(chain[-1], mid if rows and pad != n else target))
-            moved += new_bytes(chain[-1], chain[-2])
-            if rows and pad != n:
-                chain.append(cut(chain[-1]))
+            pack, unpack, i_old, i_new, compact = prog
+            chain = [x, pack(x, i_old)]
+            chain.append(transfer(chain[-1], compact))  # as is when the mesh is kept
+            moved += device_bytes(chain[-1])  # the valid rows, rewritten into the new pool
+            chain.append(unpack(chain[-1], i_new))
             z = chain[-1]
             z.block_until_ready()
             extra += sum(new_bytes(b, a) for a, b in zip(chain, chain[1:], strict=False))
@@ -266,12 +322,26 @@ class Resharder:
                 extra -= free_array(a, *chain[i + 1 :])
             return z
 
-        resp_k = tuple(move(x, s, True) for x, s in zip(old.resp_k, sh.resp_k, strict=True))
-        resp_v = tuple(move(x, s, True) for x, s in zip(old.resp_v, sh.resp_v, strict=True))
-        prompt_k = tuple(move(x, s, False) for x, s in zip(old.prompt_k, sh.prompt_k, strict=True))
-        prompt_v = tuple(move(x, s, False) for x, s in zip(old.prompt_v, sh.prompt_v, strict=True))
-        plen = move(old.prompt_len, sh.prompt_len, False)
-        return K.Pool(prompt_k, prompt_v, plen, resp_k, resp_v), moved, peak, compile_s
+        def empty(x, like, target):  # a part with no valid rows: nothing moves
+            nonlocal extra, peak
+            z = jnp.zeros(like.shape, like.dtype, device=target)
+            extra += device_bytes(z)
+            peak = max(peak, extra)
+            extra -= free_array(x, z)
+            return z
+
+        out, shapes = {}, self.pool.shapes(n)
+        for name, prog in parts:
+            for field in (f"{name}_k", f"{name}_v"):
+                out[field] = tuple(
+                    empty(x, a, t) if prog is None else move(x, prog)
+                    for x, a, t in zip(
+                        getattr(old, field), getattr(shapes, field), getattr(sh, field), strict=True
+                    )
+                )
+        old.prompt_len.delete()
+        plen = jax.device_put(plen, sh.prompt_len)  # the host's lengths, uploaded
+        return K.Pool(prompt_len=plen, **out), moved, peak, compile_s
 
     def fresh_pool(self, new_at: tuple[Mesh, int]) -> int:
         """Frees the pool's arrays and creates the empty pool of ``new_at``; the extra
@@ -287,6 +357,7 @@ __all__ = [
     "INFO_KEYS",
     "Resharder",
     "mesh_for",
+    "migrate_rows",
     "need_mesh",
     "switch_slots",
     "switch_targets",

@@ -48,6 +48,12 @@ def test_arms_share_draws_and_early_stop_cancels():
     assert d["cancelled_tokens"] > 0 or all(len(set(x[1].tolist())) == 1 for x in picks)
     s = D.summarize([g | {"compiled": False}, d | {"compiled": False}])
     assert s["length_bias"] == pytest.approx(d["kept_len_mean"] / g["kept_len_mean"])
+    # One (round, step) pair on the same draws; a pair where an arm compiled is left out.
+    assert s["paired_steps"] == 1
+    assert s["paired_speedup"]["step_s"] == pytest.approx(g["step_s"] / d["step_s"])
+    assert g["other_s"] == pytest.approx(g["step_s"] - g["rollout_s"] - g["train_s"])
+    s = D.summarize([g | {"compiled": True}, d | {"compiled": False}])
+    assert s["paired_steps"] == 0
 
 
 def test_bad_trace_names_the_accepted_values(capsys):

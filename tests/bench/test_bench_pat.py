@@ -112,3 +112,68 @@ def test_analytic_step_seconds_by_hand():
     # tp 4: 2 layers x 2 all-reduces of 4 x 8 x 4 = 128 bytes, ring: 6 alpha + 1.5 m beta
     want = 2e-3 + 2 * 2 * (6 * 1e-6 + 1.5 * 128 * 1e-9)
     assert step_seconds(cost, tp=4, b=4, hidden=8, layers=2, machine=m) == pytest.approx(want)
+
+
+def test_analytic_check_reports_each_held_out_window():
+    import sys
+    from pathlib import Path
+
+    from dtarl.bench.pat_analytic import check, held_out_windows
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "rollout"))
+    from test_pat import make_profile
+
+    # The windows k R / 8 between the engine's R/4 .. R that it does not decode with.
+    assert held_out_windows(256) == [96, 160, 192, 224]
+    assert held_out_windows(64) == [24, 40, 48, 56]
+
+    def step(tp, b, t):  # piecewise linear in T between the profile's windows 8, 64, 512
+        return 1e-3 * tp + 1e-4 * b + 1e-6 * t
+
+    prof = make_profile(step)
+    # Held out at window 36 (between 8 and 64) on the curve: no error; at window 288 a
+    # point 10% above the line: 1/11 relative error of the prediction.
+    held = [
+        dict(tp=2, b=4, l=36, t=4 * (36 + 16), seconds=step(2, 4, 4 * (36 + 16))),
+        dict(tp=2, b=4, l=288, t=4 * (288 + 16), seconds=1.1 * step(2, 4, 4 * (288 + 16))),
+        dict(tp=4, b=16, l=288, t=16 * (288 + 16), seconds=step(4, 16, 16 * (288 + 16))),
+    ]
+    got = check(prof, held)
+    assert [w["window"] for w in got["windows"]] == [36, 288]
+    assert [w["points"] for w in got["windows"]] == [1, 2]
+    assert got["windows"][0]["mean_rel_error"] == pytest.approx(0, abs=1e-12)
+    assert got["windows"][1]["max_rel_error"] == pytest.approx(0.1 / 1.1, 1e-9)
+    assert got["windows"][1]["mean_rel_error"] == pytest.approx(0.1 / 1.1 / 2, 1e-9)
+    assert got["window_points"] == 3
+    assert got["window_mean_rel_error"] == pytest.approx(0.1 / 1.1 / 3, 1e-9)
+    # leave_one_out's points count in the overall mean too (all exact on linear data).
+    assert got["held_out_points"] == 3 + len(pat.leave_one_out(prof))
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_bandwidths_time_no_compile(monkeypatch):
+    """The switch bandwidths time moves whose programs are compiled: the first pass of
+    each direction (it compiles the jitted identities) is untimed, so no timed interval
+    holds a backend compile (they used to: a 0.3 MB/s "bandwidth" under load)."""
+    import time
+
+    from flax import nnx
+
+    from dtarl.bench import pat_profile
+    from dtarl.model import ModelConfig, init_model
+    from dtarl.parallel.mesh import make_mesh
+    from dtarl.rollout.compiles import compile_count
+
+    cfg = ModelConfig.tiny(num_heads=8, num_kv_heads=8, head_dim=8)
+    weights = nnx.split(init_model(cfg, seed=0), nnx.Param)[1]
+    marks, real = [], time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: (marks.append(compile_count()), real())[1])
+    w_bw, kv_bw = pat_profile.bandwidths(weights, cfg, {1: make_mesh(8, 1), 8: make_mesh(1, 8)})
+    monkeypatch.setattr(time, "perf_counter", real)
+    assert w_bw > 0 and kv_bw > 0
+    # 2 untimed moves (3 clock reads each: the last one is not read), then 4 timed ones
+    # of 4 reads: (start, end) of the weights, (start, end) of the K/V.
+    assert len(marks) == 2 * 3 + 4 * 4
+    timed = marks[6:]
+    for k in range(0, len(timed), 2):
+        assert timed[k] == timed[k + 1], f"a compile inside timed interval {k // 2}"

@@ -242,8 +242,9 @@ def test_recompute_seconds_follow_the_engines_calls():
     assert float(p.call_seconds("extend", 2, 48)) == pytest.approx(call_s("extend", 2, 48))
     assert float(p.call_seconds("extend", 2, 128)) == pytest.approx(call_s("extend", 2, 128))
     assert float(p.call_seconds("prefill", 2, 8)) == pytest.approx(call_s("prefill", 2, 16))
-    # switch_cost prices the recompute with the engine's calls onto the target TP (the
-    # running requests' contexts still give T_move).
+    # switch_cost prices the recompute with the engine's calls onto the target TP, and
+    # T_move over the rows the migrate moves: prompt rows 78 and response rows 145, each
+    # padded to a multiple of lcm(dp 8, dp 1) = 8 (not the running requests' contexts).
     contexts = [20 + 12, 32 + 40]
     c = pat.switch_cost(
         p,
@@ -256,9 +257,10 @@ def test_recompute_seconds_follow_the_engines_calls():
     )
     want = POOL_S * 8 + sum(call_s(k, 8, t) for k, t, *_ in calls)
     assert c.recompute_s == pytest.approx(want, 1e-12)
-    assert c.move_s == pytest.approx(pat.kv_rank_bytes(MODEL, contexts, 1) / 1e6)
-    # Without the engine's layout: Eq. 3-4.
+    assert c.move_s == pytest.approx(pat.kv_rank_bytes(MODEL, [80 + 152], 1) / 1e6)
+    # Without the engine's layout: Eq. 3-4, and T_move over the contexts (Eq. 1).
     eq34 = pat.switch_cost(p, tp_src=1, tp_dst=8, contexts=contexts, cached=True)
+    assert eq34.move_s == pytest.approx(pat.kv_rank_bytes(MODEL, contexts, 1) / 1e6)
     l_rms = math.sqrt(np.mean(np.square(contexts)))
     assert eq34.recompute_s == pytest.approx(1e-3 * 2 * l_rms / 8, 1e-9)
 

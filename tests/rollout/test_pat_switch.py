@@ -6,6 +6,8 @@ test leaves it idle on its construction mesh."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,11 +145,15 @@ peak_extra_bytes""".split()
 def test_warmup_targets_then_switch_compiles_no_decode(eng, weights, reference):
     w = eng.place(weights)
     eng.warmup(w, filtered=False, targets=[(4, 2, 8)])
-    before = eng.trace_count
+    before, keys = eng.trace_count, set(eng.programs.keys())
     got, infos = _generate(eng, weights, {1: (4, 2, 8)})
     _assert_same(got, reference)
-    assert infos[0]["compiled"] <= 1  # at most the row gather of the migration
-    assert eng.trace_count - before == infos[0]["compiled"]  # the decode calls: cached
+    # At most the migration's row programs (a pack of each pool part, an unpack into
+    # each); the decode calls: cached.
+    assert infos[0]["compiled"] <= 4
+    assert eng.trace_count - before == infos[0]["compiled"]
+    rows = {ProgramKind.PACK, ProgramKind.UNPACK_PROMPT, ProgramKind.UNPACK_RESPONSE}
+    assert {k.kind for k in set(eng.programs.keys()) - keys} <= rows
 
 
 @pytest.mark.parametrize(
@@ -418,7 +424,7 @@ def test_donated_weights_are_freed_layer_by_layer(eng, weights):
     split = [x for x, y in pairs if "tp" in y.sharding.spec]
     assert split and all(x.is_deleted() for x in split)
     assert 0 < info["weights_peak_extra_bytes"] < info["moved_weight_bytes"]
-    assert info["live"] == 0 and info["moved_kv_bytes"] > 0  # the (empty) pool moves too
+    assert info["live"] == 0 and info["moved_kv_bytes"] == 0  # no valid K/V: nothing moves
 
 
 def test_switch_moves_weights_and_kv_device_to_device(eng, weights, reference, monkeypatch):
@@ -452,3 +458,40 @@ def test_switch_moves_weights_and_kv_device_to_device(eng, weights, reference, m
     assert [i["mode"] for i in infos] == ["migrate", "migrate"]
     assert infos[0]["moved_weight_bytes"] > 0 and infos[0]["moved_kv_bytes"] > 0
     assert fetched == []
+
+
+@pytest.mark.parametrize("target", [(1, 8), (2, 4, 4)])
+def test_migrate_moves_only_the_valid_rows(eng, weights, reference, target):
+    """A migrate moves each resident prompt's valid rows and each live request's response
+    rows (their sums padded to a multiple of lcm(old dp, new dp)), not the padded slot
+    rows, the free slots or the whole prompt pool; generation goes on token for token."""
+    infos, expect = [], []
+
+    def before(eng, call):  # the rows, counted from the requests before the switch
+        live = eng.live_requests()
+        groups = {id(r.group): r.group for r in live}.values()
+        prompt = sum(g.prompt.size - 1 for g in groups)
+        resp = sum(r.length for r in live)
+        m = math.lcm(eng.view().dp, target[0])
+        expect.append(
+            (prompt, resp, -(-prompt // m) * m, -(-resp // m) * m, eng.allocated_kv_bytes())
+        )
+
+    groups = _submit(eng)
+    eng.run(eng.place(weights), on_call=_switcher({2: target}, "migrate", infos, before))
+    _assert_same([r.result() for g in groups for r in g.requests], reference)
+    (info,), ((prompt, resp, prompt_pad, resp_pad, allocated),) = infos, expect
+    tb = eng.token_kv_bytes
+    assert info["live_kv_bytes"] == (prompt + resp) * tb
+    assert info["moved_kv_bytes"] == (prompt_pad + resp_pad) * tb
+    assert info["moved_kv_bytes"] < allocated // 2
+
+
+def test_a_switch_that_keeps_the_tp_moves_no_weights(eng, weights, reference):
+    """Compaction into fewer slots on the same mesh: the weights stay where they are (no
+    copy, nothing freed), as the switch cost's weight term (0 at the same TP) assumes."""
+    got, infos = _generate(eng, weights, {1: (4, 2), 2: (4, 2, 4)}, "migrate")
+    _assert_same(got, reference)
+    assert infos[0]["moved_weight_bytes"] > 0
+    assert infos[1]["slots"] == 4 and infos[1]["moved_weight_bytes"] == 0
+    assert infos[1]["weights_peak_extra_bytes"] == 0 and infos[1]["moved_kv_bytes"] > 0
