@@ -307,16 +307,15 @@ class PrefixReuseEngine(base.BucketState):
         """Sum of the losses evaluated on one microbatch of suffix rows.
 
         k32/v32: the group's prefix K/V [L, 1, P, K, D] in fp32 (values of the
-        compute dtype; broadcast to the rows and cast to the compute dtype inside
-        the attention's products, so their cotangent is accumulated, summed over
-        the rows and returned in fp32);
+        compute dtype; one copy read by all B rows as the decoder's shared prefix,
+        cast to the compute dtype inside the attention's products, so their
+        cotangent is summed over the rows inside one product and returned in fp32);
         paths_S: (logp_S,) or (logp_S, ent_S), the prefix's per-token values on the
         path (entry t = token t, 0 from b on).
         """
         model = nnx.merge(self.graphdef, params)
         b, c = inputs.shape
-        shape = (k32.shape[0], b) + k32.shape[2:]
-        kv = KVCache(jnp.broadcast_to(k32, shape), jnp.broadcast_to(v32, shape))
+        kv = KVCache(k32, v32)  # batch 1: shared by the B rows, never copied (Decoder)
         pos = jnp.broadcast_to(n_in + jnp.arange(c, dtype=jnp.int32), (b, c))
         hidden, _ = model(inputs, pos, kv, jnp.full((b,), n_in, jnp.int32), return_hidden=True)
         with_entropy = len(paths_S) > 1
