@@ -69,6 +69,7 @@ def _engine_times(model, params, batch, loss, kind: str, repeats: int) -> dict:
     return dict(
         first_s=first,
         step_s=step,
+        step_cpu_s=step_cpu,
         compile_s=max(first - step, 0.0),
         compile_cpu_s=max(first_cpu - step_cpu, 0.0),
         loss=float(steps[-1][0][0]),
@@ -171,7 +172,9 @@ def format_table(result: dict) -> str:
     """Compile seconds (wall, then this process's CPU seconds: compiling is one thread,
     so CPU seconds barely move with other load on the machine), their deepest /
     shallowest ratio, dfs over dense, then the step seconds, the speedups over dense
-    and those speedups as a fraction of the token-ideal (``result["ideal"]``)."""
+    and those speedups as a fraction of the token-ideal (``result["ideal"]``), in wall
+    seconds and in this process's CPU seconds (the steps' work: on a machine shared
+    with other jobs they move less with the load than wall seconds do)."""
     rows = result["rows"]
     names = list(rows[0]["engines"])
     if "rollout_warmup_s" in rows[0]:
@@ -206,25 +209,24 @@ def format_table(result: dict) -> str:
                 )
             )
     eng = list(rows[0]["engines"])
-    lines.append(f"{'step s':<16}" + "".join(f"{n:>14}" for n in eng))
-    for row in rows:
-        lines.append(
-            f"{str(row['layers']) + ' layers':<16}"
-            + "".join(f"{row['engines'][n]['step_s']:>14.2f}" for n in eng)
-        )
-        if "dense" in eng:
-            d = row["engines"]["dense"]["step_s"]
+    for title, key in (("step s", "step_s"), ("step CPU s", "step_cpu_s")):
+        if key not in rows[0]["engines"][eng[0]]:
+            continue  # a result from before CPU seconds were recorded
+        lines.append(f"{title:<16}" + "".join(f"{n:>14}" for n in eng))
+        for row in rows:
+            sec = {n: row["engines"][n][key] for n in eng}
             lines.append(
-                f"{'  x dense':<16}"
-                + "".join(f"{d / row['engines'][n]['step_s']:>14.2f}" for n in eng)
+                f"{str(row['layers']) + ' layers':<16}" + "".join(f"{sec[n]:>14.2f}" for n in eng)
             )
+            if "dense" not in eng:
+                continue
+            x = {n: sec["dense"] / max(sec[n], 1e-9) for n in eng}
+            lines.append(f"{'  x dense':<16}" + "".join(f"{x[n]:>14.2f}" for n in eng))
             if "ideal" in result:
                 lines.append(
                     f"{'  of ideal':<16}"
                     + "".join(
-                        f"{'':>14}"
-                        if n == "dense"
-                        else f"{d / row['engines'][n]['step_s'] / result['ideal']:>14.2f}"
+                        f"{'':>14}" if n == "dense" else f"{x[n] / result['ideal']:>14.2f}"
                         for n in eng
                     )
                 )
