@@ -277,11 +277,15 @@ class PrefixReuseEngine(base.BucketState):
 
     # ------------------------------------------------------------ device side
 
-    def _prefix_forward(self, params, inputs_P, targets_P, entropy: bool = False):
+    def _prefix_forward(self, params, inputs_P, targets_P, entropy: bool = False, rows: int = 1):
         """(per-token, K, V [L, 1, P, K, D]) of one prefix.
 
         per-token = (logp [P],) or, with ``entropy``, (logp [P], entropy [P]);
         entry t is token t+1's (its logprob, the entropy of its predictor).
+        ``rows``: the suffix microbatch B. With ``logits_chunk`` the prefix's one row
+        builds its logits ``rows * logits_chunk`` positions at a time, the [tokens, V]
+        block of a suffix microbatch's chunk (and dense's): ``logits_chunk`` positions
+        of one row would be a head product B times narrower, run B times as often.
         """
         model = nnx.merge(self.graphdef, params)
         p = inputs_P.shape[0]
@@ -293,7 +297,7 @@ class PrefixReuseEngine(base.BucketState):
             model.lm_head_weight(),
             hidden,
             targets_P[None],
-            chunk=self.cfg.logits_chunk,
+            chunk=self.cfg.logits_chunk * rows,
             entropy=entropy,
             temperature=self.temperature,
             dtype=self.cfg.compute_dtype,
@@ -401,7 +405,7 @@ class PrefixReuseEngine(base.BucketState):
             p = g_in.shape[0]
 
             def fwd(prm):
-                return self._prefix_forward(prm, g_in, g_tg, with_entropy)
+                return self._prefix_forward(prm, g_in, g_tg, with_entropy, r_in.shape[1])
 
             if mode is PrefixActivations.REMAT:
                 per_P, k, v = fwd(params)
