@@ -15,7 +15,9 @@ that many layers (random weights, the preset's dtypes) and, on one GRPO group of
 The table prints compile seconds per engine and depth, the ratio of the deepest to the
 shallowest depth (the issue's goal: at most 1.3 for every engine, 1.5 for the rollout
 warm-up), dfs compile over dense compile at each depth, and the step seconds with each
-tree engine's speedup over dense. Only ratios measured in one run mean anything on a
+tree engine's speedup over dense and that speedup as a fraction of the group's
+*token-ideal* (the batch's tokens over its prefix tree's tokens: G (p + r) / (p + G r)
+for one GRPO group, 4.5 at G=8, p=512, r=64). Only ratios measured in one run mean anything on a
 shared machine; compiles are single-threaded XLA work, steps use every core.
 
 Uses only ``make_engine``, ``value_and_grad``, ``RolloutEngine.warmup`` and the model
@@ -67,6 +69,7 @@ def _engine_times(model, params, batch, loss, kind: str, repeats: int) -> dict:
     return dict(
         first_s=first,
         step_s=step,
+        step_cpu_s=step_cpu,
         compile_s=max(first - step, 0.0),
         compile_cpu_s=max(first_cpu - step_cpu, 0.0),
         loss=float(steps[-1][0][0]),
@@ -98,10 +101,15 @@ def run_compile(
     response: int = 32,
     repeats: int = 2,
     rollout: bool = True,
+    logits_chunk: int | None = None,
     seed: int = 0,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Measures every depth (module docstring); returns the rows the table prints."""
+    """Measures every depth (module docstring); returns the rows the table prints.
+
+    ``logits_chunk``: the model's ``logits_chunk`` (None: the preset's). At a large
+    vocab (Qwen3: 151,936) the unchunked [rows, T, V] fp32 logits of dense's 8 rows
+    of 640 tokens alone take 3.1 GB, their cotangent as much again."""
     from flax import nnx
 
     from dtarl.losses import ClippedSurrogateLoss
@@ -112,7 +120,11 @@ def run_compile(
     if repeats < 1:
         raise ValueError(f"--repeats {repeats} must be >= 1")
     base = ModelConfig.preset(model)
+    if logits_chunk is not None:
+        base = base.replace(logits_chunk=int(logits_chunk))
     loss = ClippedSurrogateLoss.grpo()
+    stats = _group(base, group, prompt, response, seed).prefix_tree().stats
+    ideal = stats.num_tokens / stats.tree_tokens  # the token-ideal tree speedup
     rows = []
     for depth in layers:
         cfg = base.replace(num_layers=int(depth))
@@ -125,9 +137,14 @@ def run_compile(
         for kind in engines:
             r = _engine_times(m, params, batch, loss, kind, repeats)
             row["engines"][kind] = r
+            dense = row["engines"].get("dense")
+            vs = ""
+            if dense is not None and kind != "dense":
+                x = dense["step_s"] / r["step_s"]
+                vs = f"   {x:.2f}x dense ({x / ideal:.2f} of ideal {ideal:.2f})"
             log(
                 f"  {kind:<13} compile {r['compile_s']:7.1f} s ({r['compile_cpu_s']:.1f} CPU s)"
-                f"   step {r['step_s']:7.2f} s   loss {r['loss']:+.6f}"
+                f"   step {r['step_s']:7.2f} s   loss {r['loss']:+.6f}{vs}"
             )
         if rollout:
             wall, cpu = _rollout_warmup(m, params, group, prompt, response)
@@ -141,6 +158,10 @@ def run_compile(
         prompt=prompt,
         response=response,
         repeats=repeats,
+        logits_chunk=base.logits_chunk,
+        num_tokens=int(stats.num_tokens),
+        tree_tokens=int(stats.tree_tokens),
+        ideal=ideal,
         rows=rows,
     )
     log(format_table(result))
@@ -150,7 +171,10 @@ def run_compile(
 def format_table(result: dict) -> str:
     """Compile seconds (wall, then this process's CPU seconds: compiling is one thread,
     so CPU seconds barely move with other load on the machine), their deepest /
-    shallowest ratio, dfs over dense, then the step seconds and speedups over dense."""
+    shallowest ratio, dfs over dense, then the step seconds, the speedups over dense
+    and those speedups as a fraction of the token-ideal (``result["ideal"]``), in wall
+    seconds and in this process's CPU seconds (the steps' work: on a machine shared
+    with other jobs they move less with the load than wall seconds do)."""
     rows = result["rows"]
     names = list(rows[0]["engines"])
     if "rollout_warmup_s" in rows[0]:
@@ -158,6 +182,7 @@ def format_table(result: dict) -> str:
     lines = [
         f"\n{result['model']}: one group of {result['group']} x ({result['prompt']} + "
         f"{result['response']}) tokens"
+        + (f", token-ideal speedup {result['ideal']:.2f}" if "ideal" in result else "")
     ]
     for title, suffix in (("compile s", "_s"), ("compile CPU s", "_cpu_s")):
 
@@ -184,18 +209,27 @@ def format_table(result: dict) -> str:
                 )
             )
     eng = list(rows[0]["engines"])
-    lines.append(f"{'step s':<16}" + "".join(f"{n:>14}" for n in eng))
-    for row in rows:
-        lines.append(
-            f"{str(row['layers']) + ' layers':<16}"
-            + "".join(f"{row['engines'][n]['step_s']:>14.2f}" for n in eng)
-        )
-        if "dense" in eng:
-            d = row["engines"]["dense"]["step_s"]
+    for title, key in (("step s", "step_s"), ("step CPU s", "step_cpu_s")):
+        if key not in rows[0]["engines"][eng[0]]:
+            continue  # a result from before CPU seconds were recorded
+        lines.append(f"{title:<16}" + "".join(f"{n:>14}" for n in eng))
+        for row in rows:
+            sec = {n: row["engines"][n][key] for n in eng}
             lines.append(
-                f"{'  x dense':<16}"
-                + "".join(f"{d / row['engines'][n]['step_s']:>14.2f}" for n in eng)
+                f"{str(row['layers']) + ' layers':<16}" + "".join(f"{sec[n]:>14.2f}" for n in eng)
             )
+            if "dense" not in eng:
+                continue
+            x = {n: sec["dense"] / max(sec[n], 1e-9) for n in eng}
+            lines.append(f"{'  x dense':<16}" + "".join(f"{x[n]:>14.2f}" for n in eng))
+            if "ideal" in result:
+                lines.append(
+                    f"{'  of ideal':<16}"
+                    + "".join(
+                        f"{'':>14}" if n == "dense" else f"{x[n] / result['ideal']:>14.2f}"
+                        for n in eng
+                    )
+                )
     return "\n".join(lines)
 
 

@@ -75,6 +75,7 @@ def add_scale(sub) -> None:
     p.add_argument(
         "--no-rollout", dest="rollout", action="store_false", help="--compile: skip the rollout"
     )
+    p.add_argument("--logits-chunk", type=int, help="--compile: the model's logits_chunk")
     p.set_defaults(func=_scale)
 
 
@@ -201,6 +202,7 @@ def scale_compile(args: argparse.Namespace) -> int:
         response=args.response,
         repeats=args.repeats,
         rollout=args.rollout,
+        logits_chunk=args.logits_chunk,
     )
     if args.json:
         report.write_json(args.json, result, say=print)

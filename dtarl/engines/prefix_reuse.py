@@ -277,11 +277,15 @@ class PrefixReuseEngine(base.BucketState):
 
     # ------------------------------------------------------------ device side
 
-    def _prefix_forward(self, params, inputs_P, targets_P, entropy: bool = False):
+    def _prefix_forward(self, params, inputs_P, targets_P, entropy: bool = False, rows: int = 1):
         """(per-token, K, V [L, 1, P, K, D]) of one prefix.
 
         per-token = (logp [P],) or, with ``entropy``, (logp [P], entropy [P]);
         entry t is token t+1's (its logprob, the entropy of its predictor).
+        ``rows``: the suffix microbatch B. With ``logits_chunk`` the prefix's one row
+        builds its logits ``rows * logits_chunk`` positions at a time, the [tokens, V]
+        block of a suffix microbatch's chunk (and dense's): ``logits_chunk`` positions
+        of one row would be a head product B times narrower, run B times as often.
         """
         model = nnx.merge(self.graphdef, params)
         p = inputs_P.shape[0]
@@ -293,7 +297,7 @@ class PrefixReuseEngine(base.BucketState):
             model.lm_head_weight(),
             hidden,
             targets_P[None],
-            chunk=self.cfg.logits_chunk,
+            chunk=self.cfg.logits_chunk * rows,
             entropy=entropy,
             temperature=self.temperature,
             dtype=self.cfg.compute_dtype,
@@ -307,16 +311,15 @@ class PrefixReuseEngine(base.BucketState):
         """Sum of the losses evaluated on one microbatch of suffix rows.
 
         k32/v32: the group's prefix K/V [L, 1, P, K, D] in fp32 (values of the
-        compute dtype; broadcast to the rows and cast to the compute dtype inside
-        the attention's products, so their cotangent is accumulated, summed over
-        the rows and returned in fp32);
+        compute dtype; one copy read by all B rows as the decoder's shared prefix,
+        cast to the compute dtype inside the attention's products, so their
+        cotangent is summed over the rows inside one product and returned in fp32);
         paths_S: (logp_S,) or (logp_S, ent_S), the prefix's per-token values on the
         path (entry t = token t, 0 from b on).
         """
         model = nnx.merge(self.graphdef, params)
         b, c = inputs.shape
-        shape = (k32.shape[0], b) + k32.shape[2:]
-        kv = KVCache(jnp.broadcast_to(k32, shape), jnp.broadcast_to(v32, shape))
+        kv = KVCache(k32, v32)  # batch 1: shared by the B rows, never copied (Decoder)
         pos = jnp.broadcast_to(n_in + jnp.arange(c, dtype=jnp.int32), (b, c))
         hidden, _ = model(inputs, pos, kv, jnp.full((b,), n_in, jnp.int32), return_hidden=True)
         with_entropy = len(paths_S) > 1
@@ -402,7 +405,7 @@ class PrefixReuseEngine(base.BucketState):
             p = g_in.shape[0]
 
             def fwd(prm):
-                return self._prefix_forward(prm, g_in, g_tg, with_entropy)
+                return self._prefix_forward(prm, g_in, g_tg, with_entropy, r_in.shape[1])
 
             if mode is PrefixActivations.REMAT:
                 per_P, k, v = fwd(params)
