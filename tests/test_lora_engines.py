@@ -247,4 +247,3 @@ def test_loss_fn_of_the_adapters_equals_the_reference():
     want_value, want_grads = reference("grpo")
     np.testing.assert_allclose(float(value), want_value, rtol=RTOL, atol=1e-7)
     assert worst_rel(grads, want_grads) <= RTOL
-

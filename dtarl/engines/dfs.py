@@ -2,7 +2,9 @@
 
 The batch's sequences become a prefix tree (``dtarl.tree``); a host-side
 compiler turns it into a bucketed push/pop plan (``dtarl.tree.plan``), and one
-``jit``-compiled ``lax.scan`` runs the plan. The scan carries
+``jit``-compiled loop runs the plan's real steps (a ``fori_loop`` to the last
+non-NOOP step: the step bucket's padding, e.g. 120 of a reserved 128 steps, is never
+run; each step takes its own VJP, so the loop is not differentiated). It carries
 
     stack_k/v   [L, 1, S+C, K, D]  K/V of the current root-to-node path (model dtype)
     dstack_k/v  [L, 1, S+C, K, D]  accumulated cotangent of that K/V (fp32)
@@ -30,7 +32,7 @@ in. A POP_WIDE step pops up to ``leaf_rows`` rows of ``wide_chunks`` chunks
 that shares nothing is computed once forward and once backward, batched, as in
 dense training.
 
-The scan's body is one ``lax.switch``. By default (``bucket_bodies``) it has one
+The loop's body is one ``lax.switch``. By default (``bucket_bodies``) it has one
 branch per (op, prefix bucket): noop, then push, pop and, when the plan has them,
 row pop and wide pop at each of the plan's ``prefix_sizes``; a step attends only its
 bucket's first ``prefix_sizes[pbucket]`` stack rows. With ``bucket_bodies=False``
@@ -97,7 +99,7 @@ class DFSHost(NamedTuple):
 
 
 class PlanSteps(NamedTuple):
-    """The plan as the program takes it: per step [T] (scanned over) its op, stack
+    """The plan as the program takes it: per step [T] (looped over) its op, stack
     start, prefix bucket, loss slots [T, K], and where its entries are in the flat
     ``entries`` (``PlanEntries``, not per step): ``first`` and ``count``."""
 
@@ -268,7 +270,7 @@ class DFSEngine(base.BucketState):
         seq: base.SeqData,
     ):
         cfg = self.cfg
-        entries, steps = steps.entries, steps._replace(entries=None)  # scan the [T] rest
+        entries, steps = steps.entries, steps._replace(entries=None)  # loop over the [T] rest
         with_ent = bool(getattr(loss, "needs_entropy", False))
         buf = s + c
         cd = jnp.dtype(cfg.compute_dtype)
@@ -458,9 +460,20 @@ class DFSEngine(base.BucketState):
                 [v + offset for v in base_index.values()],
                 0,
             )
-            return jax.lax.switch(index, branches, cr, st), None
+            return jax.lax.switch(index, branches, cr, st)
 
-        out, _ = jax.lax.scan(body, carry, steps)
+        # Only the real steps run: the plan is padded at its end to the step bucket
+        # (reserved for the largest batch, e.g. 128 steps where 8 are real), and a NOOP
+        # step still passes the whole carry (the path buffers and the params-sized
+        # gradients) through the switch. The loop is not differentiated (each step
+        # takes its own VJP), so a dynamic trip count is fine.
+        t = steps.op.shape[0]
+        n_real = jnp.max(jnp.where(steps.op != Op.NOOP, jnp.arange(1, t + 1), 0))
+
+        def loop(i, cr):
+            return body(cr, jax.tree.map(lambda a: a[i], steps))
+
+        out = jax.lax.fori_loop(0, n_real, loop, carry)
         return jnp.sum(out.seq_loss), out.grads, out.tree_logp
 
     # -------------------------------------------------------------- host side
