@@ -198,7 +198,8 @@ class PatController:
     """Algorithm 1 as the engine's ``on_call`` hook (``RolloutEngine.run(weights,
     on_call=controller)``; ``ContinuousSampler.generate(..., on_call=controller)``).
 
-    Every ``check_every`` decode calls it reads the engine (``engine_state``), runs
+    After the first decode call and then every ``check_every`` calls it reads the
+    engine (``engine_state``), runs
     ``decide`` over ``candidates`` and, when a switch pays, calls
     ``engine.reshard((dp, tp), weights, slots=..., mode=...)`` with the cheaper K/V
     mode and returns the re-placed weights. ``timeline`` lists this generation's
@@ -275,8 +276,9 @@ class PatController:
         self._calls += 1
         if engine is not self._engine:  # e.g. a sampler rebuilt its engine: nothing compiled
             self._engine, self._cached = engine, set()
-        if self._calls % self.check_every:
-            return None
+        if self._calls > 1 and self._calls % self.check_every:
+            return None  # Alg. 1 runs at the first call (the start layout may be a bad
+            # fit for the whole generation) and then every ``check_every`` calls
         state = engine_state(engine, self.cached, l_max=self.l_max, oracle=self.oracle)
         self._cached.add((state.dp, state.tp, state.slots))
         self.checks += 1

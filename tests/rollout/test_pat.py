@@ -526,6 +526,20 @@ def test_e2e_controller_switches_and_keeps_greedy_tokens(tiny):
         np.testing.assert_allclose(lp, lp_ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_controller_decides_at_the_first_call_then_every_check(tiny):
+    """Alg. 1 runs after the first decode call (a start layout that fits the whole
+    generation badly is left at once), then every ``check_every`` calls."""
+    model, weights = tiny
+    ctl = pat.PatController(pat.Predictor(_e2e_profile()), candidates=(1, 2, 4), check_every=4)
+    ctl.begin()
+    calls = []
+    _generate(model, weights, on_call=lambda e, w: (calls.append(1), ctl(e, w))[1])
+    assert ctl.timeline and ctl.timeline[0]["call"] == 1, ctl.timeline
+    assert all(e["call"] == 1 or e["call"] % 4 == 0 for e in ctl.timeline)
+    assert ctl.checks == 1 + len(calls) // 4
+
+
 def _e2e_profile(**kw):
     return make_profile(
         favour_tp,
