@@ -594,10 +594,8 @@ class DFSEngine(base.BucketState):
         chunks, POP_WIDE ``rows`` rows of ``wide`` chunks; a push is a forward, a pop
         a recomputed forward and a backward. Every entry attends its prefix bucket
         (``bucket_bodies``; else the whole path buffer, masked) and its whole row
-        (C, or C * wide for a wide row). NOOP padding steps run nothing and are
-        not counted as steps: a reserved plan pads to a bound of
-        several times its real steps, and on this CPU 14 and 1024 padded steps of the
-        same 13-step plan took the same time (within the machine's noise)."""
+        (C, or C * wide for a wide row). NOOP padding steps are not counted: the
+        program's loop stops at the plan's last real step (``_run_plan``)."""
         steps, st = prepared.args[0], prepared.static
         f0, fa = token_flops(self.cfg)
         sizes = np.asarray(st.prefix_sizes, np.float64)
