@@ -205,6 +205,31 @@ def _abstract(tree, shardings):
     )
 
 
+def _sharded_step(cfg, mesh_shape, engine, devices, strategy, gather_dtype, fsdp_gather):
+    """(mesh, abstract params, ShardedEngine) for a row: the mesh over the first
+    dp x fsdp x tp (simulated) devices, ``jax.eval_shape`` parameters of ``cfg``."""
+    devs = list(jax.devices() if devices is None else devices)
+    n = mesh_shape["dp"] * mesh_shape["fsdp"] * mesh_shape["tp"]
+    if n > len(devs):
+        raise ConfigError(f"--mesh needs {n} devices, {len(devs)} are simulated")
+    if mesh_shape["fsdp"] > 1:
+        mesh = mesh_lib.make_train_mesh(
+            mesh_shape["dp"], mesh_shape["fsdp"], mesh_shape["tp"], devices=devs[:n]
+        )
+    else:
+        mesh = mesh_lib.make_mesh(mesh_shape["dp"], mesh_shape["tp"], devices=devs[:n])
+    model = nnx.eval_shape(lambda: init_model(cfg, seed=0))
+    _, params = nnx.split(model, nnx.Param)
+    sharded = ShardedEngine(
+        _engine(engine, model),
+        mesh,
+        gather_dtype=gather_dtype,
+        strategy=strategy,
+        fsdp_gather=mesh_lib.FsdpGather.parse(fsdp_gather, "--fsdp-gather"),
+    )
+    return mesh, params, sharded
+
+
 def measure(
     model_name: str,
     mesh_shape: dict[str, int],
@@ -222,18 +247,9 @@ def measure(
 ) -> dict:
     """One row (``KEYS``) for a model, mesh and engine, compiled at depth ``layers``."""
     cfg = model_config(model_name, layers, remat)
-    devs = list(jax.devices() if devices is None else devices)
-    n = mesh_shape["dp"] * mesh_shape["fsdp"] * mesh_shape["tp"]
-    if n > len(devs):
-        raise ConfigError(f"--mesh needs {n} devices, {len(devs)} are simulated")
-    if mesh_shape["fsdp"] > 1:
-        mesh = mesh_lib.make_train_mesh(
-            mesh_shape["dp"], mesh_shape["fsdp"], mesh_shape["tp"], devices=devs[:n]
-        )
-    else:
-        mesh = mesh_lib.make_mesh(mesh_shape["dp"], mesh_shape["tp"], devices=devs[:n])
-    model = nnx.eval_shape(lambda: init_model(cfg, seed=0))
-    _, params = nnx.split(model, nnx.Param)
+    mesh, params, sharded = _sharded_step(
+        cfg, mesh_shape, engine, devices, strategy, gather_dtype, fsdp_gather
+    )
     batch = grpo_groups(
         num_groups=1,
         group_size=group,
@@ -242,13 +258,6 @@ def measure(
         vocab_size=min(cfg.vocab_size, 32000),
     )
     loss = ClippedSurrogateLoss.grpo()
-    sharded = ShardedEngine(
-        _engine(engine, model),
-        mesh,
-        gather_dtype=gather_dtype,
-        strategy=strategy,
-        fsdp_gather=mesh_lib.FsdpGather.parse(fsdp_gather, "--fsdp-gather"),
-    )
     t0 = time.perf_counter()
     prepared = sharded.prepare(batch, loss)
     p_shard = sharded.param_shardings(params)
@@ -361,24 +370,8 @@ def measure_lora(
             full = None  # another step program: the params are another dtype
         cfg = dataclasses.replace(cfg, param_dtype=base_dtype)
     lcfg = LoraConfig(rank=rank, alpha=2.0 * rank)
-    devs = list(jax.devices() if devices is None else devices)
-    n = mesh_shape["dp"] * mesh_shape["fsdp"] * mesh_shape["tp"]
-    if n > len(devs):
-        raise ConfigError(f"--mesh needs {n} devices, {len(devs)} are simulated")
-    if mesh_shape["fsdp"] > 1:
-        mesh = mesh_lib.make_train_mesh(
-            mesh_shape["dp"], mesh_shape["fsdp"], mesh_shape["tp"], devices=devs[:n]
-        )
-    else:
-        mesh = mesh_lib.make_mesh(mesh_shape["dp"], mesh_shape["tp"], devices=devs[:n])
-    model = nnx.eval_shape(lambda: init_model(cfg, seed=0))
-    _, base = nnx.split(model, nnx.Param)
-    sharded = ShardedEngine(
-        _engine(engine, model),
-        mesh,
-        gather_dtype=gather_dtype,
-        strategy=strategy,
-        fsdp_gather=mesh_lib.FsdpGather.parse(fsdp_gather, "--fsdp-gather"),
+    mesh, base, sharded = _sharded_step(
+        cfg, mesh_shape, engine, devices, strategy, gather_dtype, fsdp_gather
     )
     p_shard = sharded.param_shardings(base)
     b_abs = _abstract(base, p_shard)
