@@ -102,6 +102,7 @@ def run_compile(
     repeats: int = 2,
     rollout: bool = True,
     logits_chunk: int | None = None,
+    remat: str | None = None,
     seed: int = 0,
     log: Callable[[str], None] = print,
 ) -> dict:
@@ -109,7 +110,9 @@ def run_compile(
 
     ``logits_chunk``: the model's ``logits_chunk`` (None: the preset's). At a large
     vocab (Qwen3: 151,936) the unchunked [rows, T, V] fp32 logits of dense's 8 rows
-    of 640 tokens alone take 3.1 GB, their cotangent as much again."""
+    of 640 tokens alone take 3.1 GB, their cotangent as much again. ``remat``: the
+    model's ``remat`` policy (``Remat`` value; None: the preset's, none) for every engine;
+    at 28 layers dense's saved activations need a 34.5 GB buffer without it."""
     from flax import nnx
 
     from dtarl.losses import ClippedSurrogateLoss
@@ -122,6 +125,10 @@ def run_compile(
     base = ModelConfig.preset(model)
     if logits_chunk is not None:
         base = base.replace(logits_chunk=int(logits_chunk))
+    if remat is not None:
+        from dtarl.model.config import Remat
+
+        base = base.replace(remat=Remat(remat))
     loss = ClippedSurrogateLoss.grpo()
     stats = _group(base, group, prompt, response, seed).prefix_tree().stats
     ideal = stats.num_tokens / stats.tree_tokens  # the token-ideal tree speedup
@@ -159,6 +166,7 @@ def run_compile(
         response=response,
         repeats=repeats,
         logits_chunk=base.logits_chunk,
+        remat=base.remat.value,
         num_tokens=int(stats.num_tokens),
         tree_tokens=int(stats.tree_tokens),
         ideal=ideal,
@@ -183,6 +191,7 @@ def format_table(result: dict) -> str:
         f"\n{result['model']}: one group of {result['group']} x ({result['prompt']} + "
         f"{result['response']}) tokens"
         + (f", token-ideal speedup {result['ideal']:.2f}" if "ideal" in result else "")
+        + (f", remat {result['remat']}" if result.get("remat", "none") != "none" else "")
     ]
     for title, suffix in (("compile s", "_s"), ("compile CPU s", "_cpu_s")):
 

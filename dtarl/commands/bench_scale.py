@@ -120,7 +120,8 @@ def add_scale_memory_arguments(p) -> None:
     p.add_argument(
         "--remat",
         choices=["none", "full", "dots_saveable", "offload"],
-        help="memory report: the layers' rematerialisation (default: the preset's, none)",
+        help="the layers' rematerialisation, memory report and --compile (default: the "
+        "preset's, none)",
     )
     p.add_argument(
         "--lora",
@@ -203,6 +204,7 @@ def scale_compile(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         rollout=args.rollout,
         logits_chunk=args.logits_chunk,
+        remat=args.remat,
     )
     if args.json:
         report.write_json(args.json, result, say=print)

@@ -38,3 +38,34 @@ def test_step_ratios_against_dense_and_the_ideal():
     assert lines[wall + 3].split() == ["of", "ideal", "0.80"]
     assert lines[cpu + 2].split()[-2:] == ["1.00", "4.50"]
     assert lines[cpu + 3].split() == ["of", "ideal", "1.00"]
+
+
+def test_compile_mode_builds_every_depth_with_the_remat_policy(monkeypatch):
+    """``--remat`` reaches the model of every engine in ``--compile`` mode (at 28 layers
+    dense needs it to fit), and the result and table say which policy ran."""
+    import flax.nnx
+
+    import dtarl.model
+    from dtarl.bench import scale
+    from dtarl.model.config import Remat
+
+    built = []
+
+    def fake_init(cfg, seed=0):
+        built.append(cfg)
+        return object()
+
+    monkeypatch.setattr(dtarl.model, "init_model", fake_init)
+    monkeypatch.setattr(scale, "_engine_times", lambda *a, **k: dict(_engine(1, 2, 2), loss=0.0))
+    monkeypatch.setattr(flax.nnx, "split", lambda m, *f: (None, {}))
+    result = scale.run_compile(
+        layers=(1, 2),
+        engines=("dense",),
+        rollout=False,
+        remat="full",
+        repeats=1,
+        log=lambda s: None,
+    )
+    assert [(c.num_layers, c.remat) for c in built] == [(1, Remat.FULL), (2, Remat.FULL)]
+    assert result["remat"] == "full"
+    assert "remat full" in scale.format_table(result)
