@@ -150,6 +150,23 @@ def optimal_budget(rho: float, lam: float, k: float, m: int, n: int, units: str)
     return rho / (lam * k)
 
 
+# The paper's observed average budget, in units of M N (App. B: "the solved optimal
+# M_total is approximately 1.5 N M on average").
+PAPER_BUDGET = 1.5
+
+
+def lambda_for_budget(rho: float, budget: float = PAPER_BUDGET) -> float:
+    """The relative lambda' at which Eq. 8 gives M* = ``budget`` M N for a workload
+    whose length spread (sigma~_L / L~) is ``rho``: lambda' = rho / budget (relative
+    units: M* = rho M N / lambda'). The paper does not publish its lambda; this puts a
+    workload at the budget the paper reports, after which M_total follows rho_t."""
+    if not (np.isfinite(rho) and rho > 0):
+        raise ValueError(f"rho={rho} must be a finite length spread > 0")
+    if not (np.isfinite(budget) and 1.0 <= budget <= 2.0):
+        raise ValueError(f"budget={budget} must be in [1, 2] (x M N, Eq. 9's clip range)")
+    return float(rho) / float(budget)
+
+
 def clip_budget(m_star: float, m: int, n: int) -> int:
     """Eq. 9: clip(floor(M*), M N, 2 M N)."""
     if not m_star < 2 * m * n:  # inf too
@@ -429,10 +446,12 @@ __all__ = [
     "Plan",
     "RolloutCostModel",
     "LAMBDA_UNITS",
+    "PAPER_BUDGET",
     "allocate",
     "clip_budget",
     "dual_end_select",
     "early_stop_select",
+    "lambda_for_budget",
     "normalise",
     "optimal_budget",
     "plan",
