@@ -27,9 +27,14 @@ a step's training program has the same shape in both arms.
 
 Timing. ``rounds`` rounds, arms interleaved (``dtarl.timing.alternating``), each arm
 ``steps`` RL steps per round, after ``warmup_steps`` untimed steps per arm (compiles;
-DARTS' EMAs). A step whose rollout or training compiled anything (JAX's compile
-events) is reported but left out of the medians (``compiled_steps``). Per step:
-``rollout_s`` (submit to the last request), ``train_s`` (value and grad, blocked),
+DARTS' EMAs). The warm-up steps go through the pool in epochs (a fixed permutation,
+N prompts per step, so the default 2 x 8 of a pool of 16 shows every prompt once):
+the paper keeps each prompt's length variance "over preceding epochs", and a prompt
+DARTS has never seen is planned with the dataset-level spread instead of its own.
+Timed steps draw their N prompts at random. A step whose rollout or training compiled
+anything (JAX's compile events) is reported but left out of the medians
+(``compiled_steps``). Per step: ``rollout_s`` (submit to the last request),
+``train_s`` (value and grad, blocked),
 ``step_s`` (the whole step, selection included), ``generated_tokens``,
 ``cancelled_tokens`` (tokens of candidates cancelled by early stop), ``kept_len_mean``
 (the trained responses' mean length). The length bias of DARTS is its kept mean
@@ -223,13 +228,25 @@ def load_pool(
 
 def draws(pool: Sequence[PromptDist], cfg: TraceBenchConfig, rnd: int, step: int):
     """One step's prompts and, per prompt, M_up candidate (length, truncated) draws;
-    both arms use these (GRPO the first M, DARTS the first M'_i)."""
-    rng = np.random.default_rng([cfg.seed, 17, rnd + 1, step])  # warm-up: rnd -1
-    return _draw(pool, cfg, rng)
+    both arms use these (GRPO the first M, DARTS the first M'_i). Warm-up steps
+    (``rnd`` -1) take the prompts in epochs over the pool (module docstring), timed
+    ones at random."""
+    rng = np.random.default_rng([cfg.seed, 17, rnd + 1, step])
+    picks = None
+    if rnd < 0:
+        order = np.random.default_rng([cfg.seed, 23]).permutation(len(pool))
+        picks = order[np.arange(step * cfg.prompts, (step + 1) * cfg.prompts) % len(pool)]
+    return _draw(pool, cfg, rng, picks)
 
 
-def _draw(pool: Sequence[PromptDist], cfg: TraceBenchConfig, rng: np.random.Generator):
-    picks = rng.choice(len(pool), size=cfg.prompts, replace=False)
+def _draw(
+    pool: Sequence[PromptDist],
+    cfg: TraceBenchConfig,
+    rng: np.random.Generator,
+    picks: np.ndarray | None = None,
+):
+    if picks is None:
+        picks = rng.choice(len(pool), size=cfg.prompts, replace=False)
     out = []
     for i in picks:
         p = pool[int(i)]

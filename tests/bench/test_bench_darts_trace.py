@@ -71,6 +71,19 @@ def test_arms_share_draws_and_early_stop_cancels():
         b.step("darts", 0, 0)
 
 
+def test_warmup_steps_are_epochs_over_the_pool():
+    # DARTS' per-prompt EMAs are "over preceding epochs": pool / N warm-up steps show
+    # every pool prompt once (random picks would leave about a quarter unseen).
+    cfg = D.TraceBenchConfig(prompts=3, group_size=2, pool=6, lam=0.6)
+    pool = [D.PromptDist(f"p{i}", (1, 2), np.arange(1, 5), np.zeros(4, bool)) for i in range(6)]
+    keys = [[p.key for p, _, _ in D.draws(pool, cfg, -1, s)] for s in range(4)]
+    assert sorted(keys[0] + keys[1]) == [f"p{i}" for i in range(6)]  # one epoch
+    assert keys[2:] == keys[:2]  # the next epoch repeats the order
+    assert all(len(set(k)) == 3 for k in keys)
+    timed = [p.key for p, _, _ in D.draws(pool, cfg, 0, 0)]
+    assert len(set(timed)) == 3 and timed == [p.key for p, _, _ in D.draws(pool, cfg, 0, 0)]
+
+
 def test_auto_lambda_puts_the_trace_spread_at_the_paper_budget():
     # Two prompts of constant lengths 10 and 30, both drawn every step: each step's
     # N x M lengths have std 10 and mean 20, so rho = 0.5 and lambda' = 0.5 / 1.5.
