@@ -86,13 +86,16 @@ JSON_KEYS = (
 
 # The step's breakdown in the --json rows besides JSON_KEYS: the rollout's decode steps
 # and decode calls (the engine's counters: what the rollout did, whatever the machine
-# load), host planning (DARTS' plan),
+# load), the seconds of its decode calls (the rest of rollout_s is prefill and the
+# host's scheduling) and its prefill calls, host planning (DARTS' plan),
 # selection (+ EMA update), the rest of the step outside rollout and training (batch
 # assembly included), the candidates generated, and the trained batch's prefix-tree
 # tokens, DFS plan steps and padded (reserved) steps.
 EXTRA_KEYS = (
     "decode_steps",
     "decode_calls",
+    "decode_s",
+    "prefill_calls",
     "plan_s",
     "select_s",
     "other_s",
@@ -428,6 +431,8 @@ class TraceBench:
             kept_lens=kept_lens,
             decode_steps=int(eng.decode_steps),
             decode_calls=int(eng.decode_calls),
+            decode_s=float(sum(c[0] for c in eng.calls)),
+            prefill_calls=int(eng.prefill_calls),
             plan_s=plan_s,
             select_s=select_s,
             other_s=step_s - rollout_s - train_s,
@@ -492,7 +497,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             compiled_steps=len(mine) - len([r for r in mine if not r["compiled"]]),
             **{
                 k: float(np.median([r[k] for r in clean]))
-                for k in ("rollout_s", "train_s", "step_s", "other_s")
+                for k in ("rollout_s", "decode_s", "train_s", "step_s", "other_s")
             },
             train_tree_tokens=float(np.mean([r["train_tree_tokens"] for r in mine])),
             train_plan_steps=float(np.mean([r["train_plan_steps"] for r in mine])),
@@ -536,12 +541,12 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def format_table(res: dict[str, Any]) -> str:
     s = res["summary"]
-    header = ("arm", "steps", "rollout s", "train s", "other s", "step s", "decode steps",
-              "train plan steps", "candidates", "generated tok", "cancelled tok",
-              "kept len mean", "p50", "p90", "max")  # fmt: skip
+    header = ("arm", "steps", "rollout s", "decode s", "train s", "other s", "step s",
+              "decode steps", "train plan steps", "candidates", "generated tok",
+              "cancelled tok", "kept len mean", "p50", "p90", "max")  # fmt: skip
     cells = [
         (arm, s[arm]["steps"],
-         *(f"{s[arm][k]:.3f}" for k in ("rollout_s", "train_s", "other_s", "step_s")),
+         *(f"{s[arm][k]:.3f}" for k in ("rollout_s", "decode_s", "train_s", "other_s", "step_s")),
          f"{s[arm]['decode_steps']:.1f}",
          f"{s[arm]['train_plan_steps']:.0f} / {s[arm]['train_padded_steps']:.0f}",
          f"{s[arm]['candidates']:.1f}", f"{s[arm]['generated_tokens']:.0f}",
