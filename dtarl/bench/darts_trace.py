@@ -27,8 +27,9 @@ a step's training program has the same shape in both arms.
 
 Timing. ``rounds`` rounds, arms interleaved (``dtarl.timing.alternating``), each arm
 ``steps`` RL steps per round, after ``warmup_steps`` untimed steps per arm (compiles;
-DARTS' EMAs). The warm-up steps go through the pool in epochs (a fixed permutation,
-N prompts per step, so the default 2 x 8 of a pool of 16 shows every prompt once):
+DARTS' EMAs; default one epoch over the pool, at least 2). The warm-up steps go through
+the pool in epochs (a fixed permutation, N prompts per step, so the default 2 x 8 of a
+pool of 16 shows every prompt once):
 the paper keeps each prompt's length variance "over preceding epochs", and a prompt
 DARTS has never seen is planned with the dataset-level spread instead of its own.
 Timed steps draw their N prompts at random. A step whose rollout or training compiled
@@ -120,7 +121,7 @@ class TraceBenchConfig:
     slots: int = 0  # 0: prompts x group_size
     rounds: int = 3
     steps: int = 2
-    warmup_steps: int = 2
+    warmup_steps: int | None = None  # None: max(2, ceil(pool / prompts)), one epoch
     up_factor: float = 2.0
     short_k: int = 0  # 0: M - 1
     lam: float | str = 0.6  # relative lambda; "auto": lambda_for_budget(the trace's rho)
@@ -145,8 +146,9 @@ class TraceBenchConfig:
                 raise ConfigError(f"{name}={v!r}: must be an int >= 1")
         if self.pool < self.prompts:
             raise ConfigError(f"pool={self.pool} must be >= prompts={self.prompts}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps={self.warmup_steps!r}: must be an int >= 0")
+        w = self.warmup_steps
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
+            raise ConfigError(f"warmup_steps={w!r}: must be an int >= 0 or None (one epoch)")
         if not isinstance(self.slots, int) or self.slots < 0:
             raise ConfigError(f"slots={self.slots!r}: must be an int >= 0 (0: prompts x M)")
         if not 0 <= self.short_k <= self.group_size:
@@ -164,6 +166,13 @@ class TraceBenchConfig:
         base = dict(prompts=4, group_size=4, pool=8, max_new_tokens=128, rounds=2, steps=2)
         base.update(overrides)
         return cls(**base)
+
+    @property
+    def warmup(self) -> int:
+        """Untimed steps per arm: ``warmup_steps``, or one epoch over the pool (>= 2)."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return max(2, -(-self.pool // self.prompts))
 
     @property
     def m_up(self) -> int:
@@ -458,7 +467,7 @@ class TraceBench:
             f"K={cfg.short_k or cfg.group_size - 1}"
         )
         warm = []
-        for s in range(cfg.warmup_steps):
+        for s in range(cfg.warmup):
             for arm in ARMS:
                 warm.append(self.step(arm, -1, s))
         rows = []

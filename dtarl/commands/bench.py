@@ -343,7 +343,9 @@ def _add_darts(sub) -> None:
     t.add_argument("--max-new-tokens", type=int, help=f"length cap (default {td.max_new_tokens})")
     t.add_argument("--rounds", type=int, help=f"interleaved rounds (default {td.rounds})")
     t.add_argument("--trace-steps", type=int, help=f"steps per arm and round ({td.steps})")
-    t.add_argument("--warmup-steps", type=int, help=f"untimed steps per arm ({td.warmup_steps})")
+    t.add_argument(
+        "--warmup-steps", type=int, help="untimed steps per arm (default: a pool epoch, >= 2)"
+    )
     t.add_argument("--slots", type=int, help="rollout engine slots (default N x M)")
     t.add_argument(
         "--lambda",

@@ -80,6 +80,12 @@ def test_warmup_steps_are_epochs_over_the_pool():
     assert sorted(keys[0] + keys[1]) == [f"p{i}" for i in range(6)]  # one epoch
     assert keys[2:] == keys[:2]  # the next epoch repeats the order
     assert all(len(set(k)) == 3 for k in keys)
+    assert cfg.warmup == 2  # the default: one epoch (6 prompts / 3 per step)
+    assert D.TraceBenchConfig(prompts=32, pool=128).warmup == 4
+    assert D.TraceBenchConfig(prompts=8, pool=8).warmup == 2  # at least 2 (compiles)
+    assert D.TraceBenchConfig(warmup_steps=0).warmup == 0
+    with pytest.raises(ConfigError, match="warmup_steps=-1"):
+        D.TraceBenchConfig(warmup_steps=-1)
     timed = [p.key for p, _, _ in D.draws(pool, cfg, 0, 0)]
     assert len(set(timed)) == 3 and timed == [p.key for p, _, _ in D.draws(pool, cfg, 0, 0)]
 
