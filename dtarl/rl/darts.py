@@ -13,7 +13,11 @@ Per RL step, for N prompts and a training group size M::
     rollout  = M'_i candidates of prompt i, its prompt prefilled once (the rollout
                engine's group); prompts at M'_i = M_up stop as soon as M complete
                responses exist (tail pruning with early stop, Alg. 2 line 12)
-    select   = the K shortest + the L = M - K longest complete candidates (Alg. 2)
+    select   = the K shortest + the L = M - K longest complete candidates (Alg. 2);
+               a prompt below M_up rolls out its whole pool first: its L longest
+               complete ones are known only once every candidate has finished or hit
+               the length cap (§4.3.1: "the full M'_i pool is required to identify
+               the longest candidates"), so only prompts at M_up stop early
 
 lambda. The paper's utility is U(M) = rho_t ln M - lambda T(M) with T(M) = k M + c
 (Eq. 6-7): k is seconds per sample, so lambda is utility per second and its value
