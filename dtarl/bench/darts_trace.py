@@ -522,6 +522,9 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         )
     g, d = out["grpo"], out["darts"]
     out["speedup"] = {k: g[k] / d[k] for k in ("rollout_s", "train_s", "step_s")}
+    # Medians of the rollouts' decode steps over every step (counters, not clocks).
+    med = {a: float(np.median([r["decode_steps"] for r in rows if r["arm"] == a])) for a in ARMS}
+    out["decode_steps_median_ratio"] = med["grpo"] / med["darts"] if med["darts"] else float("nan")
     # Paired: both arms ran the same draws at each (round, step); the ratio of their
     # summed seconds over the pairs in which neither arm compiled.
     by = {(r["round"], r["step"], r["arm"]): r for r in rows}
@@ -578,7 +581,8 @@ def format_table(res: dict[str, Any]) -> str:
         f"{sp['step_s']:.2f}x (goal >= 1.5 on verl_math), rollout {sp['rollout_s']:.2f}x, "
         f"train {sp['train_s']:.2f}x; kept length bias (darts / grpo mean kept length) "
         f"{s['length_bias']:.2f}; steps that compiled: grpo {s['grpo']['compiled_steps']}, "
-        f"darts {s['darts']['compiled_steps']}"
+        f"darts {s['darts']['compiled_steps']}; median rollout decode steps grpo/darts "
+        f"{s['decode_steps_median_ratio']:.2f}x (load-independent)"
     )
     return out
 

@@ -61,6 +61,7 @@ def test_arms_share_draws_and_early_stop_cancels():
     assert s["paired_speedup"]["step_s"] == pytest.approx(g["step_s"] / d["step_s"])
     assert g["other_s"] == pytest.approx(g["step_s"] - g["rollout_s"] - g["train_s"])
     assert s["decode_steps_ratio"] == pytest.approx(g["decode_steps"] / d["decode_steps"])
+    assert s["decode_steps_median_ratio"] == pytest.approx(g["decode_steps"] / d["decode_steps"])
     s = D.summarize([g | {"compiled": True}, d | {"compiled": False}])
     assert s["paired_steps"] == 0
     # counters, not clocks: a pair that compiled still counts for the decode steps
