@@ -29,13 +29,12 @@ Timing. ``rounds`` rounds, arms interleaved (``dtarl.timing.alternating``), each
 ``steps`` RL steps per round, after ``warmup_steps`` untimed steps per arm (compiles;
 DARTS' EMAs; default one epoch over the pool, at least 2). The warm-up steps go through
 the pool in epochs (a fixed permutation, N prompts per step, so the default 2 x 8 of a
-pool of 16 shows every prompt once):
-the paper keeps each prompt's length variance "over preceding epochs", and a prompt
-DARTS has never seen is planned with the dataset-level spread instead of its own.
-Timed steps draw their N prompts at random. A step whose rollout or training compiled
-anything (JAX's compile events) is reported but left out of the medians
-(``compiled_steps``). Per step: ``rollout_s`` (submit to the last request),
-``train_s`` (value and grad, blocked),
+pool of 16 shows every prompt once): the paper keeps each prompt's length variance
+"over preceding epochs", and a prompt DARTS has never seen is planned with the
+dataset-level spread instead of its own. Timed steps draw their N prompts at random.
+A step whose rollout or training compiled anything (JAX's compile events) is reported
+but left out of the medians (``compiled_steps``). Per step: ``rollout_s`` (submit to
+the last request), ``train_s`` (value and grad, blocked),
 ``step_s`` (the whole step, selection included), ``generated_tokens``,
 ``cancelled_tokens`` (tokens of candidates cancelled by early stop), ``kept_len_mean``
 (the trained responses' mean length). The length bias of DARTS is its kept mean
@@ -617,10 +616,10 @@ __all__ = [
     "TraceBenchConfig",
     "draws",
     "format_table",
-    "length_spread",
-    "resolve_lambda",
     "json_rows",
+    "length_spread",
     "load_pool",
+    "resolve_lambda",
     "run",
     "summarize",
 ]
