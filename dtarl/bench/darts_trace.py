@@ -27,9 +27,14 @@ a step's training program has the same shape in both arms.
 
 Timing. ``rounds`` rounds, arms interleaved (``dtarl.timing.alternating``), each arm
 ``steps`` RL steps per round, after ``warmup_steps`` untimed steps per arm (compiles;
-DARTS' EMAs). A step whose rollout or training compiled anything (JAX's compile
-events) is reported but left out of the medians (``compiled_steps``). Per step:
-``rollout_s`` (submit to the last request), ``train_s`` (value and grad, blocked),
+DARTS' EMAs; default one epoch over the pool, at least 2). The warm-up steps go through
+the pool in epochs (a fixed permutation, N prompts per step, so the default 2 x 8 of a
+pool of 16 shows every prompt once): the paper keeps each prompt's length variance
+"over preceding epochs", and a prompt DARTS has never seen is planned with the
+dataset-level spread instead of its own. Timed steps draw their N prompts at random.
+A step whose rollout or training compiled anything (JAX's compile events) is reported
+but left out of the medians (``compiled_steps``). Per step: ``rollout_s`` (submit to
+the last request), ``train_s`` (value and grad, blocked),
 ``step_s`` (the whole step, selection included), ``generated_tokens``,
 ``cancelled_tokens`` (tokens of candidates cancelled by early stop), ``kept_len_mean``
 (the trained responses' mean length). The length bias of DARTS is its kept mean
@@ -79,11 +84,18 @@ JSON_KEYS = (
     "kept_len_mean",
 )
 
-# The step's breakdown in the --json rows besides JSON_KEYS: host planning (DARTS' plan),
+# The step's breakdown in the --json rows besides JSON_KEYS: the rollout's decode steps
+# and decode calls (the engine's counters: what the rollout did, whatever the machine
+# load), the seconds of its decode calls (the rest of rollout_s is prefill and the
+# host's scheduling) and its prefill calls, host planning (DARTS' plan),
 # selection (+ EMA update), the rest of the step outside rollout and training (batch
 # assembly included), the candidates generated, and the trained batch's prefix-tree
 # tokens, DFS plan steps and padded (reserved) steps.
 EXTRA_KEYS = (
+    "decode_steps",
+    "decode_calls",
+    "decode_s",
+    "prefill_calls",
     "plan_s",
     "select_s",
     "other_s",
@@ -108,10 +120,10 @@ class TraceBenchConfig:
     slots: int = 0  # 0: prompts x group_size
     rounds: int = 3
     steps: int = 2
-    warmup_steps: int = 2
+    warmup_steps: int | None = None  # None: max(2, ceil(pool / prompts)), one epoch
     up_factor: float = 2.0
     short_k: int = 0  # 0: M - 1
-    lam: float = 0.6
+    lam: float | str = 0.6  # relative lambda; "auto": lambda_for_budget(the trace's rho)
     seed: int = 0
     engine: str = "dfs"
 
@@ -133,16 +145,19 @@ class TraceBenchConfig:
                 raise ConfigError(f"{name}={v!r}: must be an int >= 1")
         if self.pool < self.prompts:
             raise ConfigError(f"pool={self.pool} must be >= prompts={self.prompts}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps={self.warmup_steps!r}: must be an int >= 0")
+        w = self.warmup_steps
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
+            raise ConfigError(f"warmup_steps={w!r}: must be an int >= 0 or None (one epoch)")
         if not isinstance(self.slots, int) or self.slots < 0:
             raise ConfigError(f"slots={self.slots!r}: must be an int >= 0 (0: prompts x M)")
         if not 0 <= self.short_k <= self.group_size:
             raise ConfigError(f"short_k={self.short_k}: must be in [0, {self.group_size}]")
         if not self.up_factor >= 1.0:
             raise ConfigError(f"up_factor={self.up_factor}: must be >= 1")
-        if not self.lam > 0:
-            raise ConfigError(f"lam={self.lam}: must be > 0")
+        if self.lam != "auto" and not (
+            isinstance(self.lam, int | float) and not isinstance(self.lam, bool) and self.lam > 0
+        ):
+            raise ConfigError(f"lam={self.lam!r}: must be a number > 0 or 'auto'")
 
     @classmethod
     def quick(cls, **overrides) -> TraceBenchConfig:
@@ -150,6 +165,13 @@ class TraceBenchConfig:
         base = dict(prompts=4, group_size=4, pool=8, max_new_tokens=128, rounds=2, steps=2)
         base.update(overrides)
         return cls(**base)
+
+    @property
+    def warmup(self) -> int:
+        """Untimed steps per arm: ``warmup_steps``, or one epoch over the pool (>= 2)."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return max(2, -(-self.pool // self.prompts))
 
     @property
     def m_up(self) -> int:
@@ -217,15 +239,58 @@ def load_pool(
 
 def draws(pool: Sequence[PromptDist], cfg: TraceBenchConfig, rnd: int, step: int):
     """One step's prompts and, per prompt, M_up candidate (length, truncated) draws;
-    both arms use these (GRPO the first M, DARTS the first M'_i)."""
-    rng = np.random.default_rng([cfg.seed, 17, rnd + 1, step])  # warm-up: rnd -1
-    picks = rng.choice(len(pool), size=cfg.prompts, replace=False)
+    both arms use these (GRPO the first M, DARTS the first M'_i). Warm-up steps
+    (``rnd`` -1) take the prompts in epochs over the pool (module docstring), timed
+    ones at random."""
+    rng = np.random.default_rng([cfg.seed, 17, rnd + 1, step])
+    picks = None
+    if rnd < 0:
+        order = np.random.default_rng([cfg.seed, 23]).permutation(len(pool))
+        picks = order[np.arange(step * cfg.prompts, (step + 1) * cfg.prompts) % len(pool)]
+    return _draw(pool, cfg, rng, picks)
+
+
+def _draw(
+    pool: Sequence[PromptDist],
+    cfg: TraceBenchConfig,
+    rng: np.random.Generator,
+    picks: np.ndarray | None = None,
+):
+    if picks is None:
+        picks = rng.choice(len(pool), size=cfg.prompts, replace=False)
     out = []
     for i in picks:
         p = pool[int(i)]
         j = rng.integers(0, p.lengths.size, cfg.m_up)
         out.append((p, p.lengths[j], p.truncated[j]))
     return out
+
+
+def length_spread(pool: Sequence[PromptDist], cfg: TraceBenchConfig, steps: int = 64) -> float:
+    """The trace's length spread rho = sigma~_L / L~ as DARTS' state measures it under
+    plain GRPO (per step: std and mean of the N x M drawn lengths; rho = mean std /
+    mean mean), over ``steps`` draws of their own (not the timed ones)."""
+    m, stds, means = cfg.group_size, [], []
+    for s in range(steps):
+        picks = _draw(pool, cfg, np.random.default_rng([cfg.seed, 29, s]))
+        lens = np.concatenate([lens[:m] for _, lens, _ in picks]).astype(np.float64)
+        stds.append(float(lens.std()))
+        means.append(float(lens.mean()))
+    return float(np.mean(stds) / np.mean(means))
+
+
+def resolve_lambda(lam: float | str, rho: float) -> float:
+    """The relative lambda a run uses: ``lam``, or for ``"auto"`` the one that puts the
+    trace's length spread ``rho`` at the paper's observed budget
+    (``darts.lambda_for_budget``: M* = 1.5 M N)."""
+    if lam != "auto":
+        return float(lam)
+    if not (np.isfinite(rho) and rho > 0):
+        raise ConfigError(
+            f"lam='auto': the trace's length spread rho={rho} (every drawn length equal) gives "
+            "DARTS nothing to shape and no budget; pass a number > 0"
+        )
+    return darts.lambda_for_budget(rho)
 
 
 class TraceBench:
@@ -255,11 +320,14 @@ class TraceBench:
         )
         self.loss = ClippedSurrogateLoss()
         self.state = darts.DartsState()
+        self.lam = None if cfg.lam == "auto" else float(cfg.lam)  # "auto": set by ``run``
 
     def generate(self, picks, counts, early_stop):
-        """(requests per prompt, in candidate order; finish order; rollout seconds)."""
+        """(requests per prompt, in candidate order; finish order; rollout seconds; the
+        engine's counters of this rollout)."""
         eng, m = self.rollout, self.cfg.group_size
         groups = []
+        eng.stats(reset=True)
         t0 = time.perf_counter()
         for i, ((p, lens, trunc), n, stop) in enumerate(
             zip(picks, counts, early_stop, strict=True)
@@ -283,7 +351,7 @@ class TraceBench:
         finished = eng.run(self.weights)
         seconds = time.perf_counter() - t0
         rank = {id(r): k for k, r in enumerate(finished)}
-        return [g.requests for g in groups], rank, seconds
+        return [g.requests for g in groups], rank, seconds, eng.stats(reset=True)
 
     def train(self, picks, reqs, kept) -> tuple[float, dict[str, Any]]:
         """Loss and gradients of the kept candidates: (seconds, blocked; the engine's
@@ -324,13 +392,15 @@ class TraceBench:
         if arm == "grpo":
             counts, early = [m] * cfg.prompts, [False] * cfg.prompts
         else:
+            if self.lam is None:
+                raise ConfigError("lam='auto' is resolved by run() (length_spread); set it first")
             plan = darts.plan(
                 self.state, [p.key for p, _, _ in picks], m=m, up_factor=cfg.up_factor,
-                lam=cfg.lam, units="relative",
+                lam=self.lam, units="relative",
             )  # fmt: skip
             counts, early = list(plan.counts), list(plan.early_stop)
         plan_s = time.perf_counter() - t0
-        reqs, rank, rollout_s = self.generate(picks, counts, early)
+        reqs, rank, rollout_s, eng = self.generate(picks, counts, early)
         t1 = time.perf_counter()
         kept, update = [], {}
         k = cfg.short_k or m - 1
@@ -367,6 +437,10 @@ class TraceBench:
             cancelled_tokens=int(sum(cancelled)),
             kept_len_mean=float(np.mean(kept_lens)),
             kept_lens=kept_lens,
+            decode_steps=int(eng.decode_steps),
+            decode_calls=int(eng.decode_calls),
+            decode_s=float(sum(c[0] for c in eng.calls)),
+            prefill_calls=int(eng.prefill_calls),
             plan_s=plan_s,
             select_s=select_s,
             other_s=step_s - rollout_s - train_s,
@@ -382,13 +456,17 @@ class TraceBench:
         cfg = self.cfg
         self.pool, desc = load_pool(cfg, root, self.model_cfg.vocab_size)
         say(f"darts trace bench: {desc}")
+        rho = length_spread(self.pool, cfg)
+        self.lam = resolve_lambda(cfg.lam, rho)
+        how = f" = rho / {darts.PAPER_BUDGET} (auto)" if cfg.lam == "auto" else ""
         say(
             f"  N={cfg.prompts} prompts x M={cfg.group_size} (M_up {cfg.m_up}), slots "
-            f"{self.rollout.config.slots}, lambda {cfg.lam} (relative), "
+            f"{self.rollout.config.slots}, length spread rho {rho:.3f}, lambda "
+            f"{self.lam:.3g}{how} (relative: M* = {rho / self.lam:.2f} M N at rho), "
             f"K={cfg.short_k or cfg.group_size - 1}"
         )
         warm = []
-        for s in range(cfg.warmup_steps):
+        for s in range(cfg.warmup):
             for arm in ARMS:
                 warm.append(self.step(arm, -1, s))
         rows = []
@@ -404,6 +482,8 @@ class TraceBench:
                     )
         return dict(
             config=dataclasses.asdict(cfg),
+            lam=self.lam,
+            rho=rho,
             workload=desc,
             rows=rows,
             warmup=warm,
@@ -425,12 +505,13 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             compiled_steps=len(mine) - len([r for r in mine if not r["compiled"]]),
             **{
                 k: float(np.median([r[k] for r in clean]))
-                for k in ("rollout_s", "train_s", "step_s", "other_s")
+                for k in ("rollout_s", "decode_s", "train_s", "step_s", "other_s")
             },
             train_tree_tokens=float(np.mean([r["train_tree_tokens"] for r in mine])),
             train_plan_steps=float(np.mean([r["train_plan_steps"] for r in mine])),
             train_padded_steps=float(np.mean([r["train_padded_steps"] for r in mine])),
             generated_tokens=float(np.mean([r["generated_tokens"] for r in mine])),
+            decode_steps=float(np.mean([r["decode_steps"] for r in mine])),
             cancelled_tokens=float(np.mean([r["cancelled_tokens"] for r in mine])),
             candidates=float(np.mean([r["candidates"] for r in mine])),
             kept_len_mean=float(lens.mean()),
@@ -440,6 +521,9 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         )
     g, d = out["grpo"], out["darts"]
     out["speedup"] = {k: g[k] / d[k] for k in ("rollout_s", "train_s", "step_s")}
+    # Medians of the rollouts' decode steps over every step (counters, not clocks).
+    med = {a: float(np.median([r["decode_steps"] for r in rows if r["arm"] == a])) for a in ARMS}
+    out["decode_steps_median_ratio"] = med["grpo"] / med["darts"] if med["darts"] else float("nan")
     # Paired: both arms ran the same draws at each (round, step); the ratio of their
     # summed seconds over the pairs in which neither arm compiled.
     by = {(r["round"], r["step"], r["arm"]): r for r in rows}
@@ -454,18 +538,27 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         k: sum(a[k] for a, _ in pairs) / sum(b[k] for _, b in pairs) if pairs else float("nan")
         for k in ("rollout_s", "train_s", "step_s")
     }
+    # The rollouts' decode steps over every pair (compiled or not: counters, not clocks).
+    every = [(by[(r, s, "grpo")], by[(r, s, "darts")]) for r, s, a in by if a == "grpo"
+             and (r, s, "darts") in by]  # fmt: skip
+    out["decode_steps_ratio"] = (
+        sum(a["decode_steps"] for a, _ in every) / max(1, sum(b["decode_steps"] for _, b in every))
+        if every
+        else float("nan")
+    )
     out["length_bias"] = d["kept_len_mean"] / g["kept_len_mean"]
     return out
 
 
 def format_table(res: dict[str, Any]) -> str:
     s = res["summary"]
-    header = ("arm", "steps", "rollout s", "train s", "other s", "step s", "train plan steps",
-              "candidates", "generated tok", "cancelled tok", "kept len mean", "p50", "p90",
-              "max")  # fmt: skip
+    header = ("arm", "steps", "rollout s", "decode s", "train s", "other s", "step s",
+              "decode steps", "train plan steps", "candidates", "generated tok",
+              "cancelled tok", "kept len mean", "p50", "p90", "max")  # fmt: skip
     cells = [
         (arm, s[arm]["steps"],
-         *(f"{s[arm][k]:.3f}" for k in ("rollout_s", "train_s", "other_s", "step_s")),
+         *(f"{s[arm][k]:.3f}" for k in ("rollout_s", "decode_s", "train_s", "other_s", "step_s")),
+         f"{s[arm]['decode_steps']:.1f}",
          f"{s[arm]['train_plan_steps']:.0f} / {s[arm]['train_padded_steps']:.0f}",
          f"{s[arm]['candidates']:.1f}", f"{s[arm]['generated_tokens']:.0f}",
          f"{s[arm]['cancelled_tokens']:.0f}", f"{s[arm]['kept_len_mean']:.1f}",
@@ -479,14 +572,16 @@ def format_table(res: dict[str, Any]) -> str:
     out += (
         f"\npaired speedup grpo/darts (summed seconds of the {s['paired_steps']} (round, step) "
         f"pairs on the same draws, neither compiled): step {ps['step_s']:.2f}x, rollout "
-        f"{ps['rollout_s']:.2f}x, train {ps['train_s']:.2f}x"
+        f"{ps['rollout_s']:.2f}x, train {ps['train_s']:.2f}x; rollout decode steps "
+        f"grpo/darts over all pairs {s['decode_steps_ratio']:.2f}x (load-independent)"
     )
     out += (
         f"\nspeedup grpo/darts (medians of steps that compiled nothing): step "
         f"{sp['step_s']:.2f}x (goal >= 1.5 on verl_math), rollout {sp['rollout_s']:.2f}x, "
         f"train {sp['train_s']:.2f}x; kept length bias (darts / grpo mean kept length) "
         f"{s['length_bias']:.2f}; steps that compiled: grpo {s['grpo']['compiled_steps']}, "
-        f"darts {s['darts']['compiled_steps']}"
+        f"darts {s['darts']['compiled_steps']}; median rollout decode steps grpo/darts "
+        f"{s['decode_steps_median_ratio']:.2f}x (load-independent)"
     )
     return out
 
@@ -522,7 +617,9 @@ __all__ = [
     "draws",
     "format_table",
     "json_rows",
+    "length_spread",
     "load_pool",
+    "resolve_lambda",
     "run",
     "summarize",
 ]

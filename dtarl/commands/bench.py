@@ -343,11 +343,28 @@ def _add_darts(sub) -> None:
     t.add_argument("--max-new-tokens", type=int, help=f"length cap (default {td.max_new_tokens})")
     t.add_argument("--rounds", type=int, help=f"interleaved rounds (default {td.rounds})")
     t.add_argument("--trace-steps", type=int, help=f"steps per arm and round ({td.steps})")
-    t.add_argument("--warmup-steps", type=int, help=f"untimed steps per arm ({td.warmup_steps})")
+    t.add_argument(
+        "--warmup-steps", type=int, help="untimed steps per arm (default: a pool epoch, >= 2)"
+    )
     t.add_argument("--slots", type=int, help="rollout engine slots (default N x M)")
-    t.add_argument("--lambda", dest="lam", type=float, help=f"relative lambda ({td.lam})")
+    t.add_argument(
+        "--lambda",
+        dest="lam",
+        type=_lambda_arg,
+        help=f"relative lambda ({td.lam}), or 'auto': rho / 1.5 for the trace's length spread "
+        "rho (M* = 1.5 M N, the paper's observed average budget)",
+    )
     t.add_argument("--polytrace", help="PolyTrace root (default: ../shared/polytrace)")
     p.set_defaults(func=_darts)
+
+
+def _lambda_arg(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number > 0 or 'auto'") from None
 
 
 def _darts_trace(args: argparse.Namespace) -> int:

@@ -13,7 +13,11 @@ Per RL step, for N prompts and a training group size M::
     rollout  = M'_i candidates of prompt i, its prompt prefilled once (the rollout
                engine's group); prompts at M'_i = M_up stop as soon as M complete
                responses exist (tail pruning with early stop, Alg. 2 line 12)
-    select   = the K shortest + the L = M - K longest complete candidates (Alg. 2)
+    select   = the K shortest + the L = M - K longest complete candidates (Alg. 2);
+               a prompt below M_up rolls out its whole pool first: its L longest
+               complete ones are known only once every candidate has finished or hit
+               the length cap (§4.3.1: "the full M'_i pool is required to identify
+               the longest candidates"), so only prompts at M_up stop early
 
 lambda. The paper's utility is U(M) = rho_t ln M - lambda T(M) with T(M) = k M + c
 (Eq. 6-7): k is seconds per sample, so lambda is utility per second and its value
@@ -148,6 +152,23 @@ def optimal_budget(rho: float, lam: float, k: float, m: int, n: int, units: str)
     if not k > 0:
         return float("inf")
     return rho / (lam * k)
+
+
+# The paper's observed average budget, in units of M N (App. B: "the solved optimal
+# M_total is approximately 1.5 N M on average").
+PAPER_BUDGET = 1.5
+
+
+def lambda_for_budget(rho: float, budget: float = PAPER_BUDGET) -> float:
+    """The relative lambda' at which Eq. 8 gives M* = ``budget`` M N for a workload
+    whose length spread (sigma~_L / L~) is ``rho``: lambda' = rho / budget (relative
+    units: M* = rho M N / lambda'). The paper does not publish its lambda; this puts a
+    workload at the budget the paper reports, after which M_total follows rho_t."""
+    if not (np.isfinite(rho) and rho > 0):
+        raise ValueError(f"rho={rho} must be a finite length spread > 0")
+    if not (np.isfinite(budget) and 1.0 <= budget <= 2.0):
+        raise ValueError(f"budget={budget} must be in [1, 2] (x M N, Eq. 9's clip range)")
+    return float(rho) / float(budget)
 
 
 def clip_budget(m_star: float, m: int, n: int) -> int:
@@ -429,10 +450,12 @@ __all__ = [
     "Plan",
     "RolloutCostModel",
     "LAMBDA_UNITS",
+    "PAPER_BUDGET",
     "allocate",
     "clip_budget",
     "dual_end_select",
     "early_stop_select",
+    "lambda_for_budget",
     "normalise",
     "optimal_budget",
     "plan",

@@ -14,7 +14,12 @@ TINY = [
     "rollout.prompts_per_step=2",
     "rollout.group_size=4",
     "rollout.max_new_tokens=12",
-    "rollout.slots=0",  # one slot per candidate, not the config's 128
+    # 8 slots in both arms (GRPO's 2 x 4 candidates; DARTS' extra ones queue): one set
+    # of decode programs for both arms' engines, not one per slot count.
+    "rollout.slots=8",
+    # The dense engine: the dfs engine's reserved program is most of this test's
+    # compile time and is covered by its own tests; what is checked here is the bench.
+    "algo.engine=dense",
     "sft.batch_size=8",
     "task.max_verbosity=2",
     "mesh.dp=1",

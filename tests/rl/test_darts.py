@@ -222,6 +222,19 @@ def test_fixed_shape_engine_calibration():
     assert any(pr.early_stop) and any(4 < c < 8 for c in pr.counts)
 
 
+def test_lambda_for_budget_reproduces_the_paper_budget():
+    # lambda' = rho / 1.5 puts Eq. 8's M* (relative units) at 1.5 M N for that rho.
+    for rho in (0.3, 0.45, 0.9, 1.3):
+        lam = darts.lambda_for_budget(rho)
+        assert lam == pytest.approx(rho / 1.5)
+        assert darts.optimal_budget(rho, lam, 0.0, 8, 8, "relative") == pytest.approx(96.0)
+        assert darts.total_budget(rho, lam, 0.0, 8, 8, "relative") in (95, 96)  # floor
+    assert darts.lambda_for_budget(0.6, budget=2.0) == pytest.approx(0.3)
+    for rho, budget in ((0.0, 1.5), (float("nan"), 1.5), (0.5, 2.5), (0.5, 0.9)):
+        with pytest.raises(ValueError, match="rho=|budget="):
+            darts.lambda_for_budget(rho, budget)
+
+
 def test_plan_has_early_stopped_and_dual_end_prompts():
     """A deterministic step of both kinds: a high-spread prompt reaches M_up (early
     stop), a mid one gets redundant candidates below M_up (dual-end), a flat one M."""
