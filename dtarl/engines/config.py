@@ -101,11 +101,12 @@ class DFSConfig:
     wide_chunks: int = 4  # leaves longer than a chunk pop as rows of up to this many chunks
     wide_slack: float = 0.25  # accepted extra FLOPs of a wide row over chunking it
     prefix_levels: int = 3  # stack levels kept as separate prefix segments
-    # One program body per (op, prefix bucket): attention reads only the bucket's
-    # stack rows (faster steps), at the price of a program that grows with the
-    # buckets. False: one body per op attends the whole path buffer (masked past each
-    # step's start): a smaller program, slower steps (engines.md, "Program bodies").
-    bucket_bodies: bool = True
+    # None: one program body per op whose attention reads only the step's prefix
+    # bucket (a switch inside the attention). True: one whole-model body per (op,
+    # prefix bucket): a program that grows with the buckets. False: one body per op
+    # attending the whole path buffer, masked: slower steps (engines.md, "Program
+    # bodies").
+    bucket_bodies: bool | None = None
 
     def __post_init__(self):
         _enum(self, "order", DFSOrder)

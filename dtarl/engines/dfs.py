@@ -221,7 +221,9 @@ class DFSEngine(base.BucketState):
 
     # ------------------------------------------------------------ device side
 
-    def _chunk_forward(self, params, stack_k, stack_v, st: _Step, rows: int = 1, ent=False):
+    def _chunk_forward(
+        self, params, stack_k, stack_v, st: _Step, rows: int = 1, ent=False, sizes=None
+    ):
         """Forward of a step's ``rows`` rows (flat [rows * C] entries) over the
         stack prefix (batch 1, shared by the rows); logprobs and entropies (zeros
         unless ``ent``) flat [rows * C], and the rows' K/V."""
@@ -234,6 +236,7 @@ class DFSEngine(base.BucketState):
             jnp.broadcast_to(st.start, (rows,)),
             return_hidden=True,
             segment_ids_BxT=None if self._single_segment else st.seg.reshape(shape),
+            prefix_sizes=sizes,
         )
         logp, entropy = token_logprobs(
             model.lm_head_weight(),
@@ -308,7 +311,7 @@ class DFSEngine(base.BucketState):
             # A single contiguous segment at st.start; reads the first p stack rows.
             valid = st.seg >= 0
             logp, ent, k, v = self._chunk_forward(
-                params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p], st, ent=with_ent
+                params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p], st, ent=with_ent, sizes=attn
             )
             cr = cr._replace(
                 stack_k=put(cr.stack_k, k.astype(cd), st.start, 2),
@@ -365,7 +368,7 @@ class DFSEngine(base.BucketState):
         def pop(p: int, cr: _Carry, st: _Step) -> _Carry:
             st = row0(st)
             valid = st.seg >= 0
-            fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, ent=with_ent)
+            fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, 1, with_ent, attn)
             (logp, ent, _, _), vjp = jax.vjp(fwd, params, *prefix32(cr, p))
             logp = jnp.where(valid, logp, 0.0)
             ent = jnp.where(valid, ent, 0.0) if with_ent else None
@@ -415,7 +418,7 @@ class DFSEngine(base.BucketState):
             # past ``start``, and nothing stacked reads these rows' K/V.
             st = first(st, n_rows * width)
             valid = st.seg >= 0
-            fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, n_rows, with_ent)
+            fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, n_rows, with_ent, attn)
             (logp, ent, k_new, v_new), vjp = jax.vjp(fwd, params, *prefix32(cr, p))
             logp = jnp.where(valid, logp, 0.0)
             ent = jnp.where(valid, ent, 0.0) if with_ent else None
@@ -440,8 +443,9 @@ class DFSEngine(base.BucketState):
 
         # One body per op, attending the whole path buffer (the model masks the
         # stack rows past ``start``), or one per (op, prefix bucket).
-        bucketed = self.config.bucket_bodies
+        bucketed = self.config.bucket_bodies is True
         bodies = sizes if bucketed else sizes[-1:]
+        attn = sizes if self.config.bucket_bodies is None else None
         ops = {Op.PUSH: push, Op.POP: pop}
         if rows > 1:
             ops[Op.POP_ROWS] = functools.partial(pop_rows, rows, c)
@@ -605,7 +609,8 @@ class DFSEngine(base.BucketState):
         width = np.where(op == Op.POP_ROWS, float(st.rows), width)
         width = np.where(op == Op.POP_WIDE, float(st.rows * st.wide), width)
         passes = np.where(op == Op.PUSH, 1.0, 3.0) * width
-        prefix = sizes[np.asarray(steps.pbucket)] if self.config.bucket_bodies else sizes[-1]
+        masked = self.config.bucket_bodies is False
+        prefix = sizes[-1] if masked else sizes[np.asarray(steps.pbucket)]
         ctx = prefix + np.where(op == Op.POP_WIDE, c * st.wide, c)
         return base.WorkFeatures(
             lin_flops=float(c * f0 * passes.sum()),
