@@ -94,10 +94,11 @@ class DenseConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DFSConfig:
     SECTION = "engine.dfs"
-    chunk_len: int = 128  # tokens per push/pop step (chunked backprop)
+    chunk_len: int = 256  # tokens per push/pop step (chunked backprop)
     order: DFSOrder = DFSOrder.GREEDY  # child order of the DFS
     pack_leaves: bool = True  # sibling leaves shorter than a chunk share a step
-    leaf_rows: int = 2  # rows of sibling leaves per step (tiny model, CPU: 2 > 1, 4, 8)
+    # rows of sibling leaves per step; 1: no row-pop body (engines.md, "Program bodies")
+    leaf_rows: int = 1
     wide_chunks: int = 4  # leaves longer than a chunk pop as rows of up to this many chunks
     wide_slack: float = 0.25  # accepted extra FLOPs of a wide row over chunking it
     prefix_levels: int = 3  # stack levels kept as separate prefix segments
