@@ -113,6 +113,11 @@ class DFSConfig:
         _enum(self, "order", DFSOrder)
         _at_least(self, 1, "chunk_len", "leaf_rows", "prefix_levels")
         _at_least(self, 0, "wide_chunks", "wide_slack")
+        if not (self.bucket_bodies is None or isinstance(self.bucket_bodies, bool)):
+            raise ValueError(
+                f"{self.SECTION}.bucket_bodies={self.bucket_bodies!r}: accepted: null "
+                "(per-op bodies, bucketed attention), true, false"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

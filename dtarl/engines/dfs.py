@@ -32,32 +32,20 @@ in. A POP_WIDE step pops up to ``leaf_rows`` rows of ``wide_chunks`` chunks
 that shares nothing is computed once forward and once backward, batched, as in
 dense training.
 
-The loop's body is one ``lax.switch``. By default (``bucket_bodies``) it has one
-branch per (op, prefix bucket): noop, then push, pop and, when the plan has them,
-row pop and wide pop at each of the plan's ``prefix_sizes``; a step attends only its
-bucket's first ``prefix_sizes[pbucket]`` stack rows. With ``bucket_bodies=False``
-the prefix length is data: one branch per op attends the whole path buffer's first
-S rows and the model masks the rows at and past the step's ``start`` (scores -inf,
-cotangents exactly 0), so the program holds one model copy per op whatever the
-buckets, at the price of attention over masked rows (the XLA attention computes
-them; the Pallas kernel skips their blocks, not measured here). On a 2-core CPU
-shared with other jobs (commit 203eef2; before = 9ec9dbb, whose program is
-``bucket_bodies=True``), qwen3_0p6b width at 2 layers (the programs do not grow with
-depth), one GRPO group of 4 x (64 + 32) tokens, CPU seconds of ``jit.lower`` +
-``compile`` (dense: 4.5 s, 0.52 MB of HLO):
-
-    program                                  branches  HLO      compile   / dense
-    per (op, bucket) (default, as before)    10        4.36 MB  18.7 s    4.1
-    per op                                   4         1.60 MB  11.3 s    2.5
-    per op, leaf_rows=1 (no row pop)         3         0.94 MB   6.8 s    1.5
-
-Each backward body (pop, row pop, wide pop) costs about what dense's whole program
-does to compile; a push body about 0.5 s. The default is per bucket because the
-steps measured faster: at G=8, prompt 512, response 64 (same width, 2 layers, vocab
-8192; 2 side-by-side rounds in one run) dense 85.7 s, per (op, bucket) 22.7 s (3.77x
-dense), per op 25.0 s (3.52x), per op with leaf_rows=1 27.9 s (3.12x); on the tiny
-model (``dtarl bench train --quick``, grpo_G8_prompt>>resp) 1.75x dense per bucket
-against 1.18x per op, each in its own run.
+The loop's body is one ``lax.switch`` with one branch per op: noop, push, pop and,
+when the plan has them, row pop (``leaf_rows`` > 1) and wide pop (leaves longer
+than a chunk). By default (``bucket_bodies=None``) a step's prefix bucket is data
+that only the attention reads: ``Decoder(prefix_sizes=...)`` puts a small
+``lax.switch`` around each layer's attention, one branch per prefix size, and the
+branch attends the first ``prefix_sizes[b]`` stack rows, b the smallest bucket
+holding the step's ``start``; the weight products, the loss and the stack updates
+exist once per op. ``bucket_bodies=True`` holds one whole-model branch per (op,
+prefix bucket) (the program grows with the buckets); ``bucket_bodies=False`` one
+branch per op attending the whole path buffer, masked past ``start`` (scores -inf,
+cotangents exactly 0), which pays attention over the masked rows. The defaults
+``chunk_len=256, leaf_rows=1`` leave one backward body (pop): sibling leaves pack
+into a 256-token chunk instead of two 128-token rows, so the pop steps are as wide
+as the per-bucket program's row pops. Measured in engines.md, "Program bodies".
 
 Letters: L layers, S path buffer, C chunk, K kv heads, D head dim, T steps.
 """
@@ -441,8 +429,9 @@ class DFSEngine(base.BucketState):
                 ),
             )
 
-        # One body per op, attending the whole path buffer (the model masks the
-        # stack rows past ``start``), or one per (op, prefix bucket).
+        # One body per op over the whole path buffer (None: the attention reads the
+        # step's prefix bucket; False: all of it, masked past ``start``), or one per
+        # (op, prefix bucket) (True). ``attn`` is read by the bodies when traced.
         bucketed = self.config.bucket_bodies is True
         bodies = sizes if bucketed else sizes[-1:]
         attn = sizes if self.config.bucket_bodies is None else None
@@ -597,7 +586,7 @@ class DFSEngine(base.BucketState):
         """Each step's entries: PUSH and POP run one chunk of C, POP_ROWS ``rows``
         chunks, POP_WIDE ``rows`` rows of ``wide`` chunks; a push is a forward, a pop
         a recomputed forward and a backward. Every entry attends its prefix bucket
-        (``bucket_bodies``; else the whole path buffer, masked) and its whole row
+        (``bucket_bodies`` None or True; False: the whole path buffer, masked) and its whole row
         (C, or C * wide for a wide row). NOOP padding steps are not counted: the
         program's loop stops at the plan's last real step (``_run_plan``)."""
         steps, st = prepared.args[0], prepared.static

@@ -150,3 +150,49 @@ def test_engine_rejects_token_out_of_vocab_and_missing_ref(model_params):
         engine.value_and_grad(
             params, RolloutBatch.create(tokens=[[1, 3]]), ClippedSurrogateLoss.grpo(kl_coef=0.1)
         )
+
+
+def _switches(engine, params, batch, loss):
+    """The lowered DFS program's prefix sizes, the branch count of every conditional
+    and the number of MLP weight products (dots with the tiny model's F = 128)."""
+    prepared = engine.prepare(batch, loss)
+    lowered = engine.jit.lower(loss, prepared.static, params, prepared.args)
+    hlo = lowered.as_text(dialect="hlo")
+    counts = sorted(len(b.split(",")) for b in re.findall(r"branch_computations=\{([^}]*)\}", hlo))
+    mlp_dots = [
+        line
+        for line in lowered.as_text().splitlines()
+        if "stablehlo.dot_general" in line and re.search(r"[<x]128x", line)
+    ]
+    return prepared.static.prefix_sizes, counts, len(mlp_dots)
+
+
+def test_dfs_default_program_one_backward_body(model_params):
+    """The default program (``bucket_bodies`` None, ``leaf_rows`` 1): the loop's switch
+    has 3 branches (noop, push, pop: one model forward body and one backward body)
+    whatever the prefix buckets; the prefix bucket selects only the attention's
+    prefix rows (one small switch per attention, a branch per bucket). Per-(op,
+    bucket) bodies grow with the buckets."""
+    model, params = model_params
+    loss = MaskedNLLLoss()
+    batch = grpo_groups(num_groups=1, group_size=4, prompt_len=28, response_len=(2, 12), seed=0)
+
+    def program(levels, **kw):
+        engine = DFSEngine(model, chunk_len=8, prefix_levels=levels, **kw)
+        assert engine.config.bucket_bodies is None and engine.config.leaf_rows == 1
+        return _switches(engine, params, batch, loss)
+
+    (few_sizes, few, few_dots), (many_sizes, many, many_dots) = program(1), program(3)
+    assert (len(few_sizes), len(many_sizes)) == (2, 4)
+    # The loop's switch: noop, push, pop; every other conditional is an attention's,
+    # with one branch per prefix size.
+    assert [n for n in few if n != 2] == [3] and [n for n in many if n != 4] == [3]
+    assert few_dots == many_dots > 0  # the model's weight products do not grow
+
+    def bucketed(levels):
+        engine = DFSEngine(model, chunk_len=8, prefix_levels=levels, bucket_bodies=True)
+        return _switches(engine, params, batch, loss)
+
+    (_, few_b, few_b_dots), (_, many_b, many_b_dots) = bucketed(1), bucketed(3)
+    assert (few_b, many_b) == ([1 + 2 * 2], [1 + 2 * 4])
+    assert many_b_dots > few_b_dots > few_dots
