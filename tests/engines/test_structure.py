@@ -169,30 +169,39 @@ def _switches(engine, params, batch, loss):
 
 def test_dfs_default_program_one_backward_body(model_params):
     """The default program (``bucket_bodies`` None, ``leaf_rows`` 1): the loop's switch
-    has 3 branches (noop, push, pop: one model forward body and one backward body)
-    whatever the prefix buckets; the prefix bucket selects only the attention's
-    prefix rows (one small switch per attention, a branch per bucket). Per-(op,
-    bucket) bodies grow with the buckets."""
+    has 3 branches (noop, push, pop: one forward and one backward model body), 4 when
+    the plan pops leaves longer than a chunk as wide rows, whatever the prefix
+    buckets; the bucket selects only the attention's prefix rows (one small switch
+    per attention, a branch per prefix size). Per-(op, bucket) bodies grow."""
     model, params = model_params
     loss = MaskedNLLLoss()
-    batch = grpo_groups(num_groups=1, group_size=4, prompt_len=28, response_len=(2, 12), seed=0)
 
-    def program(levels, **kw):
+    def program(levels, response_len, **kw):
+        batch = grpo_groups(
+            num_groups=1, group_size=4, prompt_len=28, response_len=response_len, seed=0
+        )
         engine = DFSEngine(model, chunk_len=8, prefix_levels=levels, **kw)
-        assert engine.config.bucket_bodies is None and engine.config.leaf_rows == 1
         return _switches(engine, params, batch, loss)
 
-    (few_sizes, few, few_dots), (many_sizes, many, many_dots) = program(1), program(3)
-    assert (len(few_sizes), len(many_sizes)) == (2, 4)
-    # The loop's switch: noop, push, pop; every other conditional is an attention's,
-    # with one branch per prefix size.
-    assert [n for n in few if n != 2] == [3] and [n for n in many if n != 4] == [3]
-    assert few_dots == many_dots > 0  # the model's weight products do not grow
+    dots = {}
+    for response_len, outer in (((2, 6), 3), ((2, 12), 4)):
+        (few_sizes, few, few_dots), (many_sizes, many, many_dots) = (
+            program(1, response_len),
+            program(3, response_len),
+        )
+        assert (len(few_sizes), len(many_sizes)) == (2, 4)
+        # One loop switch; every other conditional is an attention's, with one
+        # branch per prefix size, and as many of them for 2 as for 4 buckets.
+        assert len(few) == len(many) > 1
+        assert few == sorted([outer] + [2] * (len(few) - 1))
+        assert many == sorted([outer] + [4] * (len(many) - 1))
+        assert few_dots == many_dots > 0  # the model's weight products do not grow
+        dots[outer] = few_dots
+    assert dots[4] > dots[3]  # the wide pop's body
 
-    def bucketed(levels):
-        engine = DFSEngine(model, chunk_len=8, prefix_levels=levels, bucket_bodies=True)
-        return _switches(engine, params, batch, loss)
-
-    (_, few_b, few_b_dots), (_, many_b, many_b_dots) = bucketed(1), bucketed(3)
+    (_, few_b, few_b_dots), (_, many_b, many_b_dots) = (
+        program(1, (2, 6), bucket_bodies=True),
+        program(3, (2, 6), bucket_bodies=True),
+    )
     assert (few_b, many_b) == ([1 + 2 * 2], [1 + 2 * 4])
-    assert many_b_dots > few_b_dots > few_dots
+    assert many_b_dots > few_b_dots > dots[3]
