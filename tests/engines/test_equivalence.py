@@ -467,26 +467,19 @@ def test_logits_chunk_matches_dense_grad(kind):
     check_engine(engine, params, batch, loss, model=model)
 
 
-@pytest.mark.parametrize("bucket_bodies", [True, None])
-def test_dfs_bodies_with_rows_and_wide_pops(bucket_bodies):
-    """Per-(op, bucket) bodies (``bucket_bodies=True``) and the default per-op bodies
-    whose attention reads the step's prefix bucket (None) on a deep tree with
-    several prefix buckets, packed and rowed sibling leaves and wide leaves."""
+def test_dfs_per_bucket_bodies_with_rows_and_wide_pops():
+    """Per-(op, bucket) bodies (``bucket_bodies=True``, no longer the default) on a
+    deep tree with two prefix buckets, rowed sibling leaves and wide leaves (the
+    default, per-op bodies are what the shared engines above run)."""
     rs = np.random.RandomState(8)
-    stem = list(rs.randint(3, 256, 20))
-    seqs = [stem + list(rs.randint(3, 256, rs.randint(1, 6))) for _ in range(5)]
-    seqs += [stem[:9] + list(rs.randint(3, 256, 26)) for _ in range(2)]  # wide leaves
-    seqs += [list(rs.randint(3, 256, 4)) for _ in range(2)]
+    stem = list(rs.randint(3, 256, 12))
+    seqs = [stem + list(rs.randint(3, 256, rs.randint(5, 8))) for _ in range(3)]
+    seqs += [stem[:5] + list(rs.randint(3, 256, 18)) for _ in range(2)]  # wide leaves
     batch = with_logprob_data(RolloutBatch.create(tokens=seqs, advantages=rs.randn(len(seqs))))
     model, params = _model(ModelFamily.QWEN3)
     engine = DFSEngine(
-        model,
-        chunk_len=8,
-        prefix_levels=3,
-        leaf_rows=2,
-        wide_chunks=4,
-        bucket_bodies=bucket_bodies,
+        model, chunk_len=8, prefix_levels=2, leaf_rows=2, wide_chunks=4, bucket_bodies=True
     )
     aux = check_engine(engine, params, batch, LOSSES["grpo_kl"], model=model)
     assert aux.stats["row_steps"] >= 1 and aux.stats["wide_steps"] >= 1
-    assert len(engine.prepare(batch, LOSSES["grpo_kl"]).static.prefix_sizes) >= 3
+    assert len(engine.prepare(batch, LOSSES["grpo_kl"]).static.prefix_sizes) == 3
