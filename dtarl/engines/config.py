@@ -94,23 +94,30 @@ class DenseConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DFSConfig:
     SECTION = "engine.dfs"
-    chunk_len: int = 128  # tokens per push/pop step (chunked backprop)
+    chunk_len: int = 256  # tokens per push/pop step (chunked backprop)
     order: DFSOrder = DFSOrder.GREEDY  # child order of the DFS
     pack_leaves: bool = True  # sibling leaves shorter than a chunk share a step
-    leaf_rows: int = 2  # rows of sibling leaves per step (tiny model, CPU: 2 > 1, 4, 8)
+    # rows of sibling leaves per step; 1: no row-pop body (engines.md, "Program bodies")
+    leaf_rows: int = 1
     wide_chunks: int = 4  # leaves longer than a chunk pop as rows of up to this many chunks
     wide_slack: float = 0.25  # accepted extra FLOPs of a wide row over chunking it
     prefix_levels: int = 3  # stack levels kept as separate prefix segments
-    # One program body per (op, prefix bucket): attention reads only the bucket's
-    # stack rows (faster steps), at the price of a program that grows with the
-    # buckets. False: one body per op attends the whole path buffer (masked past each
-    # step's start): a smaller program, slower steps (engines.md, "Program bodies").
-    bucket_bodies: bool = True
+    # None: one program body per op whose attention reads only the step's prefix
+    # bucket (a switch inside the attention). True: one whole-model body per (op,
+    # prefix bucket): a program that grows with the buckets. False: one body per op
+    # attending the whole path buffer, masked: slower steps (engines.md, "Program
+    # bodies").
+    bucket_bodies: bool | None = None
 
     def __post_init__(self):
         _enum(self, "order", DFSOrder)
         _at_least(self, 1, "chunk_len", "leaf_rows", "prefix_levels")
         _at_least(self, 0, "wide_chunks", "wide_slack")
+        if not (self.bucket_bodies is None or isinstance(self.bucket_bodies, bool)):
+            raise ValueError(
+                f"{self.SECTION}.bucket_bodies={self.bucket_bodies!r}: accepted: null "
+                "(per-op bodies, bucketed attention), true, false"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

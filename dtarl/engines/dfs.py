@@ -32,32 +32,20 @@ in. A POP_WIDE step pops up to ``leaf_rows`` rows of ``wide_chunks`` chunks
 that shares nothing is computed once forward and once backward, batched, as in
 dense training.
 
-The loop's body is one ``lax.switch``. By default (``bucket_bodies``) it has one
-branch per (op, prefix bucket): noop, then push, pop and, when the plan has them,
-row pop and wide pop at each of the plan's ``prefix_sizes``; a step attends only its
-bucket's first ``prefix_sizes[pbucket]`` stack rows. With ``bucket_bodies=False``
-the prefix length is data: one branch per op attends the whole path buffer's first
-S rows and the model masks the rows at and past the step's ``start`` (scores -inf,
-cotangents exactly 0), so the program holds one model copy per op whatever the
-buckets, at the price of attention over masked rows (the XLA attention computes
-them; the Pallas kernel skips their blocks, not measured here). On a 2-core CPU
-shared with other jobs (commit 203eef2; before = 9ec9dbb, whose program is
-``bucket_bodies=True``), qwen3_0p6b width at 2 layers (the programs do not grow with
-depth), one GRPO group of 4 x (64 + 32) tokens, CPU seconds of ``jit.lower`` +
-``compile`` (dense: 4.5 s, 0.52 MB of HLO):
-
-    program                                  branches  HLO      compile   / dense
-    per (op, bucket) (default, as before)    10        4.36 MB  18.7 s    4.1
-    per op                                   4         1.60 MB  11.3 s    2.5
-    per op, leaf_rows=1 (no row pop)         3         0.94 MB   6.8 s    1.5
-
-Each backward body (pop, row pop, wide pop) costs about what dense's whole program
-does to compile; a push body about 0.5 s. The default is per bucket because the
-steps measured faster: at G=8, prompt 512, response 64 (same width, 2 layers, vocab
-8192; 2 side-by-side rounds in one run) dense 85.7 s, per (op, bucket) 22.7 s (3.77x
-dense), per op 25.0 s (3.52x), per op with leaf_rows=1 27.9 s (3.12x); on the tiny
-model (``dtarl bench train --quick``, grpo_G8_prompt>>resp) 1.75x dense per bucket
-against 1.18x per op, each in its own run.
+The loop's body is one ``lax.switch`` with one branch per op: noop, push, pop and,
+when the plan has them, row pop (``leaf_rows`` > 1) and wide pop (leaves longer
+than a chunk). By default (``bucket_bodies=None``) a step's prefix bucket is data
+that only the attention reads: ``Decoder(prefix_sizes=...)`` puts a small
+``lax.switch`` around each layer's attention, one branch per prefix size, and the
+branch attends the first ``prefix_sizes[b]`` stack rows, b the smallest bucket
+holding the step's ``start``; the weight products, the loss and the stack updates
+exist once per op. ``bucket_bodies=True`` holds one whole-model branch per (op,
+prefix bucket) (the program grows with the buckets); ``bucket_bodies=False`` one
+branch per op attending the whole path buffer, masked past ``start`` (scores -inf,
+cotangents exactly 0), which pays attention over the masked rows. The defaults
+``chunk_len=256, leaf_rows=1`` leave one backward body (pop): sibling leaves pack
+into a 256-token chunk instead of two 128-token rows, so the pop steps are as wide
+as the per-bucket program's row pops. Measured in engines.md, "Program bodies".
 
 Letters: L layers, S path buffer, C chunk, K kv heads, D head dim, T steps.
 """
@@ -221,7 +209,9 @@ class DFSEngine(base.BucketState):
 
     # ------------------------------------------------------------ device side
 
-    def _chunk_forward(self, params, stack_k, stack_v, st: _Step, rows: int = 1, ent=False):
+    def _chunk_forward(
+        self, params, stack_k, stack_v, st: _Step, rows: int = 1, ent=False, sizes=None
+    ):
         """Forward of a step's ``rows`` rows (flat [rows * C] entries) over the
         stack prefix (batch 1, shared by the rows); logprobs and entropies (zeros
         unless ``ent``) flat [rows * C], and the rows' K/V."""
@@ -234,6 +224,7 @@ class DFSEngine(base.BucketState):
             jnp.broadcast_to(st.start, (rows,)),
             return_hidden=True,
             segment_ids_BxT=None if self._single_segment else st.seg.reshape(shape),
+            prefix_sizes=sizes,
         )
         logp, entropy = token_logprobs(
             model.lm_head_weight(),
@@ -308,7 +299,7 @@ class DFSEngine(base.BucketState):
             # A single contiguous segment at st.start; reads the first p stack rows.
             valid = st.seg >= 0
             logp, ent, k, v = self._chunk_forward(
-                params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p], st, ent=with_ent
+                params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p], st, ent=with_ent, sizes=attn
             )
             cr = cr._replace(
                 stack_k=put(cr.stack_k, k.astype(cd), st.start, 2),
@@ -365,7 +356,7 @@ class DFSEngine(base.BucketState):
         def pop(p: int, cr: _Carry, st: _Step) -> _Carry:
             st = row0(st)
             valid = st.seg >= 0
-            fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, ent=with_ent)
+            fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, 1, with_ent, attn)
             (logp, ent, _, _), vjp = jax.vjp(fwd, params, *prefix32(cr, p))
             logp = jnp.where(valid, logp, 0.0)
             ent = jnp.where(valid, ent, 0.0) if with_ent else None
@@ -415,7 +406,7 @@ class DFSEngine(base.BucketState):
             # past ``start``, and nothing stacked reads these rows' K/V.
             st = first(st, n_rows * width)
             valid = st.seg >= 0
-            fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, n_rows, with_ent)
+            fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, n_rows, with_ent, attn)
             (logp, ent, k_new, v_new), vjp = jax.vjp(fwd, params, *prefix32(cr, p))
             logp = jnp.where(valid, logp, 0.0)
             ent = jnp.where(valid, ent, 0.0) if with_ent else None
@@ -438,10 +429,12 @@ class DFSEngine(base.BucketState):
                 ),
             )
 
-        # One body per op, attending the whole path buffer (the model masks the
-        # stack rows past ``start``), or one per (op, prefix bucket).
-        bucketed = self.config.bucket_bodies
+        # One body per op over the whole path buffer (None: the attention reads the
+        # step's prefix bucket; False: all of it, masked past ``start``), or one per
+        # (op, prefix bucket) (True). ``attn`` is read by the bodies when traced.
+        bucketed = self.config.bucket_bodies is True
         bodies = sizes if bucketed else sizes[-1:]
+        attn = sizes if self.config.bucket_bodies is None else None
         ops = {Op.PUSH: push, Op.POP: pop}
         if rows > 1:
             ops[Op.POP_ROWS] = functools.partial(pop_rows, rows, c)
@@ -593,7 +586,7 @@ class DFSEngine(base.BucketState):
         """Each step's entries: PUSH and POP run one chunk of C, POP_ROWS ``rows``
         chunks, POP_WIDE ``rows`` rows of ``wide`` chunks; a push is a forward, a pop
         a recomputed forward and a backward. Every entry attends its prefix bucket
-        (``bucket_bodies``; else the whole path buffer, masked) and its whole row
+        (``bucket_bodies`` None or True; False: the whole path buffer, masked) and its whole row
         (C, or C * wide for a wide row). NOOP padding steps are not counted: the
         program's loop stops at the plan's last real step (``_run_plan``)."""
         steps, st = prepared.args[0], prepared.static
@@ -605,7 +598,8 @@ class DFSEngine(base.BucketState):
         width = np.where(op == Op.POP_ROWS, float(st.rows), width)
         width = np.where(op == Op.POP_WIDE, float(st.rows * st.wide), width)
         passes = np.where(op == Op.PUSH, 1.0, 3.0) * width
-        prefix = sizes[np.asarray(steps.pbucket)] if self.config.bucket_bodies else sizes[-1]
+        masked = self.config.bucket_bodies is False
+        prefix = sizes[-1] if masked else sizes[np.asarray(steps.pbucket)]
         ctx = prefix + np.where(op == Op.POP_WIDE, c * st.wide, c)
         return base.WorkFeatures(
             lin_flops=float(c * f0 * passes.sum()),

@@ -256,6 +256,7 @@ def attend_xla(
     v_new,
     segment_ids_BxT=None,
     compute_dtype=None,
+    prefix_sizes=None,
 ):
     """Reference attention of a chunk over [valid prefix, causal chunk].
 
@@ -271,7 +272,34 @@ def attend_xla(
     products' operands. Narrower than q (fp32 activations): q, K, V and the
     probabilities are cast to it inside each product, the products accumulate in
     fp32 and are not rounded, the probabilities and output stay in q's dtype.
+
+    ``prefix_sizes`` (static, ascending): attend only the first n prefix rows, n the
+    smallest size >= max(prefix_len_B) (one ``lax.switch`` branch per size; the rows
+    past n are masked anyway, so the result is the same); None: all P rows.
     """
+    if prefix_sizes is not None and len(prefix_sizes) > 1:
+        p = k_prefix.shape[1]
+        sizes = sorted({min(int(n), p) for n in prefix_sizes} | {p})
+        index = jnp.sum(jnp.asarray(sizes[:-1]) < jnp.max(prefix_len_B))
+        branches = [
+            functools.partial(_attend_rows, n, segment_ids_BxT, compute_dtype) for n in sizes
+        ]
+        args = (q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new)
+        return jax.lax.switch(index, branches, *args)
+    return _attend(
+        q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segment_ids_BxT, compute_dtype
+    )
+
+
+def _attend_rows(n, segment_ids_BxT, compute_dtype, q, k_prefix, v_prefix, prefix_len_B, k, v):
+    """``attend_xla`` over the prefix's first n rows only."""
+    kp, vp = k_prefix[:, :n], v_prefix[:, :n]
+    return _attend(q, kp, vp, prefix_len_B, k, v, segment_ids_BxT, compute_dtype)
+
+
+def _attend(
+    q_BxTxHxD, k_prefix, v_prefix, prefix_len_B, k_new, v_new, segment_ids_BxT, compute_dtype
+):
     b, t, h, d = q_BxTxHxD.shape
     kh = k_new.shape[2]
     g = h // kh
@@ -385,7 +413,9 @@ class Attention(nnx.Module):
         """The output projection of the attention result."""
         return cast_matmul(self.cfg, "bthd,hde->bte", out_BxTxHxD, self.o_proj[...])
 
-    def __call__(self, x_BxTxE, positions_BxT, k_prefix, v_prefix, prefix_len_B, inv_freq, seg):
+    def __call__(
+        self, x_BxTxE, positions_BxT, k_prefix, v_prefix, prefix_len_B, inv_freq, seg, sizes=None
+    ):
         q, k, v = self.qkv(x_BxTxE, positions_BxT, inv_freq)
         # The chunk's K/V leave in the wider of the activation and prefix dtypes
         # (same values): given an fp32 prefix (a tree engine's carry), a key's
@@ -400,7 +430,9 @@ class Attention(nnx.Module):
             o = attend_pallas(q.astype(cd), k_prefix, v_prefix, prefix_len_B, k, v, seg)
         else:
             cd = self.cfg.compute_dtype
-            o = attend_xla(q, k_prefix, v_prefix, prefix_len_B, k, v, seg, compute_dtype=cd)
+            o = attend_xla(
+                q, k_prefix, v_prefix, prefix_len_B, k, v, seg, compute_dtype=cd, prefix_sizes=sizes
+            )
         return self.out(o), k, v
 
 
@@ -430,9 +462,9 @@ class DecoderLayer(nnx.Module):
         )
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, k_prefix, v_prefix, prefix_len, seg, inv_freq):
+    def __call__(self, x, positions, k_prefix, v_prefix, prefix_len, seg, inv_freq, sizes=None):
         h, k, v = self.self_attn(
-            self.input_layernorm(x), positions, k_prefix, v_prefix, prefix_len, inv_freq, seg
+            self.input_layernorm(x), positions, k_prefix, v_prefix, prefix_len, inv_freq, seg, sizes
         )
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
@@ -541,9 +573,12 @@ class Decoder(nnx.Module):
         return_hidden: bool = False,
         remat: bool | Remat | None = None,
         segment_ids_BxT=None,
+        prefix_sizes: tuple[int, ...] | None = None,
     ):
         """``remat``: True = ``Remat.FULL`` (the dense_remat engine), a ``Remat``, or
-        None / False = ``cfg.remat``."""
+        None / False = ``cfg.remat``. ``prefix_sizes``: the xla attention reads only the
+        smallest of these many ``kv_prefix`` rows that holds every row's
+        ``prefix_len`` (``attend_xla``)."""
         cfg = self.cfg
         cd = jnp.dtype(cfg.compute_dtype)
         tokens_BxT = jnp.asarray(tokens_BxT)
@@ -572,7 +607,14 @@ class Decoder(nnx.Module):
 
         def body(layer, x, kv_i):
             x, k, v = layer(
-                x, positions_BxT, kv_i[0], kv_i[1], prefix_len_B, segment_ids_BxT, inv_freq
+                x,
+                positions_BxT,
+                kv_i[0],
+                kv_i[1],
+                prefix_len_B,
+                segment_ids_BxT,
+                inv_freq,
+                prefix_sizes,
             )
             return x, (k, v)
 

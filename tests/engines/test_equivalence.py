@@ -465,3 +465,49 @@ def test_logits_chunk_matches_dense_grad(kind):
     }[kind]()
     assert engine.cfg.logits_chunk == 5
     check_engine(engine, params, batch, loss, model=model)
+
+
+def test_dfs_per_bucket_bodies_with_rows_and_wide_pops():
+    """Per-(op, bucket) bodies (``bucket_bodies=True``, no longer the default) on a
+    tree with rowed sibling leaves and wide leaves (the
+    default, per-op bodies are what the shared engines above run)."""
+    rs = np.random.RandomState(8)
+    stem = list(rs.randint(3, 256, 12))
+    seqs = [stem + list(rs.randint(3, 256, rs.randint(5, 8))) for _ in range(3)]
+    seqs += [stem[:5] + list(rs.randint(3, 256, 18)) for _ in range(2)]  # wide leaves
+    batch = with_logprob_data(RolloutBatch.create(tokens=seqs, advantages=rs.randn(len(seqs))))
+    model, params = _model(ModelFamily.QWEN3)
+    engine = DFSEngine(
+        model, chunk_len=8, prefix_levels=1, leaf_rows=2, wide_chunks=4, bucket_bodies=True
+    )
+    aux = check_engine(engine, params, batch, LOSSES["grpo_kl"], model=model)
+    assert aux.stats["row_steps"] >= 1 and aux.stats["wide_steps"] >= 1
+    assert len(engine.prepare(batch, LOSSES["grpo_kl"]).static.prefix_sizes) == 2
+
+
+def test_attention_over_the_prefix_bucket_equals_the_whole_prefix():
+    """``attend_xla(prefix_sizes=...)`` (the default DFS program's attention) reads only
+    the smallest bucket that holds every row's prefix: the same output and cotangents
+    as attending all P rows, masked, for prefix lengths at, inside and past a size."""
+    from dtarl.model.decoder import attend_xla
+
+    rs = np.random.RandomState(3)
+    q = jnp.asarray(rs.randn(2, 3, 4, 8), jnp.float32)
+    kp, vp = (jnp.asarray(rs.randn(1, 12, 2, 8), jnp.float32) for _ in range(2))
+    kn, vn = (jnp.asarray(rs.randn(2, 3, 2, 8), jnp.float32) for _ in range(2))
+    seg = jnp.asarray([[0, 0, 1], [2, 2, 2]])
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def f(lens, sizes):
+        def out(q, kp, vp, kn, vn):
+            o = attend_xla(q, kp, vp, lens, kn, vn, seg, prefix_sizes=sizes)
+            return jnp.sum(o * jnp.cos(o))
+
+        return jax.value_and_grad(out, argnums=(0, 1, 2, 3, 4))(q, kp, vp, kn, vn)
+
+    for lens in ([0, 0], [3, 4], [4, 4], [5, 2], [12, 9]):
+        lens = jnp.asarray(lens, jnp.int32)
+        (want, want_g), (got, got_g) = f(lens, None), f(lens, (0, 4, 8, 12))
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        for a, b in zip(got_g, want_g, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

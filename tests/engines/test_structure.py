@@ -150,3 +150,58 @@ def test_engine_rejects_token_out_of_vocab_and_missing_ref(model_params):
         engine.value_and_grad(
             params, RolloutBatch.create(tokens=[[1, 3]]), ClippedSurrogateLoss.grpo(kl_coef=0.1)
         )
+
+
+def _switches(engine, params, batch, loss):
+    """The lowered DFS program's prefix sizes, the branch count of every conditional
+    and the number of MLP weight products (dots with the tiny model's F = 128)."""
+    prepared = engine.prepare(batch, loss)
+    lowered = engine.jit.lower(loss, prepared.static, params, prepared.args)
+    hlo = lowered.as_text(dialect="hlo")
+    counts = sorted(len(b.split(",")) for b in re.findall(r"branch_computations=\{([^}]*)\}", hlo))
+    mlp_dots = [
+        line
+        for line in lowered.as_text().splitlines()
+        if "stablehlo.dot_general" in line and re.search(r"[<x]128x", line)
+    ]
+    return prepared.static.prefix_sizes, counts, len(mlp_dots)
+
+
+def test_dfs_default_program_one_backward_body(model_params):
+    """The default program (``bucket_bodies`` None, ``leaf_rows`` 1): the loop's switch
+    has 3 branches (noop, push, pop: one forward and one backward model body), 4 when
+    the plan pops leaves longer than a chunk as wide rows, whatever the prefix
+    buckets; the bucket selects only the attention's prefix rows (one small switch
+    per attention, a branch per prefix size). Per-(op, bucket) bodies grow."""
+    model, params = model_params
+    loss = MaskedNLLLoss()
+
+    def program(levels, response_len, **kw):
+        batch = grpo_groups(
+            num_groups=1, group_size=4, prompt_len=28, response_len=response_len, seed=0
+        )
+        engine = DFSEngine(model, chunk_len=8, prefix_levels=levels, **kw)
+        return _switches(engine, params, batch, loss)
+
+    dots = {}
+    for response_len, outer in (((2, 6), 3), ((2, 12), 4)):
+        (few_sizes, few, few_dots), (many_sizes, many, many_dots) = (
+            program(1, response_len),
+            program(3, response_len),
+        )
+        assert (len(few_sizes), len(many_sizes)) == (2, 4)
+        # One loop switch; every other conditional is an attention's, with one
+        # branch per prefix size, and as many of them for 2 as for 4 buckets.
+        assert len(few) == len(many) > 1
+        assert few == sorted([outer] + [2] * (len(few) - 1))
+        assert many == sorted([outer] + [4] * (len(many) - 1))
+        assert few_dots == many_dots > 0  # the model's weight products do not grow
+        dots[outer] = few_dots
+    assert dots[4] > dots[3]  # the wide pop's body
+
+    (_, few_b, few_b_dots), (_, many_b, many_b_dots) = (
+        program(1, (2, 6), bucket_bodies=True),
+        program(3, (2, 6), bucket_bodies=True),
+    )
+    assert (few_b, many_b) == ([1 + 2 * 2], [1 + 2 * 4])
+    assert many_b_dots > few_b_dots > dots[3]
