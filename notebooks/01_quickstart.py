@@ -48,6 +48,7 @@ if "google.colab" in sys.modules and importlib.util.find_spec("dtarl") is None:
     sys.path.insert(0, src)
 
 # %%
+import dataclasses
 import os
 import tempfile
 
@@ -68,6 +69,11 @@ if FAST:
         sft=cfg.sft.__class__(steps=2, batch_size=4),
         rollout=cfg.rollout.__class__(prompts_per_step=2, group_size=2, max_new_tokens=4),
         mesh=MeshSection(dp=1),  # one device, however many the machine has
+        # auto times and compiles only its best-estimated engine per loss
+        engine=dataclasses.replace(
+            cfg.engine,
+            auto=dataclasses.replace(cfg.engine.auto, tune_all_below=0.0, reserve_margin=1.0),
+        ),
     )
 print(cfg.algo.algorithm, cfg.task.kind, f"{cfg.sft.steps} SFT + {cfg.steps} RL steps")
 

@@ -62,7 +62,7 @@ def _engine(kind: str, mode: PrefixActivations = PrefixActivations.OFFLOAD):
             )
         )
     if kind == "dfs":  # both batches within the reserve: one program per loss
-        return DFSEngine(model, chunk_len=8).reserve(
+        return DFSEngine(model, chunk_len=8, prefix_levels=1).reserve(
             Capacity(sequences=16, length=48, group_size=8, groups=2)
         )
     raise ValueError(kind)
@@ -296,7 +296,7 @@ def test_entropy_at_a_sampling_temperature(kind):
     if kind == "dense":
         engine = DenseEngine(model, microbatch=4, temperature=t)
     elif kind == "dfs":
-        engine = DFSEngine(model, chunk_len=8, temperature=t)
+        engine = DFSEngine(model, chunk_len=8, prefix_levels=1, temperature=t)
     else:
         engine = PrefixReuseEngine(model, microbatch=4, offload_on_cpu=True, temperature=t)
     assert engine.temperature == t

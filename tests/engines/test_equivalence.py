@@ -394,8 +394,8 @@ T = 0.7  # a sampling temperature: every engine trains on logits / T
 def _temperature_engine(kind: str, model):
     if kind == "dense":
         return DenseEngine(model, microbatch=4, temperature=T)
-    if kind == "dfs":
-        return DFSEngine(model, chunk_len=8, temperature=T)
+    if kind == "dfs":  # one prefix level, as _engine: the fewest branches to compile
+        return DFSEngine(model, chunk_len=8, prefix_levels=1, temperature=T)
     if kind == "prefix_reuse":  # deep groups too: its inner DFS engine must get T
         return PrefixReuseEngine(model, microbatch=4, offload_on_cpu=True, temperature=T)
     return AutoEngine(model, candidates=("dfs",), autotune=False, temperature=T)
@@ -460,7 +460,7 @@ def test_logits_chunk_matches_dense_grad(kind):
     batch = with_logprob_data(batch)
     loss = LOSSES["grpo_kl"]
     engine = {
-        "dfs": lambda: DFSEngine(model, chunk_len=8),
+        "dfs": lambda: DFSEngine(model, chunk_len=8, prefix_levels=1),
         "prefix_reuse": lambda: PrefixReuseEngine(model, microbatch=4, offload_on_cpu=True),
     }[kind]()
     assert engine.cfg.logits_chunk == 5

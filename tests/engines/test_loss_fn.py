@@ -92,8 +92,8 @@ def _engine(kind: str):
     model, _ = _model()
     if kind == "dense":
         return DenseEngine(model, microbatch=4)
-    if kind == "dfs":
-        return DFSEngine(model, chunk_len=8)
+    if kind == "dfs":  # one prefix level: the fewest switch branches to compile
+        return DFSEngine(model, chunk_len=8, prefix_levels=1)
     if kind == "prefix_reuse":
         return PrefixReuseEngine(model, microbatch=4)
     if kind == "auto":  # delegates to (and shares the compiled programs of) the dfs engine;
