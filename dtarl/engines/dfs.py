@@ -205,7 +205,9 @@ class DFSEngine(base.BucketState):
         self._single_segment = not self.config.pack_leaves
         # Buckets only grow, so a smaller batch reuses the last program.
         # Loss slots are cheap (O(path) each); 8 covers most packed steps.
-        self._min = dict(steps=1, path=1, slots=8, seqs=1, flat=1, tree=1, wide=0, entries=1)
+        self._min = dict(
+            steps=1, path=1, slots=8, seqs=1, flat=1, tree=1, wide=0, entries=1, chunk=1
+        )
 
     # ------------------------------------------------------------ device side
 
@@ -475,8 +477,9 @@ class DFSEngine(base.BucketState):
         """Grows the shape buckets to ``capacity`` (e.g. before a run) so that batches
         within it never trigger a recompilation. Buckets only grow."""
         path = capacity.length
+        chunk = self._chunk(path)
         for key, value in (
-            ("steps", capacity.plan_steps(self.config.chunk_len)),
+            ("steps", capacity.plan_steps(chunk)),
             ("path", path),
             ("slots", capacity.group_size),
             ("seqs", capacity.sequences),
@@ -485,15 +488,25 @@ class DFSEngine(base.BucketState):
             ("entries", 2 * capacity.tree_tokens),  # each tree token popped, pushed <= once
         ):
             self._min[key] = max(self._min[key], bucket(value))
-        chunk, wide = self.config.chunk_len, self.config.wide_chunks
+        wide = self.config.wide_chunks
         if path > chunk and wide >= 2:  # leaves this long pop wide
             self._min["wide"] = max(self._min["wide"], min(wide, -(-path // chunk)))
         return self
 
+    def _chunk(self, longest: int) -> int:
+        """The plan's chunk: ``chunk_len``, or the power-of-two bucket of the longest
+        sequence seen (``reserve``'d or planned) when that is shorter, so that a batch
+        of short sequences does not pad every step to ``chunk_len`` tokens (each
+        padded position still runs the layers and the [tokens, vocab] head). A
+        monotone bucket, agreed across ranks like the others."""
+        chunk = min(self.config.chunk_len, bucket(longest, self._min["chunk"]))
+        self._min["chunk"] = max(self._min["chunk"], chunk)
+        return self._min["chunk"]
+
     def plan(self, tree: PrefixTree) -> SegmentPlan:
         plan = compile_plan(
             tree,
-            chunk_len=self.config.chunk_len,
+            chunk_len=self._chunk(tree.stats.longest_path),
             order=self.config.order,
             pack_leaves=not self._single_segment,
             rows=self.config.leaf_rows,

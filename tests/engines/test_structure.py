@@ -2,11 +2,13 @@
 
 import re
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from dtarl.engines import BatchError, DenseEngine, DFSEngine, RolloutBatch
+from dtarl.engines.config import Capacity
 from dtarl.losses import ClippedSurrogateLoss, MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model
 from dtarl.testing import grpo_groups
@@ -205,3 +207,30 @@ def test_dfs_default_program_one_backward_body(model_params):
     )
     assert (few_b, many_b) == ([1 + 2 * 2], [1 + 2 * 4])
     assert many_b_dots > few_b_dots > dots[3]
+
+
+def test_dfs_chunk_is_capped_at_the_longest_sequence_bucket(model_params):
+    """Short sequences do not pad every step to ``chunk_len``: the plan's chunk is the
+    power-of-two bucket of the longest sequence seen when that is shorter, and it only
+    grows (a shorter batch after a longer one keeps the compiled program)."""
+    model, params = model_params
+    loss = MaskedNLLLoss()
+    engine = DFSEngine(model, chunk_len=64, prefix_levels=1)
+    short = grpo_groups(num_groups=1, group_size=4, prompt_len=8, response_len=(2, 6), seed=0)
+    assert short.prefix_tree().stats.longest_path <= 16
+    assert engine.prepare(short, loss).static.chunk_len == 16
+    longer = grpo_groups(num_groups=1, group_size=4, prompt_len=20, response_len=(8, 10), seed=1)
+    assert engine.prepare(longer, loss).static.chunk_len == 32
+    assert engine.prepare(short, loss).static.chunk_len == 32  # monotone
+    long = grpo_groups(num_groups=1, group_size=2, prompt_len=90, response_len=(8, 10), seed=2)
+    assert engine.prepare(long, loss).static.chunk_len == 64  # never past chunk_len
+    # reserve() fixes it from the capacity's length, and the step bucket with it.
+    reserved = DFSEngine(model, chunk_len=64, prefix_levels=1)
+    reserved.reserve(Capacity(sequences=4, length=24, group_size=4))
+    assert reserved.prepare(short, loss).static.chunk_len == 32
+    # Exact with the capped chunk: the engine equals dense.
+    d_loss, d_grads, _ = DenseEngine(model).value_and_grad(params, short, loss)
+    t_loss, t_grads, _ = DFSEngine(model, chunk_len=64).value_and_grad(params, short, loss)
+    np.testing.assert_allclose(t_loss, d_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(t_grads), jax.tree.leaves(d_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
