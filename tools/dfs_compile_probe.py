@@ -1,0 +1,54 @@
+"""CPU seconds of ``jit.lower`` + ``compile`` of the dense and DFS programs alone.
+
+    python tools/dfs_compile_probe.py LAYERS [DFS_KWARGS_JSON ...]
+
+e.g. ``python tools/dfs_compile_probe.py 28 '{}' '{"chunk_len": 128, "leaf_rows": 2,
+"bucket_bodies": true}'``: the qwen3_0p6b preset at LAYERS layers (random weights),
+one GRPO group of 4 x (64 + 32) tokens (the group of ``dtarl bench scale
+--compile``), the GRPO loss; one line per program (dense first, then a DFSEngine per
+JSON object of ``DFSConfig`` fields, ``{}`` the default) with its compile CPU
+seconds, HLO size and the branch counts of its conditionals. Unlike ``bench scale
+--compile`` (first call minus a timed step) nothing but the compile is timed.
+"""
+
+import json
+import re
+import sys
+import time
+
+from flax import nnx
+
+from dtarl.engines import DenseEngine, DFSEngine
+from dtarl.losses import ClippedSurrogateLoss
+from dtarl.model import ModelConfig, init_model
+from dtarl.testing import grpo_groups
+
+
+def main(argv: list[str]) -> None:
+    if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
+        sys.exit(__doc__)
+    cfg = ModelConfig.preset("qwen3_0p6b").replace(num_layers=int(argv[0]))
+    model = init_model(cfg, seed=0)
+    params = nnx.split(model, nnx.Param)[1]
+    batch = grpo_groups(
+        num_groups=1, group_size=4, prompt_len=64, response_len=32, vocab_size=cfg.vocab_size
+    )
+    loss = ClippedSurrogateLoss.grpo()
+    programs = [("dense", lambda: DenseEngine(model))]
+    for spec in argv[1:]:
+        kwargs = json.loads(spec)
+        programs.append((spec, lambda kwargs=kwargs: DFSEngine(model, **kwargs)))
+    for name, make in programs:
+        engine = make()
+        prepared = engine.prepare(batch, loss)
+        c0 = time.process_time()
+        lowered = engine.jit.lower(loss, prepared.static, params, prepared.args)
+        lowered.compile()
+        cpu = time.process_time() - c0
+        hlo = lowered.as_text(dialect="hlo")
+        branches = [len(b.split(",")) for b in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
+        print(f"{name:<50} {cpu:6.1f} CPU s  HLO {len(hlo) / 1e6:.2f} MB  switches {branches}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
