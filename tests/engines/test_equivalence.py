@@ -80,6 +80,7 @@ REF_LEN = 64  # every test sequence is shorter
 
 
 @functools.cache
+@functools.cache  # one compiled reference per (model, loss, temperature), not per call
 def _reference_fn(model, loss, temperature=1.0):
     """jax.grad of one sequence's loss; the sequence is padded at the end to REF_LEN,
     which cannot change its logprobs (causal attention) and is masked out of the loss.
