@@ -7,17 +7,18 @@ e.g. ``python tools/dfs_compile_probe.py 28 '{}' '{"chunk_len": 128, "leaf_rows"
 one GRPO group of 4 x (64 + 32) tokens (the group of ``dtarl bench scale
 --compile``), the GRPO loss; one line per program (dense first, then a DFSEngine per
 JSON object of ``DFSConfig`` fields, ``{}`` the default) with its compile CPU
-seconds, HLO size and the branch counts of its conditionals. Unlike ``bench scale
---compile`` (first call minus a timed step) nothing but the compile is timed.
+seconds (``dtarl.bench.scale.program_compile_s``, as ``dtarl bench scale --compile``
+measures compile), HLO size and the branch counts of its conditionals; unlike the bench
+command it takes DFS config variants.
 """
 
 import json
 import re
 import sys
-import time
 
 from flax import nnx
 
+from dtarl.bench.scale import program_compile_s
 from dtarl.engines import DenseEngine, DFSEngine
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
@@ -40,12 +41,9 @@ def main(argv: list[str]) -> None:
         programs.append((spec, lambda kwargs=kwargs: DFSEngine(model, **kwargs)))
     for name, make in programs:
         engine = make()
+        _, cpu = program_compile_s(engine, params, batch, loss)
         prepared = engine.prepare(batch, loss)
-        c0 = time.process_time()
-        lowered = engine.jit.lower(loss, prepared.static, params, prepared.args)
-        lowered.compile()
-        cpu = time.process_time() - c0
-        hlo = lowered.as_text(dialect="hlo")
+        hlo = engine.jit.lower(loss, prepared.static, params, prepared.args).as_text(dialect="hlo")
         branches = [len(b.split(",")) for b in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
         print(f"{name:<50} {cpu:6.1f} CPU s  HLO {len(hlo) / 1e6:.2f} MB  switches {branches}")
 

@@ -4,10 +4,11 @@ For each depth in ``layers`` the preset (``model``, e.g. ``qwen3_0p6b``) is buil
 that many layers (random weights, the preset's dtypes) and, on one GRPO group of
 ``group`` sequences of ``prompt`` + ``response`` tokens:
 
-- every engine in ``engines`` runs ``value_and_grad`` once (compiling its program) and
-  then ``repeats`` more times; its *compile* seconds are the first call's minus the
-  median of the others (the *step*), so host planning and the step itself are not
-  counted as compile;
+- every engine in ``engines`` lowers and compiles its program for the group (its
+  *compile* seconds: that alone, ``program_compile_s``), then runs ``value_and_grad``
+  once untimed and ``repeats`` more times (the median: its *step*). Before commit
+  23fba97 compile was the first call's seconds minus the step's, which carried the
+  step's noise (about ±1.5 s at 28 layers);
 - the continuous rollout engine (``dtarl.rollout``; ``group`` slots, one prompt row of
   ``prompt`` tokens, ``response`` response rows) is built and ``warmup`` compiles its
   decode and prefill programs: the *rollout warm-up* seconds.
@@ -49,12 +50,23 @@ def _group(cfg: ModelConfig, group: int, prompt: int, response: int, seed: int):
     )
 
 
+def program_compile_s(engine, params, batch, loss) -> tuple[float, float]:
+    """Wall and CPU seconds of ``jit.lower`` + ``compile`` of ``engine``'s program for
+    ``batch`` alone (host planning and the step not counted). JAX keeps the executable,
+    so the engine's first call after it does not compile again."""
+    prepared = engine.prepare(batch, loss)
+    t0, c0 = time.perf_counter(), time.process_time()
+    engine.jit.lower(loss, prepared.static, params, prepared.args).compile()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
 def _engine_times(model, params, batch, loss, kind: str, repeats: int) -> dict:
     import jax
 
     from dtarl.engines import make_engine
 
     engine = make_engine(kind, model)
+    compile_s, compile_cpu_s = program_compile_s(engine, params, batch, loss)
 
     def call():
         t0, c0 = time.perf_counter(), time.process_time()
@@ -70,8 +82,8 @@ def _engine_times(model, params, batch, loss, kind: str, repeats: int) -> dict:
         first_s=first,
         step_s=step,
         step_cpu_s=step_cpu,
-        compile_s=max(first - step, 0.0),
-        compile_cpu_s=max(first_cpu - step_cpu, 0.0),
+        compile_s=compile_s,
+        compile_cpu_s=compile_cpu_s,
         loss=float(steps[-1][0][0]),
     )
 
