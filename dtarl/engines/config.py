@@ -108,6 +108,11 @@ class DFSConfig:
     # attending the whole path buffer, masked: slower steps (engines.md, "Program
     # bodies").
     bucket_bodies: bool | None = None
+    # A push keeps each layer's output of its chunk ([L, path, E]) so that the chunk's
+    # pop runs only the backward pass (``dtarl.model.reverse``); leaves, never pushed,
+    # run forward then backward in the same bodies. None: when ``model.remat`` is
+    # full (there a pop would otherwise run the forward twice before its backward).
+    keep_layer_outputs: bool | None = None
 
     def __post_init__(self):
         _enum(self, "order", DFSOrder)
@@ -117,6 +122,11 @@ class DFSConfig:
             raise ValueError(
                 f"{self.SECTION}.bucket_bodies={self.bucket_bodies!r}: accepted: null "
                 "(per-op bodies, bucketed attention), true, false"
+            )
+        if not (self.keep_layer_outputs is None or isinstance(self.keep_layer_outputs, bool)):
+            raise ValueError(
+                f"{self.SECTION}.keep_layer_outputs={self.keep_layer_outputs!r}: accepted: "
+                "null (when model.remat is full), true, false"
             )
 
 

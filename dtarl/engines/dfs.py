@@ -13,6 +13,8 @@ run; each step takes its own VJP, so the loop is not differentiated). It carries
     ent, dent   [S+C+1]            the same for the predictive entropy, when the
                                    loss asks for it (``loss.needs_entropy``)
     grads       params-shaped      parameter gradient accumulator (fp32)
+    hidden      [L, 1, S+C, E]     each layer's output on the path (activation
+                                   dtype), with ``keep_layer_outputs``
 
 PUSH runs a chunk forward against the stack and appends its K/V and logprobs.
 POP re-runs the chunk forward under ``jax.vjp`` w.r.t. (params, stack K/V),
@@ -21,6 +23,16 @@ injects d(loss)/d(logp) plus the dK/dV that the node's descendants accumulated,
 adds the parameter cotangent to ``grads`` and the prefix cotangent to the stack
 accumulator. Live memory is O(longest path); every tree token is run forward
 once (leaves) or twice (stacked nodes) and backward once.
+
+With ``keep_layer_outputs`` (default when ``model.remat`` is full) a PUSH also keeps
+its chunk's layer outputs in ``hidden``, and the POP of a pushed chunk (``saved`` in
+the plan) runs only the backward pass from them (``dtarl.model.reverse``): one
+layer recompute and its VJP per layer, where ``jax.vjp`` of the rematerialised
+forward runs the forward, then each layer again inside the backward. A stacked
+token then costs 1 + 3 passes, as under dense training with remat (1 + 1 + 2). The
+loop body is then a forward switch (PUSH, and the POP of a chunk never pushed,
+which writes the same buffers at its start, column by column) followed by a
+backward switch (POP), so the program holds one forward and one backward body.
 
 A POP may hold several short sibling leaves as separate segments (packed by the
 plan; the model's segment mask keeps them apart), and a POP_ROWS step pops up to
@@ -64,7 +76,17 @@ from dtarl.batch import RolloutBatch
 from dtarl.engines import base
 from dtarl.engines.config import Capacity, DFSConfig, configured
 from dtarl.engines.cost import token_flops, tree_partition_cost
+from dtarl.engines.dfs_steps import (
+    ENTRY_FILL,
+    PlanEntries,
+    PlanSteps,
+    Step,
+    expand_step,
+    sequence_logprobs,
+)
+from dtarl.model.config import Remat
 from dtarl.model.decoder import Decoder, KVCache, token_logprobs
+from dtarl.model.reverse import vjp_from_layer_outputs
 from dtarl.tree.plan import Op, SegmentPlan, bucket, compile_plan, fine_bucket
 from dtarl.tree.trie import PrefixTree
 
@@ -86,51 +108,6 @@ class DFSHost(NamedTuple):
     num_sequences: int
 
 
-class PlanSteps(NamedTuple):
-    """The plan as the program takes it: per step [T] (looped over) its op, stack
-    start, prefix bucket, loss slots [T, K], and where its entries are in the flat
-    ``entries`` (``PlanEntries``, not per step): ``first`` and ``count``."""
-
-    op: jax.Array
-    start: jax.Array
-    pbucket: jax.Array
-    slots: jax.Array
-    slot_seg: jax.Array
-    first: jax.Array
-    count: jax.Array
-    entries: PlanEntries | None
-
-
-class PlanEntries(NamedTuple):
-    """The plan's real entries, flat [N + E] in step order (``SegmentPlan.entries``,
-    padded with E entries so that a step's E-entry window never runs off): each
-    entry's column in its step (``col``) and its values. The program expands a step's
-    entries to its E columns (``expand_step``), so no host array is [T, E]."""
-
-    col: jax.Array
-    positions: jax.Array
-    inputs: jax.Array
-    targets: jax.Array
-    seg: jax.Array
-    tree_idx: jax.Array
-
-
-_FILL = dict(positions=0, inputs=0, targets=0, seg=-1, tree_idx=-1)
-
-
-class _Step(NamedTuple):
-    op: jax.Array
-    start: jax.Array
-    pbucket: jax.Array
-    positions: jax.Array
-    inputs: jax.Array
-    targets: jax.Array
-    seg: jax.Array
-    tree_idx: jax.Array
-    slots: jax.Array
-    slot_seg: jax.Array
-
-
 class _Carry(NamedTuple):
     stack_k: jax.Array
     stack_v: jax.Array
@@ -143,46 +120,7 @@ class _Carry(NamedTuple):
     grads: nnx.State
     tree_logp: jax.Array
     seq_loss: jax.Array
-
-
-def expand_step(p: PlanSteps, entries: PlanEntries, width: int) -> _Step:
-    """One step's record with its per-entry arrays in padded [E] form (E = ``width``):
-    the step's ``count`` entries from ``first`` scattered to their columns, padding
-    filled with 0 (-1 for ``seg`` and ``tree_idx``), as ``SegmentPlan.padded`` is."""
-    mine = jnp.arange(width) < p.count
-    window = lambda a: jax.lax.dynamic_slice_in_dim(a, p.first, width)
-    col = jnp.where(mine, window(entries.col), width)  # width: dropped
-
-    def put(name: str) -> jax.Array:
-        empty = jnp.full((width,), _FILL[name], jnp.int32)
-        return empty.at[col].set(window(getattr(entries, name)), mode="drop")
-
-    return _Step(
-        op=p.op,
-        start=p.start,
-        pbucket=p.pbucket,
-        slots=p.slots,
-        slot_seg=p.slot_seg,
-        **{name: put(name) for name in _FILL},
-    )
-
-
-def sequence_logprobs(tree: PrefixTree, tree_logp: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
-    """Per-sequence logprobs from the per-tree-token logprobs (host side)."""
-    out = []
-    cache: dict[int, np.ndarray] = {}
-    for i in range(n):
-        x = int(tree.seq_node[i])
-        if x not in cache:
-            parts = []
-            y = x
-            while y > 0:
-                o, ln = int(tree.offset[y]), int(tree.length[y])
-                parts.append(tree_logp[o : o + ln])
-                y = int(tree.parent[y])
-            cache[x] = np.concatenate(parts[::-1]).astype(np.float32)
-        out.append(cache[x].copy())
-    return tuple(out)
+    hidden: jax.Array  # [L, 1, S+C, E] layer outputs of the path (keep_layer_outputs)
 
 
 class DFSEngine(base.BucketState):
@@ -211,24 +149,40 @@ class DFSEngine(base.BucketState):
 
     # ------------------------------------------------------------ device side
 
+    @property
+    def keeps_layer_outputs(self) -> bool:
+        """Whether pops run from the layer outputs their push kept (``DFSConfig``)."""
+        keep = self.config.keep_layer_outputs
+        return self.cfg.remat is Remat.FULL if keep is None else keep
+
     def _chunk_forward(
-        self, params, stack_k, stack_v, st: _Step, rows: int = 1, ent=False, sizes=None
+        self, params, stack_k, stack_v, st: Step, rows: int = 1, ent=False, sizes=None, outs=False
     ):
         """Forward of a step's ``rows`` rows (flat [rows * C] entries) over the
         stack prefix (batch 1, shared by the rows); logprobs and entropies (zeros
-        unless ``ent``) flat [rows * C], and the rows' K/V."""
+        unless ``ent``) flat [rows * C], and the rows' K/V (and, with ``outs``, the
+        layer outputs [L, rows, C, E])."""
         model = nnx.merge(self.graphdef, params)
         shape = (rows, st.inputs.shape[0] // rows)
-        hidden, kv_new = model(
+        hidden, kv_new, *layer_outs = model(
             st.inputs.reshape(shape),
             st.positions.reshape(shape),
             KVCache(stack_k, stack_v),
             jnp.broadcast_to(st.start, (rows,)),
             return_hidden=True,
-            segment_ids_BxT=None if self._single_segment else st.seg.reshape(shape),
+            segment_ids_BxT=self._segments(st, shape),
             prefix_sizes=sizes,
+            layer_outputs=outs,
         )
-        logp, entropy = token_logprobs(
+        logp, entropy = self._head(st, shape, ent)(model, hidden)
+        return (logp.reshape(-1), entropy.reshape(-1), kv_new.k, kv_new.v, *layer_outs)
+
+    def _segments(self, st: Step, shape):
+        return None if self._single_segment else st.seg.reshape(shape)
+
+    def _head(self, st: Step, shape, ent: bool):
+        """(model, normed hidden) -> the step's logprobs and entropies [rows, C]."""
+        return lambda model, hidden: token_logprobs(
             model.lm_head_weight(),
             hidden,
             st.targets.reshape(shape),
@@ -237,7 +191,6 @@ class DFSEngine(base.BucketState):
             temperature=self.temperature,
             dtype=self.cfg.compute_dtype,
         )
-        return logp.reshape(-1), entropy.reshape(-1), kv_new.k, kv_new.v
 
     @property
     def trace_count(self) -> int:
@@ -267,6 +220,7 @@ class DFSEngine(base.BucketState):
         with_ent = bool(getattr(loss, "needs_entropy", False))
         buf = s + c
         cd = jnp.dtype(cfg.compute_dtype)
+        keep = self.keeps_layer_outputs
         kv_shape = (cfg.num_layers, 1, buf, cfg.num_kv_heads, cfg.head_dim)
         carry = _Carry(
             stack_k=jnp.zeros(kv_shape, cd),
@@ -280,29 +234,46 @@ class DFSEngine(base.BucketState):
             grads=base.zeros_like_f32(params),
             tree_logp=jnp.zeros(tree_size, jnp.float32),
             seq_loss=jnp.zeros(seq.off.shape[0], jnp.float32),
+            hidden=jnp.zeros(
+                (cfg.num_layers, 1, buf, cfg.hidden_size) if keep else (1,), cfg.act_dtype
+            ),
         )
         oob = buf + 1  # scatter index that mode="drop" discards
 
         def put(buf_, x, at, axis):
             return jax.lax.dynamic_update_slice_in_dim(buf_, x, at, axis=axis)
 
-        def noop(cr: _Carry, st: _Step) -> _Carry:
+        def noop(cr: _Carry, st: Step) -> _Carry:
             return cr
 
-        def first(st: _Step, n: int) -> _Step:
+        def first(st: Step, n: int) -> Step:
             """A step's first n entries (the rest are padding for wider ops)."""
             per_entry = ("positions", "inputs", "targets", "seg", "tree_idx")
             return st._replace(**{f: getattr(st, f)[:n] for f in per_entry})
 
         row0 = functools.partial(first, n=c)  # PUSH / POP: one chunk
 
-        def push(p: int, cr: _Carry, st: _Step) -> _Carry:
+        def push(p: int, cr: _Carry, st: Step) -> _Carry:
+            # Reads the first p stack rows; writes the chunk's K/V, logprobs (and layer
+            # outputs) at st.start, column by column: a PUSH is a single contiguous
+            # segment there. With ``keep`` this is also the forward of a POP that was
+            # not pushed, whose columns (packed leaves: several segments) its pop then
+            # reads back; nothing else reads the stack past a step's start.
             st = row0(st)
-            # A single contiguous segment at st.start; reads the first p stack rows.
             valid = st.seg >= 0
-            logp, ent, k, v = self._chunk_forward(
-                params, cr.stack_k[:, :, :p], cr.stack_v[:, :, :p], st, ent=with_ent, sizes=attn
+            logp, ent, k, v, *outs = self._chunk_forward(
+                params,
+                cr.stack_k[:, :, :p],
+                cr.stack_v[:, :, :p],
+                st,
+                ent=with_ent,
+                sizes=attn,
+                outs=keep,
             )
+            if keep:
+                cr = cr._replace(
+                    hidden=put(cr.hidden, outs[0].astype(cr.hidden.dtype), st.start, 2)
+                )
             cr = cr._replace(
                 stack_k=put(cr.stack_k, k.astype(cd), st.start, 2),
                 stack_v=put(cr.stack_v, v.astype(cd), st.start, 2),
@@ -312,7 +283,7 @@ class DFSEngine(base.BucketState):
                 cr = cr._replace(ent=put(cr.ent, jnp.where(valid, ent, 0.0), st.start + 1, 0))
             return cr
 
-        def visit(chunk, st: _Step, path):
+        def visit(chunk, st: Step, path):
             """Losses of the sequences visited here, and d loss / d chunk, d loss / d path.
 
             ``chunk`` and ``path`` are (logp, entropy) pairs (entropy None unless the
@@ -355,11 +326,16 @@ class DFSEngine(base.BucketState):
         def path_of(cr: _Carry):
             return (cr.logp, cr.ent if with_ent else None)
 
-        def pop(p: int, cr: _Carry, st: _Step) -> _Carry:
+        def pop(p: int, cr: _Carry, st: Step) -> _Carry:
             st = row0(st)
             valid = st.seg >= 0
-            fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, 1, with_ent, attn)
-            (logp, ent, _, _), vjp = jax.vjp(fwd, params, *prefix32(cr, p))
+            if keep:  # the push (or this step's forward) left logprobs and layer outputs
+                logp = jax.lax.dynamic_slice_in_dim(cr.logp, st.start + 1, c)
+                ent = jax.lax.dynamic_slice_in_dim(cr.ent, st.start + 1, c) if with_ent else logp
+                backward = functools.partial(pop_backward, p, cr, st)
+            else:
+                fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, 1, with_ent, attn)
+                (logp, ent, _, _), backward = jax.vjp(fwd, params, *prefix32(cr, p))
             logp = jnp.where(valid, logp, 0.0)
             ent = jnp.where(valid, ent, 0.0) if with_ent else None
             losses, (d_chunk, d_chunk_ent), (d_path, d_path_ent) = visit(
@@ -384,7 +360,7 @@ class DFSEngine(base.BucketState):
                 0.0,
             )
             g_k, g_v = take(cr.dstack_k), take(cr.dstack_v)
-            dparams, dk, dv = vjp((g_logp, g_ent, g_k, g_v))  # fp32 K/V cotangents
+            dparams, dk, dv = backward((g_logp, g_ent, g_k, g_v))  # fp32 K/V cotangents
             dstack_k = cr.dstack_k.at[:, :, :p].add(dk.astype(jnp.float32))
             dstack_v = cr.dstack_v.at[:, :, :p].add(dv.astype(jnp.float32))
             real = st.slots >= 0
@@ -402,7 +378,28 @@ class DFSEngine(base.BucketState):
                 ),
             )
 
-        def pop_rows(n_rows: int, width: int, p: int, cr: _Carry, st: _Step) -> _Carry:
+        def pop_backward(p: int, cr: _Carry, st: Step, cotangents):
+            """``pop``'s VJP from the layer outputs kept at ``st.start``: only the
+            backward pass (``dtarl.model.reverse``)."""
+            g_logp, g_ent, g_k, g_v = cotangents
+            shape = (1, c)
+            d_params, d_prefix = vjp_from_layer_outputs(
+                self.graphdef,
+                params,
+                st.inputs.reshape(shape),
+                st.positions.reshape(shape),
+                KVCache(*prefix32(cr, p)),
+                jnp.broadcast_to(st.start, (1,)),
+                jax.lax.dynamic_slice_in_dim(cr.hidden, st.start, c, axis=2),
+                self._head(st, shape, with_ent),
+                (g_logp.reshape(shape), g_ent.reshape(shape)),
+                KVCache(g_k, g_v),
+                segment_ids_BxT=self._segments(st, shape),
+                prefix_sizes=attn,
+            )
+            return d_params, d_prefix.k, d_prefix.v
+
+        def pop_rows(n_rows: int, width: int, p: int, cr: _Carry, st: Step) -> _Carry:
             # ``n_rows`` rows of ``width`` entries (POP_ROWS: R rows of C; POP_WIDE: R
             # rows of W*C). Only leaves: no descendant cotangents wait in dstack/dlogp
             # past ``start``, and nothing stacked reads these rows' K/V.
@@ -437,25 +434,40 @@ class DFSEngine(base.BucketState):
         bucketed = self.config.bucket_bodies is True
         bodies = sizes if bucketed else sizes[-1:]
         attn = sizes if self.config.bucket_bodies is None else None
-        ops = {Op.PUSH: push, Op.POP: pop}
+        is_op = lambda op: lambda st: st.op == op
+        leaves = []
         if rows > 1:
-            ops[Op.POP_ROWS] = functools.partial(pop_rows, rows, c)
+            leaves.append((is_op(Op.POP_ROWS), functools.partial(pop_rows, rows, c)))
         if wide > 1:
-            ops[Op.POP_WIDE] = functools.partial(pop_rows, rows, wide * c)
-        branches, base_index = [noop], {}
-        for op, fn in ops.items():
-            base_index[op] = len(branches)
-            branches += [functools.partial(fn, p) for p in bodies]
+            leaves.append((is_op(Op.POP_WIDE), functools.partial(pop_rows, rows, wide * c)))
+        if keep:  # a forward (PUSH, or a POP not pushed), then a backward (POP)
+            unpushed = lambda st: (st.op == Op.PUSH) | ((st.op == Op.POP) & ~st.saved)
+            stages = [[(unpushed, push)], [(is_op(Op.POP), pop)]] + ([leaves] if leaves else [])
+        else:  # one switch: PUSH, POP (forward and backward), leaf pops
+            stages = [[(is_op(Op.PUSH), push), (is_op(Op.POP), pop)] + leaves]
+
+        def stage(cases):
+            """A switch over ``cases`` ((step -> bool, body) pairs): noop when none
+            holds; with per-bucket bodies one branch per (case, prefix bucket)."""
+            branches, first = [noop], []
+            for _, fn in cases:
+                first.append(len(branches))
+                branches += [functools.partial(fn, p) for p in bodies]
+
+            def run(cr, st):
+                offset = st.pbucket if bucketed else 0
+                index = jnp.select([when(st) for when, _ in cases], [i + offset for i in first], 0)
+                return jax.lax.switch(index, branches, cr, st)
+
+            return run
+
+        stages = [stage(cases) for cases in stages]
 
         def body(cr, plan_step: PlanSteps):
             st = expand_step(plan_step, entries, rows * max(wide, 1) * c)
-            offset = st.pbucket if bucketed else 0
-            index = jnp.select(
-                [st.op == op for op in base_index],
-                [v + offset for v in base_index.values()],
-                0,
-            )
-            return jax.lax.switch(index, branches, cr, st)
+            for run in stages:
+                cr = run(cr, st)
+            return cr
 
         # Only the real steps run: the plan is padded at its end to the step bucket
         # (reserved for the largest batch, e.g. 128 steps where 8 are real), and a NOOP
@@ -575,6 +587,7 @@ class DFSEngine(base.BucketState):
         ptr = plan.entry_ptr
         steps = PlanSteps(
             op=plan.op,
+            saved=plan.saved,
             start=plan.start,
             pbucket=plan.pbucket,
             slots=plan.slots,
@@ -591,14 +604,15 @@ class DFSEngine(base.BucketState):
 
         entries = PlanEntries(
             col=flat(plan.entry_col, 0),
-            **{k: flat(plan.entries[k], _FILL[k]) for k in _FILL},
+            **{k: flat(plan.entries[k], ENTRY_FILL[k]) for k in ENTRY_FILL},
         )
         return steps._replace(entries=entries)
 
     def features(self, prepared: base.Prepared) -> base.WorkFeatures:
         """Each step's entries: PUSH and POP run one chunk of C, POP_ROWS ``rows``
         chunks, POP_WIDE ``rows`` rows of ``wide`` chunks; a push is a forward, a pop
-        a recomputed forward and a backward. Every entry attends its prefix bucket
+        a recomputed forward and a backward (with kept layer outputs, a pop never
+        pushed runs its forward too). Every entry attends its prefix bucket
         (``bucket_bodies`` None or True; False: the whole path buffer, masked) and its whole row
         (C, or C * wide for a wide row). NOOP padding steps are not counted: the
         program's loop stops at the plan's last real step (``_run_plan``)."""
@@ -610,7 +624,9 @@ class DFSEngine(base.BucketState):
         width = np.where(op == Op.NOOP, 0.0, 1.0)
         width = np.where(op == Op.POP_ROWS, float(st.rows), width)
         width = np.where(op == Op.POP_WIDE, float(st.rows * st.wide), width)
-        passes = np.where(op == Op.PUSH, 1.0, 3.0) * width
+        # With kept outputs a POP never pushed runs its forward first (4 passes).
+        unpushed = (op == Op.POP) & ~np.asarray(steps.saved) & self.keeps_layer_outputs
+        passes = np.where(op == Op.PUSH, 1.0, np.where(unpushed, 4.0, 3.0)) * width
         masked = self.config.bucket_bodies is False
         prefix = sizes[-1] if masked else sizes[np.asarray(steps.pbucket)]
         ctx = prefix + np.where(op == Op.POP_WIDE, c * st.wide, c)

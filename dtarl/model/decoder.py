@@ -574,11 +574,14 @@ class Decoder(nnx.Module):
         remat: bool | Remat | None = None,
         segment_ids_BxT=None,
         prefix_sizes: tuple[int, ...] | None = None,
+        layer_outputs: bool = False,
     ):
         """``remat``: True = ``Remat.FULL`` (the dense_remat engine), a ``Remat``, or
         None / False = ``cfg.remat``. ``prefix_sizes``: the xla attention reads only the
         smallest of these many ``kv_prefix`` rows that holds every row's
-        ``prefix_len`` (``attend_xla``)."""
+        ``prefix_len`` (``attend_xla``). ``layer_outputs``: also return every layer's
+        output [L, B, T, E] (before the final norm; what ``dtarl.model.reverse`` runs
+        the backward pass from)."""
         cfg = self.cfg
         cd = jnp.dtype(cfg.compute_dtype)
         tokens_BxT = jnp.asarray(tokens_BxT)
@@ -616,16 +619,15 @@ class Decoder(nnx.Module):
                 inv_freq,
                 prefix_sizes,
             )
-            return x, (k, v)
+            return x, (k, v, x) if layer_outputs else (k, v)
 
         policy = Remat.FULL if remat is True else None
-        x, (k_new, v_new) = self.scan_layers(body, x, (kv_prefix.k, kv_prefix.v), remat=policy)
+        x, ys = self.scan_layers(body, x, (kv_prefix.k, kv_prefix.v), remat=policy)
         x = self.norm(x)
-        kv_new = KVCache(k_new, v_new)
-        if return_hidden:
-            return x, kv_new
-        logits = cast_einsum("bte,ev->btv", x, self.lm_head_weight(), wide=True, dtype=cd)
-        return logits, kv_new
+        kv_new = KVCache(ys[0], ys[1])
+        if not return_hidden:
+            x = cast_einsum("bte,ev->btv", x, self.lm_head_weight(), wide=True, dtype=cd)
+        return (x, kv_new, ys[2]) if layer_outputs else (x, kv_new)
 
 
 def token_logprobs(

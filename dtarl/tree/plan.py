@@ -130,8 +130,9 @@ class SegmentPlan:
 
     Per step t (padded to a step bucket with NOOP) and entry i < E = R*max(W, 1)*C
     (row i // C of a POP_ROWS step, row i // (W*C) of a POP_WIDE step):
-      op [T]; start [T]: stack prefix length the step reads (= path position of
-      its first input); pbucket [T]: index into ``prefix_sizes``;
+      op [T]; saved [T]: a POP whose entries all were pushed (on the stack: the
+      engine may run only their backward); start [T]: stack prefix length the
+      step reads (= path position of its first input); pbucket [T]: index into ``prefix_sizes``;
       positions [T, E], inputs [T, E], targets [T, E]; seg [T, E]: segment
       of the entry (unique within the step), -1 for padding; tree_idx [T, E]:
       where the target's logprob goes in the tree's flat token data, -1 for padding;
@@ -149,6 +150,7 @@ class SegmentPlan:
     """
 
     op: np.ndarray
+    saved: np.ndarray
     start: np.ndarray
     pbucket: np.ndarray
     entries: dict[str, np.ndarray]
@@ -189,7 +191,7 @@ class SegmentPlan:
     @property
     def host_nbytes(self) -> int:
         """Host bytes of the plan as stored (compact entries, per-step and slot arrays)."""
-        arrays = [self.op, self.start, self.pbucket, self.entry_col, self.entry_ptr]
+        arrays = [self.op, self.saved, self.start, self.pbucket, self.entry_col, self.entry_ptr]
         arrays += [self.slots, self.slot_seg, *self.entries.values()]
         return int(sum(a.nbytes for a in arrays))
 
@@ -233,6 +235,9 @@ class _Step:
     # (node, first input position, last input position + 1, row, segment id)
     segs: list[tuple[int, int, int, int, int]]
     slots: list[tuple[int, int]]  # (sequence, segment)
+    # A POP whose every entry an earlier PUSH of this path computed (its K/V, logprobs
+    # and layer outputs are on the stack): no leaf's cut tail, no packed leaves.
+    pushed: bool = False
 
 
 def _run_range(st: _Step) -> tuple[int, int, int] | None:
@@ -268,7 +273,8 @@ def _merge_runs(steps: list[_Step], c: int) -> list[_Step]:
                 a = (a[0], b[1], a[2])
                 continue
             if st.op is Op.POP and b[1] == a[0] and a[1] - b[0] <= c:
-                out[-1] = _Step(Op.POP, b[0], st.segs + prev.segs, prev.slots + st.slots)
+                both = prev.pushed and st.pushed
+                out[-1] = _Step(Op.POP, b[0], st.segs + prev.segs, prev.slots + st.slots, both)
                 a = (b[0], a[1], a[2])
                 continue
         out.append(st)
@@ -446,6 +452,7 @@ def compile_plan(
                         s,
                         [(x, s, e, 0, 0)],
                         [(q, 0) for q in tree.ends_at[x]] if last else [],
+                        pushed=bool(children[x]) or not last,
                     )
                 )
             continue
@@ -517,6 +524,8 @@ def _assemble(
     start = np.zeros(t_pad, np.int32)
     op[:n_steps] = [int(st.op) for st in steps]
     start[:n_steps] = [st.start for st in steps]
+    saved = np.zeros(t_pad, bool)
+    saved[:n_steps] = [st.op is Op.POP and st.pushed for st in steps]
     pbucket = np.zeros(t_pad, np.int32)
     pbucket[:n_steps] = np.searchsorted(np.asarray(sizes), start[:n_steps])
     most_slots = max((len(st.slots) for st in steps), default=1)
@@ -573,6 +582,7 @@ def _assemble(
         packed += len({row for *_, row, _ in segs}) < len({j for *_, j in segs})
     return SegmentPlan(
         op=op,
+        saved=saved,
         start=start,
         pbucket=pbucket,
         entries=entries,
