@@ -323,6 +323,9 @@ class DFSEngine(base.BucketState):
                 jnp.float32
             )
 
+        def accumulate(grads, dparams):
+            return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, dparams)
+
         def path_of(cr: _Carry):
             return (cr.logp, cr.ent if with_ent else None)
 
@@ -335,7 +338,12 @@ class DFSEngine(base.BucketState):
                 backward = functools.partial(pop_backward, p, cr, st)
             else:
                 fwd = lambda prm, sk, sv: self._chunk_forward(prm, sk, sv, st, 1, with_ent, attn)
-                (logp, ent, _, _), backward = jax.vjp(fwd, params, *prefix32(cr, p))
+                (logp, ent, _, _), vjp = jax.vjp(fwd, params, *prefix32(cr, p))
+
+                def backward(cotangents):
+                    dparams, dk, dv = vjp(cotangents)
+                    return accumulate(cr.grads, dparams), dk, dv
+
             logp = jnp.where(valid, logp, 0.0)
             ent = jnp.where(valid, ent, 0.0) if with_ent else None
             losses, (d_chunk, d_chunk_ent), (d_path, d_path_ent) = visit(
@@ -360,7 +368,7 @@ class DFSEngine(base.BucketState):
                 0.0,
             )
             g_k, g_v = take(cr.dstack_k), take(cr.dstack_v)
-            dparams, dk, dv = backward((g_logp, g_ent, g_k, g_v))  # fp32 K/V cotangents
+            grads, dk, dv = backward((g_logp, g_ent, g_k, g_v))  # fp32 K/V cotangents
             dstack_k = cr.dstack_k.at[:, :, :p].add(dk.astype(jnp.float32))
             dstack_v = cr.dstack_v.at[:, :, :p].add(dv.astype(jnp.float32))
             real = st.slots >= 0
@@ -371,7 +379,7 @@ class DFSEngine(base.BucketState):
                 dstack_v=dstack_v.at[:, :, kpos].set(0.0, mode="drop"),
                 dlogp=dlogp.at[tpos].set(0.0, mode="drop"),
                 dent=dent,
-                grads=jax.tree.map(lambda a, g: a + g.astype(jnp.float32), cr.grads, dparams),
+                grads=grads,
                 tree_logp=cr.tree_logp.at[tidx].set(logp, mode="drop"),
                 seq_loss=cr.seq_loss.at[jnp.where(real, st.slots, 0)].add(
                     jnp.where(real, losses, 0.0)
@@ -380,10 +388,11 @@ class DFSEngine(base.BucketState):
 
         def pop_backward(p: int, cr: _Carry, st: Step, cotangents):
             """``pop``'s VJP from the layer outputs kept at ``st.start``: only the
-            backward pass (``dtarl.model.reverse``)."""
+            backward pass (``dtarl.model.reverse``), its parameter cotangent added
+            to the carried gradients where it arises."""
             g_logp, g_ent, g_k, g_v = cotangents
             shape = (1, c)
-            d_params, d_prefix = vjp_from_layer_outputs(
+            grads, d_prefix = vjp_from_layer_outputs(
                 self.graphdef,
                 params,
                 st.inputs.reshape(shape),
@@ -394,10 +403,11 @@ class DFSEngine(base.BucketState):
                 self._head(st, shape, with_ent),
                 (g_logp.reshape(shape), g_ent.reshape(shape)),
                 KVCache(g_k, g_v),
+                cr.grads,
                 segment_ids_BxT=self._segments(st, shape),
                 prefix_sizes=attn,
             )
-            return d_params, d_prefix.k, d_prefix.v
+            return grads, d_prefix.k, d_prefix.v
 
         def pop_rows(n_rows: int, width: int, p: int, cr: _Carry, st: Step) -> _Carry:
             # ``n_rows`` rows of ``width`` entries (POP_ROWS: R rows of C; POP_WIDE: R
@@ -421,7 +431,7 @@ class DFSEngine(base.BucketState):
                 dstack_v=cr.dstack_v.at[:, :, :p].add(dv.astype(jnp.float32)),
                 dlogp=cr.dlogp.at[:s].add(d_path),
                 dent=cr.dent.at[:s].add(d_path_ent) if with_ent else cr.dent,
-                grads=jax.tree.map(lambda a, g: a + g.astype(jnp.float32), cr.grads, dparams),
+                grads=accumulate(cr.grads, dparams),
                 tree_logp=cr.tree_logp.at[tidx].set(logp, mode="drop"),
                 seq_loss=cr.seq_loss.at[jnp.where(real, st.slots, 0)].add(
                     jnp.where(real, losses, 0.0)

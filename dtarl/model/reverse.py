@@ -46,42 +46,50 @@ def vjp_from_layer_outputs(
     head: Callable[[Decoder, jax.Array], object],
     d_head,
     d_kv: KVCache,
+    grads: nnx.State,
     *,
     segment_ids_BxT=None,
     prefix_sizes: tuple[int, ...] | None = None,
 ) -> tuple[nnx.State, KVCache]:
-    """The cotangents w.r.t. (params, ``kv_prefix``) of a chunk's outputs, given the
+    """Adds to ``grads`` the cotangent w.r.t. params of a chunk's outputs, given the
     cotangent ``d_head`` of ``head(model, normed_hidden)`` and ``d_kv`` of the chunk's
-    own K/V ([L, B, T, K, D], in the dtype the forward returned them in).
+    own K/V ([L, B, T, K, D], in the dtype the forward returned them in); returns
+    (``grads``, d ``kv_prefix``).
 
     ``outs_LxBxTxE`` are the layer outputs of the same forward
-    (``model(tokens, positions, kv_prefix, prefix_len, layer_outputs=True, ...)``);
-    the result equals ``jax.vjp`` of that whole forward (and ``head``) at the same
-    point, up to the order of fp32 sums. Returns (d params, params-shaped, in the
-    params' dtypes; d kv_prefix).
+    (``model(tokens, positions, kv_prefix, prefix_len, layer_outputs=True, ...)``).
+    ``grads`` is a params-shaped fp32 accumulator; what is added equals ``jax.vjp`` of
+    that whole forward (and ``head``) at the same point, up to the order of fp32
+    sums. It is added where it arises: each layer's into its slice of the stacked
+    layer gradients (the reverse scan carries them), the embedding's scattered into
+    the rows of the chunk's tokens, so no params-sized cotangent is formed besides
+    the head's own weight product.
     """
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
     inv_freq = rope_inv_freq(cfg)
+    layers = params["layers"]
+    rest = nnx.State({k: v for k, v in params.items() if k != "layers"})
+    grads = jax.tree.map(lambda a: a, grads)  # a new tree: the caller's stays as it is
+    add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)  # noqa: E731
 
-    def head_of(p, h):
-        m = nnx.merge(graphdef, p)
+    def head_of(rest, h):
+        m = nnx.merge(graphdef, nnx.State({**rest, "layers": layers}))
         return head(m, m.norm(h))
 
-    _, head_vjp = jax.vjp(head_of, params, outs_LxBxTxE[-1])
-    d_params_head, d_top = head_vjp(d_head)
+    _, head_vjp = jax.vjp(head_of, rest, outs_LxBxTxE[-1])
+    d_rest, d_top = head_vjp(d_head)
+    for name in d_rest:
+        grads[name] = add(grads[name], d_rest[name])
 
-    def embed_of(p):
-        table = nnx.merge(graphdef, p).embed_tokens[...]
-        return cast_embed(table, tokens_BxT, cfg.compute_dtype, cfg.act_dtype)
-
-    x0, embed_vjp = jax.vjp(embed_of, params)
+    x0 = cast_embed(model.embed_tokens[...], tokens_BxT, cfg.compute_dtype, cfg.act_dtype)
     layer_graphdef, layer_state = nnx.split(model.layers)
     hook = current_layer_hook()
     inputs = jnp.concatenate([x0[None], outs_LxBxTxE[:-1]], axis=0)
 
-    def step(d_out, sliced):
-        state, x, k_prefix, v_prefix, d_k, d_v = sliced
+    def step(carry, sliced):
+        d_out, acc = carry
+        i, state, x, k_prefix, v_prefix, d_k, d_v = sliced
 
         def layer_of(s, x, k_prefix, v_prefix):
             layer = nnx.merge(layer_graphdef, hook(s) if hook is not None else s)
@@ -98,12 +106,16 @@ def vjp_from_layer_outputs(
 
         _, layer_vjp = jax.vjp(layer_of, state, x, k_prefix, v_prefix)
         d_state, d_x, d_kp, d_vp = layer_vjp((d_out.astype(x.dtype), d_k, d_v))
-        return d_x, (d_state, d_kp, d_vp)
+        acc = jax.tree.map(lambda a, g: a.at[i].add(g.astype(a.dtype)), acc, d_state)
+        return (d_x, acc), (d_kp, d_vp)
 
-    xs = (layer_state, inputs, kv_prefix.k, kv_prefix.v, d_kv.k, d_kv.v)
-    d_x0, (d_layers, d_kp, d_vp) = jax.lax.scan(step, d_top, xs, reverse=True)
-    (d_params_embed,) = embed_vjp(d_x0)
-    d_params = jax.tree.map(jnp.add, d_params_head, d_params_embed)
-    # Every leaf but the layers' got its cotangent above (the layers' are zeros there).
-    d_params["layers"] = jax.tree.map(jnp.add, d_params["layers"], d_layers)
-    return d_params, KVCache(d_kp, d_vp)
+    index = jnp.arange(cfg.num_layers)
+    xs = (index, layer_state, inputs, kv_prefix.k, kv_prefix.v, d_kv.k, d_kv.v)
+    (d_x0, grads["layers"]), (d_kp, d_vp) = jax.lax.scan(
+        step, (d_top, grads["layers"]), xs, reverse=True
+    )
+    # The embedding's cotangent (``cast_embed``'s transpose), added in place.
+    grads["embed_tokens"] = jax.tree.map(
+        lambda a: a.at[tokens_BxT].add(d_x0.astype(a.dtype)), grads["embed_tokens"]
+    )
+    return grads, KVCache(d_kp, d_vp)

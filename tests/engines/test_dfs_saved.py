@@ -102,9 +102,11 @@ def test_vjp_from_layer_outputs_equals_vjp_of_the_forward():
     m = nnx.merge(graphdef, params)
     *_, outs = m(tokens, positions, prefix, plen, return_hidden=True, layer_outputs=True)
     assert outs.shape == (3, 1, t, cfg.hidden_size)
+    start = jax.tree.map(lambda x: jnp.full(x.shape, 0.5, jnp.float32), params)
     got_params, got_prefix = vjp_from_layer_outputs(
-        graphdef, params, tokens, positions, prefix, plen, outs, head, d_head, d_kv
+        graphdef, params, tokens, positions, prefix, plen, outs, head, d_head, d_kv, start
     )
+    got_params = jax.tree.map(lambda g: g - 0.5, got_params)  # added to the accumulator
     for got, want in zip(
         jax.tree.leaves(got_params) + [got_prefix.k, got_prefix.v],
         jax.tree.leaves(want_params) + [want_k, want_v],
