@@ -113,10 +113,15 @@ class DFSConfig:
     # run forward then backward in the same bodies. None: when ``model.remat`` is
     # full (there a pop would otherwise run the forward twice before its backward).
     keep_layer_outputs: bool | None = None
+    # With ``model.logits_chunk`` > 0 the head builds its [tokens, vocab] logits
+    # logits_chunk * logits_rows tokens at a time (dense builds logits_chunk positions
+    # of each of its microbatch's 8 rows): a step's single row in blocks of
+    # logits_chunk tokens would stream the whole head weight per block.
+    logits_rows: int = 8
 
     def __post_init__(self):
         _enum(self, "order", DFSOrder)
-        _at_least(self, 1, "chunk_len", "leaf_rows", "prefix_levels")
+        _at_least(self, 1, "chunk_len", "leaf_rows", "prefix_levels", "logits_rows")
         _at_least(self, 0, "wide_chunks", "wide_slack")
         if not (self.bucket_bodies is None or isinstance(self.bucket_bodies, bool)):
             raise ValueError(

@@ -181,12 +181,14 @@ class DFSEngine(base.BucketState):
         return None if self._single_segment else st.seg.reshape(shape)
 
     def _head(self, st: Step, shape, ent: bool):
-        """(model, normed hidden) -> the step's logprobs and entropies [rows, C]."""
+        """(model, normed hidden) -> the step's logprobs and entropies [rows, C]; the
+        logits built ``logits_chunk * logits_rows`` tokens at a time (``DFSConfig``)."""
+        block = self.cfg.logits_chunk * self.config.logits_rows
         return lambda model, hidden: token_logprobs(
             model.lm_head_weight(),
             hidden,
             st.targets.reshape(shape),
-            chunk=self.cfg.logits_chunk,
+            chunk=max(block // shape[0], 1) if block else 0,
             entropy=ent,
             temperature=self.temperature,
             dtype=self.cfg.compute_dtype,
