@@ -275,3 +275,18 @@ def test_bf16_within_the_stated_bounds():
     got = engine.value_and_grad(params, batch, bf16.LOSS)
     bounds = (bf16.logprob_bound(), bf16.grad_bounds())
     bf16._assert_within("dfs kept", got, want, *bounds, "C u kappa_T")
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_logits_blocks_of_logits_rows_chunks(keep):
+    """``logits_chunk`` 3 and ``logits_rows`` 2: the head builds 6 of a step's 8
+    positions at a time (the last block padded), under the push, the kept-output pop
+    and the ``jax.vjp`` pop alike."""
+    cfg = ModelConfig.tiny(remat=Remat.FULL, logits_chunk=3)
+    model = init_model(cfg, seed=1)
+    params = nnx.split(model, nnx.Param)[1]
+    batch = grpo_groups(num_groups=2, group_size=3, prompt_len=11, response_len=(1, 13), seed=3)
+    engine = DFSEngine(model, chunk_len=8, prefix_levels=1, logits_rows=2, keep_layer_outputs=keep)
+    check_engine(engine, params, with_logprob_data(batch), LOSSES["grpo_kl"], model=model)
+    with pytest.raises(ValueError, match="engine.dfs.logits_rows=0"):
+        DFSEngine(model, logits_rows=0)
