@@ -25,14 +25,6 @@ run, and XLA then crashed in a compile (a segfault in ``test_bench_darts``). So 
 a test file, when the worker holds more than ``_MAPS_LIMIT`` maps, its compiled
 programs are dropped (``jax.clear_caches``); a later test that needs one compiles it
 again, from the persistent cache.
-
-Order. pytest-xdist's ``--dist loadfile`` hands each worker one test file at a time,
-by default the files with the most tests first; the slowest files have few tests
-(multi-process runs, notebooks, DFS compiles), so they came last and one worker was
-left running them alone at the end. The suite's command therefore passes
-``--no-loadscope-reorder``, and the collection puts the files of ``SLOW_FIRST`` (the
-slowest, slowest first) ahead of the others (their own order unchanged): the long
-files start at once, and the many short ones fill both workers up to the end.
 """
 
 import gc
@@ -81,34 +73,7 @@ def pytest_configure(config):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-# The slowest test files, slowest first (a file's seconds in one worker of a 2-worker
-# run; a file missing here only starts later than it could).
-SLOW_FIRST = (
-    "tests/engines/test_equivalence.py",
-    "tests/engines/test_loss_fn.py",
-    "tests/engines/test_prefix_reuse.py",
-    "tests/engines/test_bf16.py",
-    "tests/engines/test_entropy_loss.py",
-    "tests/bench/test_bench_darts.py",
-    "tests/rl/test_trainer_mesh.py",
-    "tests/engines/test_structure.py",
-    "tests/parallel/test_fsdp.py",
-    "tests/notebooks/test_notebooks_run.py",
-    "tests/parallel/test_parallel_launch.py",
-    "tests/model/test_decoder.py",
-    "tests/rl/test_rl_trainer.py",
-    "tests/parallel/test_parallel_sharded.py",
-    "tests/engines/test_auto_run.py",
-    "tests/pallas_kernels/test_chunk_attention.py",
-    "tests/engines/test_no_stalls.py",
-    "tests/test_cli.py",
-    "tests/rollout/test_pat.py",
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu:
         return

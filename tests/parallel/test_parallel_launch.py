@@ -96,23 +96,20 @@ from dtarl.parallel.sharded import ShardedEngine, to_host
 exec(open(sys.argv[2]).read())
 assert jax.process_count() == 2 and jax.device_count() == 4, (
     jax.process_count(), jax.device_count())
-for kind in sys.argv[3].split(","):  # one launch runs every kind, one after the other
-    engine, params, batch = problem(kind)
-    if kind == "auto":  # the processes' own estimates disagree: process 0's pick rules
-        engine.cost_model = favouring("dense" if jax.process_index() == 0 else "dfs")
-    # dp spans the processes, tp within one; groups stay whole (one per process).
-    sharded = ShardedEngine(engine, make_mesh(2, 2), keep_groups=kind != "dfs")
-    total, grads, aux = sharded.value_and_grad(params, batch, LOSS)
-    total, grads = to_host((total, grads))  # one gather for both
-    # Each process prepared only its own dp rank (dp spans the processes).
-    assert len(aux.stats["rank_stats"]) == 1, aux.stats["local_ranks"]
-    out = dict(
-        flat(grads), __loss__=np.asarray(total), __local__=np.asarray(aux.stats["local_ranks"])
-    )
-    out.update({f"__logp{i}__": lp for i, lp in enumerate(aux.logprobs)})
-    out["__chosen__"] = np.asarray(aux.stats["rank_stats"][0].get("chosen_engine", ""))
-    np.savez(os.path.join(sys.argv[1], f"{kind}_rank{jax.process_index()}.npz"), **out)
-    print("rank", jax.process_index(), kind, "loss", float(out["__loss__"]))
+engine, params, batch = problem(sys.argv[3])
+if sys.argv[3] == "auto":  # the processes' own estimates disagree: process 0's pick rules
+    engine.cost_model = favouring("dense" if jax.process_index() == 0 else "dfs")
+# dp spans the processes, tp within one; groups stay whole (one per process).
+sharded = ShardedEngine(engine, make_mesh(2, 2), keep_groups=sys.argv[3] != "dfs")
+total, grads, aux = sharded.value_and_grad(params, batch, LOSS)
+total, grads = to_host((total, grads))  # one gather for both
+# Each process prepared only its own dp rank (dp spans the processes).
+assert len(aux.stats["rank_stats"]) == 1, aux.stats["local_ranks"]
+out = dict(flat(grads), __loss__=np.asarray(total), __local__=np.asarray(aux.stats["local_ranks"]))
+out.update({f"__logp{i}__": lp for i, lp in enumerate(aux.logprobs)})
+out["__chosen__"] = np.asarray(aux.stats["rank_stats"][0].get("chosen_engine", ""))
+np.savez(os.path.join(sys.argv[1], f"rank{jax.process_index()}.npz"), **out)
+print("rank", jax.process_index(), "loss", float(out["__loss__"]))
 """
 
 DIES = """
@@ -224,39 +221,24 @@ def _env():
 
 # The plain dfs case runs end to end in tests/rl/test_trainer_mesh.py (a 2-process
 # ``dtarl train`` equals the 1-process run), so only the harder agreements run here.
-TWO_PROCESS_KINDS = ("prefix_reuse_deep", "auto")
-
-
-@pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory):
-    """One 2-process launch that runs every kind of ``TWO_PROCESS_KINDS`` in turn (the
-    processes start and join the distributed runtime once, not once per kind):
-    (launch result, its stdout + stderr, the directory of the ranks' results)."""
-    tmp = tmp_path_factory.mktemp("two_processes")
-    (tmp / "problem.py").write_text(PROBLEM)
-    (tmp / "worker.py").write_text(WORKER)
-    out, err = io.StringIO(), io.StringIO()
-    res = launch_lib.launch(
-        [str(tmp / "worker.py"), str(tmp), str(tmp / "problem.py"), ",".join(TWO_PROCESS_KINDS)],
-        2,
-        devices_per_proc=2,
-        init_timeout=60,
-        timeout=300,
-        stdout=out,
-        stderr=err,
-    )
-    return res, out.getvalue() + err.getvalue(), tmp
-
-
-@pytest.mark.parametrize("kind", TWO_PROCESS_KINDS)
-def test_two_processes_equal_one(two_process_run, kind):
+@pytest.mark.parametrize("kind", ["prefix_reuse_deep", "auto"])
+def test_two_processes_equal_one(tmp_path, capsys, kind):
     """prefix_reuse_deep: the process with the deep group grows the inner DFS
     engine's buckets, and the other must agree on them for one program. auto: the
     two processes' cost models favour different engines (dense on process 0, dfs
     on 1); both must run process 0's pick, and match it run on one process."""
-    res, out, tmp_path = two_process_run
-    assert res.returncode == 0, out[-6000:]
-    assert f"[rank 0] rank 0 {kind} loss" in out and f"[rank 1] rank 1 {kind} loss" in out
+    (tmp_path / "problem.py").write_text(PROBLEM)
+    (tmp_path / "worker.py").write_text(WORKER)
+    res = launch_lib.launch(
+        [str(tmp_path / "worker.py"), str(tmp_path), str(tmp_path / "problem.py"), kind],
+        2,
+        devices_per_proc=2,
+        init_timeout=60,
+        timeout=240,
+    )
+    out = capsys.readouterr()
+    assert res.returncode == 0, out.out[-3000:] + out.err[-3000:]
+    assert "[rank 0] rank 0 loss" in out.out and "[rank 1] rank 1 loss" in out.out
 
     ns: dict = {}
     exec(PROBLEM, ns)
@@ -269,7 +251,7 @@ def test_two_processes_equal_one(two_process_run, kind):
     ref = ns["flat"](jax.tree.map(np.asarray, grads))
     local = []
     for rank in (0, 1):
-        got = dict(np.load(tmp_path / f"{kind}_rank{rank}.npz"))
+        got = dict(np.load(tmp_path / f"rank{rank}.npz"))
         local += got.pop("__local__").tolist()
         assert str(got.pop("__chosen__")) == ("dense" if kind == "auto" else ""), rank
         np.testing.assert_allclose(got.pop("__loss__"), float(total), rtol=1e-6)
