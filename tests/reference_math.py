@@ -202,11 +202,19 @@ def reference(cfg, params, batch, loss, temperature: float = 1.0, length: int = 
         masks.append(float(np.sum(batch.loss_mask[i])))
         grads.append(g)
         logps.append(np.asarray(lp)[:n])
-    s_N, m_N = jnp.stack(sums), jnp.asarray(masks, jnp.float32)
-    agg = functools.partial(aggregate, loss.norm, loss.norm_constant)
-    total, dl_ds = jax.value_and_grad(agg)(s_N, m_N)
+    s_N = np.asarray([np.float32(s) for s in sums], np.float32)
+    m_N = np.asarray(masks, np.float32)
+    total, dl_ds = _aggregate_fn(loss.norm, loss.norm_constant)(s_N, m_N)
+    dl_ds = np.asarray(dl_ds)  # host scalars: no device op per sequence to index them
     grad = jax.tree.map(lambda *gs: sum(c * x for c, x in zip(dl_ds, gs, strict=True)), *grads)
     return total, grad, logps
+
+
+@functools.cache
+def _aggregate_fn(norm: LossNorm, constant):
+    """(L, dL/dS) of ``aggregate`` as one program per batch size N (op by op, each of
+    its operations would compile on its own for every new N)."""
+    return jax.jit(jax.value_and_grad(functools.partial(aggregate, norm, constant)))
 
 
 def check(cfg, params, batch, loss, got_loss, got_grads, got_logprobs, *, name, temperature=1.0):
