@@ -166,15 +166,6 @@ def test_entropy_loss_and_temperature():
     entropy_tests.check(engine, batch, entropy_tests.LOSSES["grpo"], temperature=0.7)
 
 
-def test_without_remat_too():
-    """``keep_layer_outputs: true`` on a model without remat (not the default there:
-    it saves nothing, but must stay exact)."""
-    model, params = _model(Remat.NONE)
-    batch = grpo_groups(num_groups=2, group_size=3, prompt_len=11, response_len=(1, 9), seed=2)
-    engine = DFSEngine(model, chunk_len=8, keep_layer_outputs=True)
-    check_engine(engine, params, batch, MaskedNLLLoss(), model=model)
-
-
 def test_plan_marks_the_pops_of_pushed_chunks():
     """``saved``: the POPs whose every entry an earlier PUSH computed. A 20-token
     prompt in chunks of 8 pushes 3 chunks; so does the 12-token response but for its
@@ -281,8 +272,10 @@ def test_bf16_within_the_stated_bounds():
 def test_logits_blocks_of_logits_rows_chunks(keep):
     """``logits_chunk`` 3 and ``logits_rows`` 2: the head builds 6 of a step's 8
     positions at a time (the last block padded), under the push, the kept-output pop
-    and the ``jax.vjp`` pop alike."""
-    cfg = ModelConfig.tiny(remat=Remat.FULL, logits_chunk=3)
+    and the ``jax.vjp`` pop alike. Kept outputs on a model without remat (not the
+    default there: it saves nothing, but stays exact); the ``jax.vjp`` pop under
+    full remat (``keep_layer_outputs: false``)."""
+    cfg = ModelConfig.tiny(remat=Remat.NONE if keep else Remat.FULL, logits_chunk=3)
     model = init_model(cfg, seed=1)
     params = nnx.split(model, nnx.Param)[1]
     batch = grpo_groups(num_groups=2, group_size=3, prompt_len=11, response_len=(1, 13), seed=3)
