@@ -461,14 +461,14 @@ class DFSEngine(base.BucketState):
         def stage(cases):
             """A switch over ``cases`` ((step -> bool, body) pairs): noop when none
             holds; with per-bucket bodies one branch per (case, prefix bucket)."""
-            branches, first = [noop], []
+            branches, starts = [noop], []
             for _, fn in cases:
-                first.append(len(branches))
+                starts.append(len(branches))
                 branches += [functools.partial(fn, p) for p in bodies]
 
             def run(cr, st):
                 offset = st.pbucket if bucketed else 0
-                index = jnp.select([when(st) for when, _ in cases], [i + offset for i in first], 0)
+                index = jnp.select([when(st) for when, _ in cases], [i + offset for i in starts], 0)
                 return jax.lax.switch(index, branches, cr, st)
 
             return run
