@@ -16,6 +16,7 @@ import test_entropy_loss as entropy_tests
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from test_equivalence import LOSSES, check_engine, tree_batches, with_logprob_data
+from test_structure import _switches
 
 from dtarl.engines import Capacity, DFSEngine, RolloutBatch
 from dtarl.engines.dfs import Op
@@ -191,23 +192,6 @@ def test_plan_marks_the_pops_of_pushed_chunks():
     assert plan.seg[pops[0]].max() == 1  # the packed step holds two leaves
 
 
-def _program(engine, params, batch, loss):
-    """Branch counts of the lowered program's conditionals, and its MLP weight
-    products (dots with the tiny model's F = 128)."""
-    import re
-
-    prepared = engine.prepare(batch, loss)
-    lowered = engine.jit.lower(loss, prepared.static, params, prepared.args)
-    hlo = lowered.as_text(dialect="hlo")
-    counts = sorted(len(b.split(",")) for b in re.findall(r"branch_computations=\{([^}]*)\}", hlo))
-    dots = [
-        line
-        for line in lowered.as_text().splitlines()
-        if "stablehlo.dot_general" in line and re.search(r"[<x]128x", line)
-    ]
-    return counts, len(dots)
-
-
 def test_pop_runs_only_the_backward():
     """Under full remat a pop from kept outputs holds one layer recompute and its
     backward (3 + 6 MLP products) besides the push's forward (3): 12, against more
@@ -216,13 +200,13 @@ def test_pop_runs_only_the_backward():
     model, params = _model()
     batch = grpo_groups(num_groups=1, group_size=4, prompt_len=20, response_len=(2, 6), seed=0)
     loss = MaskedNLLLoss()
-    kept = _program(DFSEngine(model, chunk_len=8, prefix_levels=1), params, batch, loss)
-    vjp = _program(
+    kept = _switches(DFSEngine(model, chunk_len=8, prefix_levels=1), params, batch, loss)[1:]
+    vjp = _switches(
         DFSEngine(model, chunk_len=8, prefix_levels=1, keep_layer_outputs=False),
         params,
         batch,
         loss,
-    )
+    )[1:]
     assert kept[1] == 12 < vjp[1]
     # Loop switches: forward and backward (2 branches each) against one of 3 (noop,
     # push, pop); every other conditional is an attention's prefix-bucket switch.
