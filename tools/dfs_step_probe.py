@@ -23,11 +23,11 @@ import time
 import jax
 from flax import nnx
 
-from dtarl.bench.scale import _group
 from dtarl.engines import DFSEngine, make_engine
 from dtarl.losses import ClippedSurrogateLoss
 from dtarl.model import ModelConfig, init_model
 from dtarl.model.config import Remat
+from dtarl.testing import grpo_groups
 
 
 def main(argv: list[str]) -> None:
@@ -48,7 +48,9 @@ def main(argv: list[str]) -> None:
     )
     model = init_model(cfg, seed=0)
     params = nnx.split(model, nnx.Param)[1]
-    batch = _group(cfg, 8, 512, 64, 0)
+    batch = grpo_groups(
+        num_groups=1, group_size=8, prompt_len=512, response_len=64, vocab_size=cfg.vocab_size
+    )
     loss = ClippedSurrogateLoss.grpo()
     engines = {"dense": make_engine("dense", model)} if dense else {}
     for spec in argv[1:]:

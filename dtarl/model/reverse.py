@@ -67,6 +67,12 @@ def vjp_from_layer_outputs(
     """
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
+    want = (cfg.num_layers, *tokens_BxT.shape, cfg.hidden_size)
+    if tokens_BxT.ndim != 2 or tuple(outs_LxBxTxE.shape) != want:
+        raise ValueError(
+            f"outs_LxBxTxE {tuple(outs_LxBxTxE.shape)} must be the layer outputs [L, B, T, E] "
+            f"= {want} of tokens_BxT {tuple(tokens_BxT.shape)}"
+        )
     inv_freq = rope_inv_freq(cfg)
     layers = params["layers"]
     rest = nnx.State({k: v for k, v in params.items() if k != "layers"})

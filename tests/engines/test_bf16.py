@@ -93,7 +93,7 @@ import numpy as np
 from flax import nnx
 from test_equivalence import LOSSES, REF_LEN, _model, _reference_fn
 
-from dtarl.engines import AutoEngine, RolloutBatch, make_engine
+from dtarl.engines import AutoEngine, DFSEngine, RolloutBatch, make_engine
 from dtarl.engines.prefix_reuse import deep_sequences
 from dtarl.model import ModelFamily, init_model
 from dtarl.model.decoder import (
@@ -666,3 +666,16 @@ def test_adamw_trajectories_track_dense_f32act():
     8.5e-3 of the distance travelled, against 9.4e-2 and 9.2e-2 in the default
     policy: 11x to 50x closer."""
     _adamw_tracking(_f32act_engine, _batch())
+
+
+def test_dfs_kept_layer_outputs_within_the_bf16_bounds():
+    """bf16 compute: dfs from kept outputs against dense-bf16 within this module's
+    bounds (logprobs ``logprob_bound``, every gradient tensor ``C u kappa_T``), as
+    the other engines."""
+    m16, _, params = _models()
+    batch = _batch()
+    want = _engine("dense").value_and_grad(params, batch, LOSS)
+    engine = DFSEngine(m16, keep_layer_outputs=True, **ENGINES["dfs"])
+    got = engine.value_and_grad(params, batch, LOSS)
+    bounds = (logprob_bound(), grad_bounds())
+    _assert_within("dfs kept", got, want, *bounds, "C u kappa_T")

@@ -12,15 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import test_entropy_loss as entropy_tests
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from test_equivalence import LOSSES, check_engine, tree_batches, with_logprob_data
-from test_structure import _switches
 
 from dtarl.engines import Capacity, DFSEngine, RolloutBatch
 from dtarl.engines.dfs import Op
-from dtarl.losses import MaskedNLLLoss
 from dtarl.model import ModelConfig, ModelFamily, init_model
 from dtarl.model.config import Remat
 from dtarl.model.decoder import KVCache, token_logprobs
@@ -116,6 +113,10 @@ def test_vjp_from_layer_outputs_equals_vjp_of_the_forward():
         assert scale > 0
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale)
     assert float(jnp.abs(got_prefix.k[:, :, 4:]).max()) == 0.0  # the masked row
+    with pytest.raises(ValueError, match=r"outs_LxBxTxE \(2, 1, 6, 64\) must be"):
+        vjp_from_layer_outputs(
+            graphdef, params, tokens, positions, prefix, plen, outs[:2], head, d_head, d_kv, start
+        )
 
 
 @settings(
@@ -157,16 +158,6 @@ def test_rows_wide_pops_and_bucket_bodies(bucket_bodies):
     assert aux.stats["row_steps"] >= 1 and aux.stats["wide_steps"] >= 1
 
 
-def test_entropy_loss_and_temperature():
-    """A loss that reads the entropy: the push keeps it on the path, the pop's head
-    VJP gives its cotangent; sampling temperature 0.7 on the head (the entropy
-    tests' own reference, whose model has no remat: the kept outputs are the same)."""
-    model, _ = entropy_tests._model()
-    engine = DFSEngine(model, chunk_len=8, keep_layer_outputs=True, temperature=0.7)
-    batch = entropy_tests.tree_batch()  # internal nodes that end sequences, a duplicate
-    entropy_tests.check(engine, batch, entropy_tests.LOSSES["grpo"], temperature=0.7)
-
-
 def test_plan_marks_the_pops_of_pushed_chunks():
     """``saved``: the POPs whose every entry an earlier PUSH computed. A 20-token
     prompt in chunks of 8 pushes 3 chunks; so does the 12-token response but for its
@@ -192,27 +183,6 @@ def test_plan_marks_the_pops_of_pushed_chunks():
     assert plan.seg[pops[0]].max() == 1  # the packed step holds two leaves
 
 
-def test_pop_runs_only_the_backward():
-    """Under full remat a pop from kept outputs holds one layer recompute and its
-    backward (3 + 6 MLP products) besides the push's forward (3): 12, against more
-    when the pop runs the forward under ``jax.vjp`` and the remat recomputes it
-    inside the backward. The loop is a forward switch, then a backward one."""
-    model, params = _model()
-    batch = grpo_groups(num_groups=1, group_size=4, prompt_len=20, response_len=(2, 6), seed=0)
-    loss = MaskedNLLLoss()
-    kept = _switches(DFSEngine(model, chunk_len=8, prefix_levels=1), params, batch, loss)[1:]
-    vjp = _switches(
-        DFSEngine(model, chunk_len=8, prefix_levels=1, keep_layer_outputs=False),
-        params,
-        batch,
-        loss,
-    )[1:]
-    assert kept[1] == 12 < vjp[1]
-    # Loop switches: forward and backward (2 branches each) against one of 3 (noop,
-    # push, pop); every other conditional is an attention's prefix-bucket switch.
-    assert 3 not in kept[0] and vjp[0].count(3) == 1
-
-
 def test_sharded_dp_fsdp_tp_matches_dense():
     """On a dp=2 x fsdp=2 x tp=2 mesh (``ShardedEngine``: ranks run their own plans,
     parameters split over fsdp and tp): loss and every gradient tensor equal the
@@ -235,21 +205,6 @@ def test_sharded_dp_fsdp_tp_matches_dense():
         a, b = np.asarray(a), np.asarray(b)
         assert np.abs(a).max() > 0
         assert np.abs(b - a).max() <= 1e-5 * np.abs(a).max(), a.shape
-
-
-def test_bf16_within_the_stated_bounds():
-    """bf16 compute: dfs from kept outputs against dense-bf16 within ``test_bf16``'s
-    bounds (logprobs ``logprob_bound``, every gradient tensor ``C u kappa_T``), as
-    the other engines."""
-    import test_bf16 as bf16
-
-    m16, _, params = bf16._models()
-    batch = bf16._batch()
-    want = bf16._engine("dense").value_and_grad(params, batch, bf16.LOSS)
-    engine = DFSEngine(m16, keep_layer_outputs=True, **bf16.ENGINES["dfs"])
-    got = engine.value_and_grad(params, batch, bf16.LOSS)
-    bounds = (bf16.logprob_bound(), bf16.grad_bounds())
-    bf16._assert_within("dfs kept", got, want, *bounds, "C u kappa_T")
 
 
 @pytest.mark.parametrize("keep", [True, False])

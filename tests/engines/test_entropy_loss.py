@@ -304,3 +304,14 @@ def test_entropy_at_a_sampling_temperature(kind):
     _, at_t, _ = reference(tree_batch(), LOSSES["grpo"], t)
     _, at_one, _ = reference(tree_batch(), LOSSES["grpo"])
     assert max(rel_errors(at_t, at_one)) > 100 * RTOL
+
+
+def test_dfs_kept_layer_outputs_entropy_and_temperature():
+    """A loss that reads the entropy: the push keeps it on the path, the pop's head
+    VJP gives its cotangent; sampling temperature 0.7 on the head (the entropy
+    tests' reference; the model has no remat, so ``keep_layer_outputs`` is set, and the
+    kept outputs are the same as under remat)."""
+    model, _ = _model()
+    engine = DFSEngine(model, chunk_len=8, keep_layer_outputs=True, temperature=0.7)
+    batch = tree_batch()  # internal nodes that end sequences, a duplicate
+    check(engine, batch, LOSSES["grpo"], temperature=0.7)

@@ -11,6 +11,7 @@ from dtarl.engines import BatchError, DenseEngine, DFSEngine, RolloutBatch
 from dtarl.engines.config import Capacity
 from dtarl.losses import ClippedSurrogateLoss, MaskedNLLLoss
 from dtarl.model import ModelConfig, init_model
+from dtarl.model.config import Remat
 from dtarl.testing import grpo_groups
 
 
@@ -234,3 +235,25 @@ def test_dfs_chunk_is_capped_at_the_longest_sequence_bucket(model_params):
     np.testing.assert_allclose(t_loss, d_loss, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(t_grads), jax.tree.leaves(d_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_dfs_pop_from_kept_outputs_runs_only_the_backward():
+    """Under full remat a pop from kept outputs holds one layer recompute and its
+    backward (3 + 6 MLP products) besides the push's forward (3): 12, against more
+    when the pop runs the forward under ``jax.vjp`` and the remat recomputes it
+    inside the backward. The loop is a forward switch, then a backward one."""
+    model = init_model(ModelConfig.tiny(remat=Remat.FULL), seed=1)
+    params = nnx.split(model, nnx.Param)[1]
+    batch = grpo_groups(num_groups=1, group_size=4, prompt_len=20, response_len=(2, 6), seed=0)
+    loss = MaskedNLLLoss()
+    kept = _switches(DFSEngine(model, chunk_len=8, prefix_levels=1), params, batch, loss)[1:]
+    vjp = _switches(
+        DFSEngine(model, chunk_len=8, prefix_levels=1, keep_layer_outputs=False),
+        params,
+        batch,
+        loss,
+    )[1:]
+    assert kept[1] == 12 < vjp[1]
+    # Loop switches: forward and backward (2 branches each) against one of 3 (noop,
+    # push, pop); every other conditional is an attention's prefix-bucket switch.
+    assert 3 not in kept[0] and vjp[0].count(3) == 1
